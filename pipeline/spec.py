@@ -1,0 +1,116 @@
+"""Internal records of the rollout engine: what to run, and what the loop hands out.
+
+These are plain frozen dataclasses (no HTTP, no Arrow). control/ converts its wire
+models into a `RolloutSpec`; the loop reports a `ScheduleSnapshot` once and one
+`StepCapture` per streamed absolute step; control/ turns those into Arrow batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+SamplerType = Literal["sde", "cps", "ode"]
+LogProbKind = Literal["density", "no_const"]
+LatentDType = Literal["native", "float32", "float16", "bfloat16"]
+
+
+class RolloutInputError(ValueError):
+    """A request the engine refuses before running it.
+
+    `field` is the request path of the offending value ("sampler.sde_steps",
+    "num_inference_steps", "height", ...), `reason` says why in plain words.
+    """
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class RolloutCancelled(Exception):
+    """Raised by the loop between steps when `should_stop()` answered True."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplerSpec:
+    type: SamplerType = "sde"
+    """Step kernel: Flow-GRPO "sde", "cps" (coefficients-preserving), or deterministic "ode"."""
+    noise_level: float = 0.7
+    """The kernel's `a`: scales the SDE standard deviation; 0 makes sde/cps deterministic in value."""
+    sde_steps: tuple[int, ...] | None = None
+    """Absolute transition indices (0..T-1) that are stochastic; None = all of them."""
+    log_prob: LogProbKind = "density"
+    """"density": full Gaussian log-density; "no_const": only the -(x' - mean)^2 / (2 std^2) term."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutSpec:
+    model: str
+    """Registry id of the model to run."""
+    prompts: tuple[str, ...]
+    negative_prompt: str | None = None
+    num_outputs_per_prompt: int = 1
+    num_inference_steps: int = 4
+    guidance_scale: float | None = None
+    """None = the model's default."""
+    height: int | None = None
+    width: int | None = None
+    num_frames: int | None = None
+    """Video models only."""
+    seed: int | None = None
+    """Per-sample seeds are derived from it deterministically (see `derive_seeds`)."""
+    seeds: tuple[int, ...] | None = None
+    """Exactly one per sample; wins over `seed`."""
+    sampler: SamplerSpec = field(default_factory=SamplerSpec)
+    return_steps: tuple[int, ...] | None = None
+    """Absolute latent indices 0..T to capture, ascending, unique; None = all T+1."""
+    return_log_probs: bool = True
+    latent_dtype: LatentDType = "native"
+    capture: bool = True
+    """False: run the loop and capture nothing (pays nothing for capture)."""
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.prompts) * self.num_outputs_per_prompt
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleSnapshot:
+    """The schedule that ran, reported once before the first StepCapture."""
+
+    sigmas: torch.Tensor
+    """float32 [T+1], cloned from scheduler.sigmas right after the last set_timesteps; last entry 0."""
+    timesteps: torch.Tensor
+    """float32 [T], cloned the same way."""
+    set_timesteps_kwargs: Mapping[str, Any]
+    """The keyword arguments set_timesteps was called with (JSON-able: lists, floats, ints)."""
+    scheduler_class: str
+    scheduler_config: Mapping[str, Any]
+    sde_steps: tuple[int, ...]
+    """Absolute indices of the stochastic transitions, ascending."""
+    steps: tuple[int, ...]
+    """Absolute latent indices that will be captured, ascending."""
+    seeds: tuple[int, ...]
+    """One per sample, prompt-major."""
+    num_outputs_per_prompt: int
+    latent_shape: tuple[int, ...]
+    """Per-sample latent shape, as the model consumes it."""
+    latent_dtype: torch.dtype
+    """dtype of the captured latents (the loop's own unless a lossy conversion was requested)."""
+    native_dtype: torch.dtype
+    """dtype the loop consumed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepCapture:
+    """One absolute step i, all samples: x_i and log p(x_{i+1} | x_i)."""
+
+    step: int
+    latent: torch.Tensor
+    """[B, *latent_shape] on CPU, contiguous: x_i exactly as the loop consumed it (or converted)."""
+    log_prob: torch.Tensor | None
+    """float32 [B]; None at i = T, on deterministic transitions, or when not requested."""
