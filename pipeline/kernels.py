@@ -1,0 +1,120 @@
+"""Step kernels of the Flow-GRPO family and their Gaussian log-probs.
+
+Notation (one transition i, x_i -> x_{i+1}; all math in float32):
+
+    sigma  = sigmas[i]          (code: `sigma`)
+    sigma' = sigmas[i + 1]      (code: `sigma_next`)
+    dt     = sigma' - sigma     (negative while denoising)
+    v      = CFG-combined velocity the model predicted at (x_i, t_i)   (code: `velocity`)
+    a      = SamplerSpec.noise_level                                   (code: `a`)
+
+"sde" -- Flow-GRPO (Liu et al. 2025, "Flow-GRPO: Training Flow Matching Models via
+Online RL", arXiv:2505.05470: the reverse-time SDE of the rectified flow discretised with Euler-Maruyama):
+
+    s       = sigmas[1] if sigma == 1 else sigma
+    std_t   = sqrt(s / (1 - s)) * a
+    mean    = x * (1 + std_t^2 / (2 sigma) * dt) + v * (1 + std_t^2 (1 - sigma) / (2 sigma)) * dt
+    std     = std_t * sqrt(-dt)
+    x'      = mean + std * eps,   eps ~ N(0, I)
+
+"cps" -- coefficients-preserving sampling (Wang & Yu 2025, "Coefficients-Preserving
+Sampling for Reinforcement Learning with Flow Matching", arXiv:2509.05952): predicted x0 = x - sigma v,
+predicted noise = x + (1 - sigma) v, and
+
+    std     = sigma' * sin(a * pi / 2)
+    mean    = (x - sigma v) (1 - sigma') + (x + (1 - sigma) v) * sqrt(sigma'^2 - std^2)
+    x'      = mean + std * eps
+
+"ode" -- the deterministic Euler step of diffusers' FlowMatchEulerDiscreteScheduler,
+x' = x + dt * v (computed by the stock scheduler itself, cast to the model dtype); no log-prob.
+Deterministic transitions of "sde"/"cps" (those not in `sde_steps`) take the same Euler step
+(it is the a = 0 limit of both kernels).
+
+Log-prob of x' under N(mean, std^2 I), averaged (not summed) over the non-batch elements:
+
+    "density":  -(x' - mean)^2 / (2 std^2) - log(std) - log(sqrt(2 pi))
+    "no_const": -(x' - mean)^2 / (2 std^2)
+
+`step_log_prob` is the one function that scores a transition; the rollout calls it on the
+stored x_i and x_{i+1}, so a trainer that calls it with the same tensors gets the same bits.
+With std == 0 (noise_level 0, or cps at sigma' = 0) the density is not defined: the result
+is NaN or -inf, as the formula gives.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pipeline.spec import SamplerSpec
+
+__all__ = ["kernel_mean_std", "step_log_prob", "gaussian_log_prob"]
+
+_LOG_SQRT_2PI = math.log(math.sqrt(2.0 * math.pi))
+
+
+def kernel_mean_std(
+    x: torch.Tensor,
+    velocity: torch.Tensor,
+    sigmas: torch.Tensor,
+    step_index: int,
+    *,
+    sampler: SamplerSpec,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean (float32, shape of x) and std (float32 0-d) of p(x_{i+1} | x_i) for "sde" / "cps"."""
+    sig = sigmas.to(dtype=torch.float32)  # [T+1]; a no-op for the float32 snapshot
+    i = int(step_index)
+    if not 0 <= i < sig.shape[0] - 1:
+        raise IndexError(f"step_index {i} outside 0..{sig.shape[0] - 2}")
+    x = x.to(torch.float32)  # [B, ...]
+    v = velocity.to(torch.float32)  # [B, ...]
+    sigma = sig[i].to(x.device)  # 0-d
+    sigma_next = sig[i + 1].to(x.device)  # 0-d
+    a = float(sampler.noise_level)
+    if sampler.type == "sde":
+        dt = sigma_next - sigma
+        s = sig[1].to(x.device) if bool(sigma == 1) else sigma
+        std_t = torch.sqrt(s / (1 - s)) * a
+        mean = x * (1 + std_t**2 / (2 * sigma) * dt) + v * (1 + std_t**2 * (1 - sigma) / (2 * sigma)) * dt
+        std = std_t * torch.sqrt(-dt)
+    elif sampler.type == "cps":
+        std = sigma_next * math.sin(a * math.pi / 2)
+        x0 = x - sigma * v
+        eps_hat = x + (1 - sigma) * v
+        mean = x0 * (1 - sigma_next) + eps_hat * torch.sqrt(sigma_next**2 - std**2)
+    else:
+        raise ValueError(f"kernel {sampler.type!r} has no Gaussian transition")
+    return mean, std
+
+
+def gaussian_log_prob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, kind: str) -> torch.Tensor:
+    """log N(x_next; mean, std^2), mean over non-batch elements -> float32 [B]."""
+    x_next = x_next.to(torch.float32)
+    lp = -((x_next - mean) ** 2) / (2 * std**2)
+    if kind == "density":
+        lp = lp - torch.log(std) - _LOG_SQRT_2PI
+    elif kind != "no_const":
+        raise ValueError(f"unknown log_prob kind {kind!r}")
+    return lp.mean(dim=tuple(range(1, lp.ndim)))
+
+
+def step_log_prob(
+    x_i: torch.Tensor,
+    x_next: torch.Tensor,
+    velocity: torch.Tensor,
+    sigmas: torch.Tensor,
+    step_index: int,
+    *,
+    sampler: SamplerSpec,
+) -> torch.Tensor:
+    """log p(x_{i+1} | x_i) of one transition: float32 [B].
+
+    x_i, x_next: [B, ...] latents as stored (any float dtype; upcast to float32 here).
+    velocity: [B, ...] CFG-combined model output at step i.
+    sigmas: the trajectory's [T+1] float32 snapshot (pass it as recorded; a sigma recomputed
+    from timesteps, or stored in bf16, gives other numbers).
+    step_index: absolute transition index i (0 <= i < T).
+    """
+    mean, std = kernel_mean_std(x_i, velocity, sigmas, step_index, sampler=sampler)
+    return gaussian_log_prob(x_next, mean, std, sampler.log_prob)
