@@ -1,0 +1,305 @@
+"""The REST control plane, built from data: routes, middleware, lifespan.
+
+The lifespan builds the `Service` (models, store, Flight, job queue) and hands it to the
+routes as lifespan state; every error leaves as the contract's JSON error body.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import secrets
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from control import metrics
+from control.jobs import IdempotencyConflict, Job, NotAccepting, QueueFull, iso
+from control.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from control.openapi import openapi_document
+from control.service import Service
+from control.settings import Settings
+from control.wire import (
+    ErrorInfo,
+    FlightTicket,
+    ModelInfo,
+    ModelList,
+    Progress,
+    ResultInfo,
+    RolloutList,
+    RolloutRequest,
+    RolloutStatus,
+    Ticket,
+    to_spec,
+)
+from pipeline.rollout import estimate_latent_bytes, validate_spec
+from pipeline.spec import RolloutInputError
+
+log = logging.getLogger("sigmaflight.http")
+
+STATES = ("queued", "running", "succeeded", "failed", "cancelled", "expired")
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, type_: str, message: str, details: Any = None, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.type, self.message, self.details, self.headers = status, type_, message, details, headers
+
+
+def error_response(
+    status: int, type_: str, message: str, details: Any = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"type": type_, "message": message, "details": details}}, status_code=status, headers=headers
+    )
+
+
+def invalid(loc: list[str | int], msg: str, type_: str = "value_error") -> ApiError:
+    return ApiError(422, "validation_error", f"{'.'.join(map(str, loc[1:])) or loc[0]}: {msg}", [
+        {"loc": loc, "msg": msg, "type": type_}
+    ])
+
+
+def _model(model: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(model.model_dump(mode="json", by_alias=True), status_code=status, headers=headers)
+
+
+def _service(request: Request) -> Service:
+    return request.state.service  # type: ignore[no-any-return]
+
+
+# ---- conversions --------------------------------------------------------------------------
+
+
+def flight_ticket(service: Service, job_id: str) -> FlightTicket:
+    return FlightTicket(
+        ticket=service.store.ticket_for(job_id),
+        locations=service.flight.locations,
+        descriptor_path=["rollouts", job_id],
+    )
+
+
+def status_of(service: Service, job: Job) -> RolloutStatus:
+    return RolloutStatus(
+        id=job.id,
+        status=job.status,  # type: ignore[arg-type]
+        model=job.model,
+        progress=Progress(steps_done=job.steps_done, steps_total=job.steps_total),
+        created_at=iso(job.created_at) or "",
+        started_at=iso(job.started_at),
+        finished_at=iso(job.finished_at),
+        error=ErrorInfo(type=job.error[0], message=job.error[1]) if job.error else None,
+        result=ResultInfo(**job.result) if job.result and job.status == "succeeded" else None,
+        flight=flight_ticket(service, job.id),
+    )
+
+
+# ---- routes -------------------------------------------------------------------------------
+
+
+async def create_rollout(request: Request) -> Response:
+    service = _service(request)
+    settings = service.settings
+    body = await request.body()
+    try:
+        req = RolloutRequest.model_validate_json(body or b"{}")
+    except ValidationError as exc:
+        details = [
+            {"loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]}
+            for e in exc.errors(include_url=False, include_context=False, include_input=False)
+        ]
+        first = details[0]
+        where = ".".join(map(str, first["loc"][1:])) or "body"
+        raise ApiError(422, "validation_error", f"{where}: {first['msg']}", details) from None
+    if len(req.prompts) > settings.max_prompts:
+        raise invalid(["body", "prompts"], f"{len(req.prompts)} prompts exceed the limit of {settings.max_prompts}")
+    if req.num_samples > settings.max_samples:
+        raise invalid(
+            ["body", "num_outputs_per_prompt"],
+            f"{req.num_samples} samples (prompts x num_outputs_per_prompt) exceed the limit of {settings.max_samples}",
+        )
+    if req.num_inference_steps is not None and req.num_inference_steps > settings.max_steps:
+        raise invalid(
+            ["body", "num_inference_steps"], f"{req.num_inference_steps} exceeds the limit of {settings.max_steps}"
+        )
+    model_id = req.model or settings.model
+    try:
+        model = await run_in_threadpool(service.registry.get, model_id)
+    except RolloutInputError as exc:
+        raise invalid(["body", "model"], exc.reason) from None
+    seed = secrets.randbits(63)
+    spec = to_spec(req, model_id=model_id, defaults=dict(model.defaults), seed=seed)
+    try:
+        validate_spec(model, spec)
+    except RolloutInputError as exc:
+        raise invalid(["body", *exc.field.split(".")], exc.reason) from None
+    estimate = estimate_latent_bytes(model, spec)
+    if estimate > settings.max_rollout_bytes:
+        raise ApiError(
+            413,
+            "rollout_too_large",
+            f"the trajectory would hold about {estimate} bytes of latents, over the limit of "
+            f"{settings.max_rollout_bytes}; request fewer samples, fewer return.steps or a smaller size",
+            {"estimated_bytes": estimate, "limit_bytes": settings.max_rollout_bytes},
+        )
+    canonical = req.model_dump(mode="json", by_alias=True)
+    digest = hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
+    key = request.headers.get("idempotency-key")
+    try:
+        job, _created = service.jobs.submit(spec, canonical, idempotency_key=key, body_digest=digest)
+    except QueueFull as exc:
+        raise ApiError(
+            429, "queue_full", f"the queue holds {exc.args[0]} rollouts already; retry later",
+            headers={"Retry-After": "1"},
+        ) from None
+    except IdempotencyConflict:
+        raise ApiError(
+            409, "idempotency_conflict", "Idempotency-Key was already used with a different request body"
+        ) from None
+    except NotAccepting:
+        raise ApiError(503, "shutting_down", "the server is shutting down") from None
+    status_url = str(request.url_for("get_rollout", rollout_id=job.id))
+    ticket = Ticket(id=job.id, status=job.status, status_url=status_url, flight=flight_ticket(service, job.id))  # type: ignore[arg-type]
+    return _model(ticket, 202, headers={"Location": status_url})
+
+
+async def get_rollout(request: Request) -> Response:
+    service = _service(request)
+    job = service.jobs.get(request.path_params["rollout_id"])
+    if job is None:
+        raise ApiError(404, "not_found", f"no rollout {request.path_params['rollout_id']!r}")
+    return _model(status_of(service, job))
+
+
+async def list_rollouts(request: Request) -> Response:
+    service = _service(request)
+    status = request.query_params.get("status")
+    if status is not None and status not in STATES:
+        raise invalid(["query", "status"], f"must be one of {', '.join(STATES)}", "enum")
+    raw_limit = request.query_params.get("limit", "100")
+    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 1000:
+        raise invalid(["query", "limit"], "must be an integer in 1..1000", "int_parsing")
+    jobs = service.jobs.list(status, int(raw_limit))
+    return _model(RolloutList(rollouts=[status_of(service, j) for j in jobs]))
+
+
+async def delete_rollout(request: Request) -> Response:
+    service = _service(request)
+    job = service.jobs.cancel(request.path_params["rollout_id"])
+    if job is None:
+        raise ApiError(404, "not_found", f"no rollout {request.path_params['rollout_id']!r}")
+    return _model(status_of(service, job))
+
+
+async def list_models(request: Request) -> Response:
+    service = _service(request)
+    infos = [
+        ModelInfo(**{**d, "default": d["id"] == service.settings.model}) for d in service.registry.describe()
+    ]
+    return _model(ModelList(models=infos))
+
+
+async def healthz(request: Request) -> Response:
+    return JSONResponse({"status": "ok", "checks": {}})
+
+
+async def readyz(request: Request) -> Response:
+    service = _service(request)
+    checks = {"models_loaded": service.ready, "flight_serving": service.ready and service.flight.port > 0}
+    ok = all(checks.values())
+    return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks}, status_code=200 if ok else 503)
+
+
+async def get_metrics(request: Request) -> Response:
+    service = _service(request)
+    text = metrics.render(service, request.app.state.http_counts)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def get_openapi(request: Request) -> Response:
+    return JSONResponse(request.app.state.openapi)
+
+
+ROUTES = [
+    Route("/v1/rollouts", create_rollout, methods=["POST"], name="create_rollout"),
+    Route("/v1/rollouts", list_rollouts, methods=["GET"], name="list_rollouts"),
+    Route("/v1/rollouts/{rollout_id}", get_rollout, methods=["GET"], name="get_rollout"),
+    Route("/v1/rollouts/{rollout_id}", delete_rollout, methods=["DELETE"], name="delete_rollout"),
+    Route("/v1/models", list_models, methods=["GET"], name="list_models"),
+    Route("/healthz", healthz, methods=["GET"], name="healthz"),
+    Route("/readyz", readyz, methods=["GET"], name="readyz"),
+    Route("/metrics", get_metrics, methods=["GET"], name="metrics"),
+    Route("/openapi.json", get_openapi, methods=["GET"], name="openapi"),
+]
+
+
+# ---- errors -------------------------------------------------------------------------------
+
+
+async def on_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    if exc.status >= 500 or exc.status in (409, 413, 429):
+        log.warning("request refused", extra={"status": exc.status, "type": exc.type, "reason": exc.message})
+    return error_response(exc.status, exc.type, exc.message, exc.details, exc.headers)
+
+
+async def on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kinds = {404: "not_found", 405: "method_not_allowed"}
+    message = exc.detail if isinstance(exc.detail, str) else "error"
+    if exc.status_code == 404:
+        message = f"no route {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"method {request.method} not allowed on {request.url.path}"
+    return error_response(exc.status_code, kinds.get(exc.status_code, "http_error"), message, None, exc.headers)
+
+
+async def on_unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error", extra={"path": request.url.path})
+    return error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+
+# ---- app ----------------------------------------------------------------------------------
+
+
+def create_app(settings: Settings, service: Service | None = None) -> Starlette:
+    """The ASGI app. `service` may be given (tests); otherwise the lifespan builds it from `settings`."""
+    http_counts: Counter[str] = Counter()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        svc = service or await run_in_threadpool(Service, settings)
+        await run_in_threadpool(svc.start)
+        app.state.service = svc
+        try:
+            yield {"service": svc}
+        finally:
+            await run_in_threadpool(svc.stop)
+
+    tokens = settings.tokens()
+    app = Starlette(
+        routes=ROUTES,
+        middleware=[
+            Middleware(RequestIdMiddleware, counts=http_counts),
+            Middleware(BearerAuthMiddleware, tokens=tokens),
+            Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes),
+        ],
+        exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected},
+        lifespan=lifespan,
+    )
+    app.state.http_counts = http_counts
+    app.state.openapi = openapi_document(auth=bool(tokens))
+    return app

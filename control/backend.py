@@ -1,0 +1,95 @@
+"""The local backend: runs rollouts in this process and keeps results in the result store.
+
+This is where the planes meet: the pipeline's records (ScheduleSnapshot, StepCapture)
+become the data plane's (TrajectoryHeader, StepBatch), batch by batch, as the loop runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from control.jobs import Job
+from dataplane.record import StepBatch, TrajectoryHeader
+from dataplane.store import ResultStore
+from pipeline.models import ModelRegistry
+from pipeline.rollout import rollout_metadata, run_rollout
+from pipeline.spec import ScheduleSnapshot, StepCapture
+
+
+def header_for(job_id: str, snapshot: ScheduleSnapshot, rollout: dict[str, Any], log_probs: bool) -> TrajectoryHeader:
+    return TrajectoryHeader(
+        rollout_id=job_id,
+        sigmas=snapshot.sigmas,
+        timesteps=snapshot.timesteps,
+        steps=snapshot.steps,
+        sde_steps=snapshot.sde_steps,
+        seeds=snapshot.seeds,
+        num_outputs_per_prompt=snapshot.num_outputs_per_prompt,
+        latent_shape=snapshot.latent_shape,
+        latent_dtype=snapshot.latent_dtype,
+        log_probs=log_probs,
+        rollout=rollout,
+    )
+
+
+class LocalBackend:
+    def __init__(self, registry: ModelRegistry, store: ResultStore, *, batch_invariant: bool = False) -> None:
+        self.registry = registry
+        self.store = store
+        self.batch_invariant = batch_invariant
+
+    def run(
+        self, job: Job, *, on_progress: Callable[[int, int], None], should_stop: Callable[[], bool]
+    ) -> dict[str, Any]:
+        spec = job.spec
+        assert spec is not None
+        model = self.registry.get(spec.model)
+        writer = None
+
+        def on_schedule(snapshot: ScheduleSnapshot) -> None:
+            nonlocal writer
+            rollout = {"id": job.id, **rollout_metadata(model, spec, snapshot)}
+            writer = self.store.create(header_for(job.id, snapshot, rollout, spec.return_log_probs))
+
+        def on_step(capture: StepCapture) -> None:
+            assert writer is not None
+            writer.append(StepBatch(step=capture.step, latent=capture.latent, log_prob=capture.log_prob))
+
+        try:
+            run_rollout(
+                model,
+                spec,
+                on_schedule=on_schedule,
+                on_step=on_step,
+                on_progress=on_progress,
+                should_stop=should_stop,
+                keep=False,
+                per_sample_model_calls=self.batch_invariant,
+            )
+        except BaseException as exc:
+            kind = "cancelled" if type(exc).__name__ == "RolloutCancelled" else "failed"
+            message = "cancelled by client" if kind == "cancelled" else f"{type(exc).__name__}: {exc}"
+            if job.stop_reason is not None:
+                kind, message = "failed", job.stop_reason
+            if writer is not None:
+                writer.fail(kind, message)
+            else:
+                self.abandon(job.id, kind, message)
+            raise
+        assert writer is not None
+        writer.finish()
+        info = self.store.info(job.id)
+        return {"num_rows": info.num_rows, "num_bytes": info.num_bytes, "steps": list(info.steps)}
+
+    def reserve(self, job_id: str) -> None:
+        self.store.reserve(job_id)
+
+    def abandon(self, job_id: str, kind: str, message: str) -> None:
+        self.store.abandon(job_id, kind, message)
+
+    def release(self, job_id: str) -> None:
+        self.store.release(job_id)
+
+    def has_result(self, job_id: str) -> bool:
+        return self.store.get(job_id) is not None

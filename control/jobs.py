@@ -1,0 +1,381 @@
+"""The job queue: rollouts wait in a bounded queue and run on worker threads.
+
+A job moves queued -> running -> succeeded | failed | cancelled, and a finished one
+becomes expired when its result's TTL passes or it is released. The manager owns
+statuses, idempotency keys, TTL and the durable journal; a backend (local pipeline +
+result store, or a remote worker) does the actual run.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from control.journal import Journal
+from pipeline.spec import RolloutCancelled, RolloutSpec
+
+log = logging.getLogger("sigmaflight.jobs")
+
+TERMINAL = frozenset({"succeeded", "failed", "cancelled", "expired"})
+
+
+class QueueFull(Exception):
+    """The queue holds `queue_size` waiting rollouts already."""
+
+
+class IdempotencyConflict(Exception):
+    """An Idempotency-Key was reused with a different body."""
+
+
+class NotAccepting(Exception):
+    """The manager is shutting down."""
+
+
+@dataclass
+class Job:
+    """Internal record of one rollout (mutable; guarded by the manager's lock)."""
+
+    id: str
+    model: str
+    spec: RolloutSpec | None
+    request: dict[str, Any]
+    steps_total: int
+    created_at: float
+    status: str = "queued"
+    steps_done: int = 0
+    started_at: float | None = None
+    finished_at: float | None = None
+    error: tuple[str, str] | None = None
+    result: dict[str, Any] | None = None
+    idempotency_key: str | None = None
+    body_digest: str | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    stop_reason: str | None = None
+
+    def to_record(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "model": self.model,
+            "request": self.request,
+            "steps_total": self.steps_total,
+            "steps_done": self.steps_done,
+            "created_at": self.created_at,
+            "status": self.status,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "error": list(self.error) if self.error else None,
+            "result": self.result,
+            "idempotency_key": self.idempotency_key,
+            "body_digest": self.body_digest,
+        }
+
+    @classmethod
+    def from_record(cls, rec: dict[str, Any]) -> Job:
+        return cls(
+            id=rec["id"],
+            model=rec["model"],
+            spec=None,
+            request=rec["request"],
+            steps_total=rec["steps_total"],
+            steps_done=rec["steps_done"],
+            created_at=rec["created_at"],
+            status=rec["status"],
+            started_at=rec["started_at"],
+            finished_at=rec["finished_at"],
+            error=tuple(rec["error"]) if rec["error"] else None,  # type: ignore[arg-type]
+            result=rec["result"],
+            idempotency_key=rec["idempotency_key"],
+            body_digest=rec["body_digest"],
+        )
+
+
+def iso(ts: float | None) -> str | None:
+    return None if ts is None else datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds")
+
+
+class Backend(Protocol):
+    """Runs one rollout and holds its result for Flight."""
+
+    def run(
+        self, job: Job, *, on_progress: Callable[[int, int], None], should_stop: Callable[[], bool]
+    ) -> dict[str, Any]:
+        """Run `job.spec`; return result info {num_rows, num_bytes, steps}. Raise RolloutCancelled when stopped."""
+        ...
+
+    def reserve(self, job_id: str) -> None:
+        """Announce a rollout before it runs, so Flight consumers may wait for it."""
+        ...
+
+    def abandon(self, job_id: str, kind: str, message: str) -> None:
+        """End a reserved rollout that never ran (cancelled while queued, shutdown)."""
+        ...
+
+    def release(self, job_id: str) -> None:
+        """Drop a finished result."""
+        ...
+
+    def has_result(self, job_id: str) -> bool: ...
+
+
+class JobManager:
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        workers: int = 1,
+        queue_size: int = 64,
+        ttl_s: float = 3600.0,
+        data_dir: Path | None = None,
+        keep_records: int = 10_000,
+    ) -> None:
+        self._backend = backend
+        self._workers_n = workers
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._queue_size = queue_size
+        self._ttl_s = ttl_s
+        self._keep_records = keep_records
+        self._lock = threading.RLock()
+        self._jobs: dict[str, Job] = {}
+        self._idem: dict[str, str] = {}
+        self._threads: list[threading.Thread] = []
+        self._accepting = True
+        self._stopped = threading.Event()
+        self._journal = Journal(data_dir / "jobs.sqlite3") if data_dir is not None else None
+        self.counters: Counter[str] = Counter()  # rollouts finished by status, steps done
+        self._recover()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        if self._journal is None:
+            return
+        for rec in self._journal.load():
+            job = Job.from_record(rec)
+            if job.status in ("queued", "running"):
+                job.status = "failed"
+                job.error = ("server_restarted", f"server restarted while the rollout was {rec['status']}")
+                job.finished_at = time.time()
+                self._journal.put(job.id, job.to_record())
+                log.warning("rollout marked failed after restart", extra={"rollout": job.id, "was": rec["status"]})
+            elif job.status == "succeeded" and not self._backend.has_result(job.id):
+                job.status = "expired"
+                job.error = None
+                self._journal.put(job.id, job.to_record())
+                log.warning("finished rollout has no stored trajectory; marked expired", extra={"rollout": job.id})
+            self._jobs[job.id] = job
+            if job.idempotency_key:
+                self._idem[job.idempotency_key] = job.id
+
+    def start(self) -> None:
+        for n in range(self._workers_n):
+            t = threading.Thread(target=self._worker, name=f"sigmaflight-worker-{n}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        reaper = threading.Thread(target=self._reaper, name="sigmaflight-reaper", daemon=True)
+        reaper.start()
+        self._threads.append(reaper)
+
+    def stop(self, reason: str = "server shutting down", timeout: float = 20.0) -> None:
+        """Stop taking rollouts; end queued and running ones as failed with `reason`."""
+        with self._lock:
+            self._accepting = False
+            for job in self._jobs.values():
+                if job.status in ("queued", "running"):
+                    job.stop_reason = reason
+                    job.cancel.set()
+                    if job.status == "queued":
+                        self._finish(job, "failed", error=("shutdown", reason))
+                        self._backend.abandon(job.id, "failed", reason)
+        self._stopped.set()
+        for _ in range(self._workers_n):
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            journal, self._journal = self._journal, None
+        if journal is not None:
+            journal.close()
+
+    # ---- API ----------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        spec: RolloutSpec,
+        request: dict[str, Any],
+        *,
+        idempotency_key: str | None = None,
+        body_digest: str | None = None,
+    ) -> tuple[Job, bool]:
+        """Enqueue; returns (job, created). A repeated Idempotency-Key returns the first job."""
+        with self._lock:
+            if not self._accepting:
+                raise NotAccepting("server shutting down")
+            if idempotency_key is not None and idempotency_key in self._idem:
+                prior = self._jobs.get(self._idem[idempotency_key])
+                if prior is not None:
+                    if prior.body_digest != body_digest:
+                        raise IdempotencyConflict(idempotency_key)
+                    return prior, False
+            if self.queue_depth() >= self._queue_size:
+                raise QueueFull(self._queue_size)
+            job = Job(
+                id=uuid.uuid4().hex,
+                model=spec.model,
+                spec=spec,
+                request=request,
+                steps_total=spec.num_inference_steps,
+                created_at=time.time(),
+                idempotency_key=idempotency_key,
+                body_digest=body_digest,
+            )
+            self._jobs[job.id] = job
+            if idempotency_key is not None:
+                self._idem[idempotency_key] = job.id
+            self._backend.reserve(job.id)
+            self._persist(job)
+            self._queue.put(job)
+        log.info(
+            "rollout queued",
+            extra={"rollout": job.id, "model": job.model, "samples": spec.num_samples, "steps": spec.num_inference_steps},
+        )
+        return job, True
+
+    def get(self, job_id: str) -> Job | None:
+        with self._lock:
+            return self._jobs.get(job_id)
+
+    def list(self, status: str | None = None, limit: int = 100) -> list[Job]:
+        with self._lock:
+            jobs = [j for j in self._jobs.values() if status is None or j.status == status]
+        jobs.sort(key=lambda j: j.created_at, reverse=True)
+        return jobs[:limit]
+
+    def cancel(self, job_id: str) -> Job | None:
+        """Cancel a queued/running rollout, or release a finished one's result."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None:
+                return None
+            if job.status == "queued":
+                self._finish(job, "cancelled")
+                self._backend.abandon(job.id, "cancelled", "cancelled by client")
+            elif job.status == "running":
+                job.stop_reason = None
+                job.cancel.set()
+            elif job.status in ("succeeded", "failed", "cancelled"):
+                self._backend.release(job.id)
+                self._finish(job, "expired", keep_time=True)
+            return job
+
+    def queue_depth(self) -> int:
+        with self._lock:
+            return sum(1 for j in self._jobs.values() if j.status == "queued")
+
+    def status_counts(self) -> Counter[str]:
+        with self._lock:
+            return Counter(j.status for j in self._jobs.values())
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _persist(self, job: Job) -> None:
+        if self._journal is not None:
+            self._journal.put(job.id, job.to_record())
+
+    def _finish(
+        self, job: Job, status: str, *, error: tuple[str, str] | None = None, keep_time: bool = False
+    ) -> None:
+        job.status = status
+        job.error = error
+        if not keep_time or job.finished_at is None:
+            job.finished_at = time.time()
+        self.counters[f"rollouts_{status}"] += 1
+        self._persist(job)
+
+    def _worker(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            with self._lock:
+                if job.status != "queued":
+                    continue
+                job.status = "running"
+                job.started_at = time.time()
+                self._persist(job)
+            self._run(job)
+
+    def _run(self, job: Job) -> None:
+        assert job.spec is not None
+        log.info("rollout started", extra={"rollout": job.id, "model": job.model})
+
+        def on_progress(done: int, total: int) -> None:
+            with self._lock:
+                job.steps_done = done
+                job.steps_total = total
+                self.counters["steps"] += 1
+
+        try:
+            result = self._backend.run(job, on_progress=on_progress, should_stop=job.cancel.is_set)
+        except RolloutCancelled:
+            with self._lock:
+                if job.stop_reason is not None:
+                    self._finish(job, "failed", error=("shutdown", job.stop_reason))
+                else:
+                    self._finish(job, "cancelled")
+            log.info("rollout %s", job.status, extra={"rollout": job.id, "steps_done": job.steps_done})
+            return
+        except Exception as exc:  # a failing rollout must never take the server down
+            with self._lock:
+                self._finish(job, "failed", error=(type(exc).__name__, str(exc) or repr(exc)))
+            log.exception("rollout failed", extra={"rollout": job.id})
+            return
+        with self._lock:
+            job.result = result
+            self._finish(job, "succeeded")
+            duration = (job.finished_at or 0) - (job.started_at or 0)
+        log.info(
+            "rollout succeeded",
+            extra={
+                "rollout": job.id,
+                "duration_s": round(duration, 4),
+                "bytes": result.get("num_bytes"),
+                "rows": result.get("num_rows"),
+            },
+        )
+
+    def _reaper(self) -> None:
+        while not self._stopped.wait(0.5):
+            self.reap()
+
+    def reap(self, now: float | None = None) -> None:
+        """Expire finished results past their TTL and forget the oldest records beyond the cap."""
+        now = time.time() if now is None else now
+        with self._lock:
+            for job in list(self._jobs.values()):
+                if (
+                    job.status in ("succeeded", "failed", "cancelled")
+                    and job.finished_at is not None
+                    and now - job.finished_at > self._ttl_s
+                ):
+                    self._backend.release(job.id)
+                    self._finish(job, "expired", keep_time=True)
+                    log.info("rollout expired", extra={"rollout": job.id})
+            done = [j for j in self._jobs.values() if j.status in TERMINAL]
+            if len(done) > self._keep_records:
+                done.sort(key=lambda j: j.created_at)
+                for j in done[: len(done) - self._keep_records]:
+                    del self._jobs[j.id]
+                    if j.idempotency_key:
+                        self._idem.pop(j.idempotency_key, None)
+                    if self._journal is not None:
+                        self._journal.delete(j.id)

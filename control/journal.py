@@ -1,0 +1,49 @@
+"""Durable job records in `<data_dir>/jobs.sqlite3`, so statuses survive a restart.
+
+One row per rollout, written at each state change (never per step). On open, rollouts
+that were queued or running when the previous process died are marked failed: their
+trajectories were never finished, and saying so beats leaving them silently missing.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    record TEXT NOT NULL
+)
+"""
+
+
+class Journal:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute(_SCHEMA)
+
+    def put(self, job_id: str, record: dict[str, Any]) -> None:
+        text = json.dumps(record, separators=(",", ":"))
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO jobs (id, record) VALUES (?, ?)", (job_id, text))
+
+    def delete(self, job_id: str) -> None:
+        with self._lock:
+            self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+
+    def load(self) -> list[dict[str, Any]]:
+        with self._lock:
+            rows = self._db.execute("SELECT record FROM jobs").fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

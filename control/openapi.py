@@ -1,0 +1,126 @@
+"""The OpenAPI 3.1 document, generated from the wire models (no hand-written schemas)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic.json_schema import models_json_schema
+
+from control.wire import ErrorBody, Health, ModelList, RolloutList, RolloutRequest, RolloutStatus, Ticket
+
+_REF = "#/components/schemas/{model}"
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": _REF.format(model=name)}
+
+
+def _json(name: str, description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    text = {
+        401: "Bearer token missing or wrong.",
+        404: "Unknown rollout id.",
+        409: "Idempotency-Key reused with another body.",
+        413: "Request body, or the trajectory it asks for, is too large.",
+        422: "Validation error; details name each bad field and why.",
+        429: "Queue full; see Retry-After.",
+        503: "Shutting down.",
+    }
+    return {str(c): _json("ErrorBody", text[c]) for c in codes}
+
+
+def openapi_document(*, auth: bool = False) -> dict[str, Any]:
+    _, schemas = models_json_schema(
+        [
+            (RolloutRequest, "validation"),
+            (Ticket, "serialization"),
+            (RolloutStatus, "serialization"),
+            (RolloutList, "serialization"),
+            (ModelList, "serialization"),
+            (ErrorBody, "serialization"),
+            (Health, "serialization"),
+        ],
+        ref_template=_REF,
+    )
+    components = schemas["$defs"]
+    rid = {"name": "rollout_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    secured = [401] if auth else []
+    paths: dict[str, Any] = {
+        "/v1/rollouts": {
+            "post": {
+                "operationId": "create_rollout",
+                "summary": "Validate a rollout request, enqueue it and answer at once with a ticket.",
+                "parameters": [
+                    {"name": "Idempotency-Key", "in": "header", "required": False, "schema": {"type": "string"}}
+                ],
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("RolloutRequest")}}},
+                "responses": {"202": _json("Ticket", "Accepted; pull the trajectory with the Flight ticket."),
+                              **_errors(*secured, 409, 413, 422, 429, 503)},
+            },
+            "get": {
+                "operationId": "list_rollouts",
+                "summary": "List rollouts, newest first.",
+                "parameters": [
+                    {"name": "status", "in": "query", "required": False,
+                     "schema": {"type": "string", "enum": ["queued", "running", "succeeded", "failed",
+                                                           "cancelled", "expired"]}},
+                    {"name": "limit", "in": "query", "required": False,
+                     "schema": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}},
+                ],
+                "responses": {"200": _json("RolloutList", "Rollouts."), **_errors(*secured, 422)},
+            },
+        },
+        "/v1/rollouts/{rollout_id}": {
+            "get": {
+                "operationId": "get_rollout",
+                "summary": "Status of one rollout, with progress, error or result.",
+                "parameters": [rid],
+                "responses": {"200": _json("RolloutStatus", "Status."), **_errors(*secured, 404)},
+            },
+            "delete": {
+                "operationId": "delete_rollout",
+                "summary": "Cancel a queued or running rollout, or release a finished one's result.",
+                "parameters": [rid],
+                "responses": {"200": _json("RolloutStatus", "Status after the request."), **_errors(*secured, 404)},
+            },
+        },
+        "/v1/models": {
+            "get": {
+                "operationId": "list_models",
+                "summary": "Models this server can run, with their defaults.",
+                "responses": {"200": _json("ModelList", "Models."), **_errors(*secured)},
+            }
+        },
+        "/healthz": {"get": {"operationId": "healthz", "summary": "Liveness.",
+                             "responses": {"200": _json("Health", "Alive.")}}},
+        "/readyz": {"get": {"operationId": "readyz", "summary": "Readiness: models loaded and Flight serving.",
+                            "responses": {"200": _json("Health", "Ready."), "503": _json("Health", "Not ready."),
+                                          **_errors(*secured)}}},
+        "/metrics": {"get": {"operationId": "metrics", "summary": "Prometheus metrics (text format 0.0.4).",
+                             "responses": {"200": {"description": "Metrics.",
+                                                   "content": {"text/plain": {"schema": {"type": "string"}}}},
+                                           **_errors(*secured)}}},
+        "/openapi.json": {"get": {"operationId": "openapi", "summary": "This document.",
+                                  "responses": {"200": {"description": "OpenAPI 3.1 document.",
+                                                        "content": {"application/json": {"schema": {"type": "object"}}}},
+                                                **_errors(*secured)}}},
+    }
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "sigmaflight",
+            "version": "1",
+            "description": "Rollout service for diffusion RL. Trajectories stream over Arrow Flight "
+            "(schema trajectory/v1); this API submits and manages rollouts.",
+        },
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+    if auth:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+        doc["paths"]["/healthz"]["get"]["security"] = []
+    return doc

@@ -1,0 +1,97 @@
+"""Server settings: one field per knob, each also an environment variable SIGMAFLIGHT_<NAME>.
+
+Precedence: command-line flag > environment variable > default. `sigmaflight serve --help`
+is generated from the field descriptions below, so they are the documentation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SIGMAFLIGHT_", extra="forbid", validate_default=True)
+
+    # Network
+    host: str = Field("127.0.0.1", description="Address both planes bind to.")
+    port: int = Field(8000, ge=0, le=65535, description="REST port (0 = pick a free one).")
+    flight_port: int = Field(8815, ge=0, le=65535, description="Arrow Flight port (0 = pick a free one).")
+    advertise_host: str | None = Field(
+        None,
+        description="Host name put in Flight locations when bound to 0.0.0.0 (default: the machine's host name).",
+    )
+
+    # Models
+    model: str = Field("tiny-sd3", description="Default model id, loaded at start-up.")
+    model_dir: Path | None = Field(
+        None,
+        description="Directory of local diffusers pipelines: each subdirectory is served under its name.",
+    )
+    device: str = Field("cpu", description="Torch device for the models (cpu, cuda, cuda:1, ...).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Model dtype.")
+    batch_invariant: bool = Field(
+        False,
+        description="Run the model row by row so a sample's trajectory is bit-identical whatever its batch (slower).",
+    )
+
+    # Jobs
+    workers: int = Field(1, ge=1, le=64, description="Rollout worker threads.")
+    queue_size: int = Field(64, ge=1, description="Rollouts that may wait; beyond it POST answers 429.")
+    ttl_s: float = Field(3600.0, gt=0, description="Seconds a finished result is kept before it expires.")
+
+    # Store
+    data_dir: Path | None = Field(
+        None,
+        description="Directory for durable trajectories and job records; survives restarts. None = memory only.",
+    )
+    store_budget_bytes: int = Field(
+        4 * GiB, ge=0, description="Bytes of trajectories held in memory; beyond it they spill to --data-dir."
+    )
+
+    # Security
+    token_file: Path | None = Field(
+        None, description="File of bearer tokens, one a line (# comments, blank lines ignored)."
+    )
+    token: SecretStr | None = Field(
+        None, description="A bearer token (comma-separated for several); prefer --token-file. Never logged."
+    )
+    tls_cert: Path | None = Field(None, description="PEM certificate: serve REST over https and Flight over grpc+tls.")
+    tls_key: Path | None = Field(None, description="PEM private key for --tls-cert.")
+
+    # Limits
+    max_body_bytes: int = Field(1 * MiB, ge=1024, description="Largest accepted request body (413 beyond).")
+    max_prompts: int = Field(64, ge=1, description="Prompts per request.")
+    max_samples: int = Field(256, ge=1, description="Samples (prompts x outputs) per request.")
+    max_steps: int = Field(200, ge=1, description="num_inference_steps per request.")
+    max_rollout_bytes: int = Field(
+        2 * GiB, ge=1, description="Estimated captured latent bytes per rollout, refused up front beyond it."
+    )
+    max_flight_streams: int = Field(64, ge=1, description="Concurrent Flight do_get streams.")
+
+    # Logging
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    log_format: Literal["json", "text"] = Field("json", description="Log line format.")
+
+    @field_validator("model_dir", "data_dir", "token_file", "tls_cert", "tls_key", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if value == "" else value
+
+    def tokens(self) -> list[str]:
+        """All configured bearer tokens (file and variable); empty = no auth."""
+        found: list[str] = []
+        if self.token is not None:
+            found += [t.strip() for t in self.token.get_secret_value().split(",") if t.strip()]
+        if self.token_file is not None:
+            for line in self.token_file.read_text().splitlines():
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    found.append(line)
+        return found

@@ -1,0 +1,177 @@
+"""Wire models of the REST API (pydantic v2, unknown fields rejected).
+
+They are separate from the engine's internal records (`pipeline.spec`): one explicit
+converter, `to_spec`, turns a validated request into a `RolloutSpec`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pipeline.spec import RolloutSpec, SamplerSpec
+
+INT64_MAX = (1 << 63) - 1
+RolloutState = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired"]
+TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled", "expired"})
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+
+class Sampler(_Wire):
+    type: Literal["sde", "cps", "ode"] = Field("sde", description="Step kernel.")
+    noise_level: float = Field(0.7, ge=0.0, description="The kernel's noise scale a (>= 0).")
+    sde_steps: list[int] | None = Field(
+        None,
+        description="Absolute transition indices in 0..T-1 that are stochastic; null = all.",
+    )
+    log_prob: Literal["density", "no_const"] = Field("density", description="Log-probability flavour.")
+
+
+class Return(_Wire):
+    steps: list[int] | None = Field(
+        None, description="Absolute latent indices in 0..T to stream, each at most once; null = all T+1."
+    )
+    log_probs: bool = Field(True, description="Compute and stream per-step log-probs.")
+    latent_dtype: Literal["native", "float32", "float16", "bfloat16"] = Field(
+        "native", description='"native" = exactly what the loop consumed; anything else is a lossy conversion.'
+    )
+
+
+class RolloutRequest(_Wire):
+    model: str | None = Field(None, description="Model id; default: the server's default model.")
+    prompts: list[str] = Field(..., min_length=1, description="Prompts; samples are prompt-major.")
+    negative_prompt: str | None = None
+    num_outputs_per_prompt: int = Field(1, ge=1)
+    num_inference_steps: int | None = Field(None, ge=1, description="T; default: the model's.")
+    guidance_scale: float | None = Field(None, description="CFG scale; default: the model's.")
+    height: int | None = Field(None, ge=1)
+    width: int | None = Field(None, ge=1)
+    num_frames: int | None = Field(None, ge=1, description="Video models only.")
+    seed: int | None = Field(None, ge=0, le=INT64_MAX, description="Per-sample seeds are derived from it.")
+    seeds: list[int] | None = Field(None, description="Exactly one per sample (0 <= seed < 2^63).")
+    sampler: Sampler = Field(default_factory=lambda: Sampler())
+    return_: Return = Field(default_factory=lambda: Return(), alias="return")
+
+    @model_validator(mode="after")
+    def _seed_xor_seeds(self) -> RolloutRequest:
+        if self.seed is not None and self.seeds is not None:
+            raise ValueError("give either seed or seeds, not both")
+        if self.seeds is not None and any(not 0 <= s <= INT64_MAX for s in self.seeds):
+            raise ValueError("seeds must lie in 0..2^63-1")
+        return self
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.prompts) * self.num_outputs_per_prompt
+
+
+def to_spec(request: RolloutRequest, *, model_id: str, defaults: dict[str, Any], seed: int) -> RolloutSpec:
+    """The one converter from wire to engine. `seed` is used when the request gave neither seed nor seeds."""
+    r = request.return_
+    return RolloutSpec(
+        model=model_id,
+        prompts=tuple(request.prompts),
+        negative_prompt=request.negative_prompt,
+        num_outputs_per_prompt=request.num_outputs_per_prompt,
+        num_inference_steps=request.num_inference_steps or int(defaults["num_inference_steps"]),
+        guidance_scale=request.guidance_scale,
+        height=request.height,
+        width=request.width,
+        num_frames=request.num_frames,
+        seed=None if request.seeds is not None else (request.seed if request.seed is not None else seed),
+        seeds=tuple(request.seeds) if request.seeds is not None else None,
+        sampler=SamplerSpec(
+            type=request.sampler.type,
+            noise_level=request.sampler.noise_level,
+            sde_steps=tuple(request.sampler.sde_steps) if request.sampler.sde_steps is not None else None,
+            log_prob=request.sampler.log_prob,
+        ),
+        return_steps=tuple(r.steps) if r.steps is not None else None,
+        return_log_probs=r.log_probs,
+        latent_dtype=r.latent_dtype,
+    )
+
+
+# ---- responses ----------------------------------------------------------------------------
+
+
+class FlightTicket(_Wire):
+    ticket: str = Field(..., description="Opaque Flight ticket for do_get.")
+    locations: list[str] = Field(..., description="Flight URIs that serve the ticket.")
+    descriptor_path: list[str] = Field(..., description='FlightDescriptor.for_path(*descriptor_path): ["rollouts", id].')
+
+
+class Ticket(_Wire):
+    id: str
+    status: RolloutState
+    status_url: str
+    flight: FlightTicket
+
+
+class Progress(_Wire):
+    steps_done: int
+    steps_total: int
+
+
+class ErrorInfo(_Wire):
+    type: str
+    message: str
+
+
+class ResultInfo(_Wire):
+    num_rows: int
+    num_bytes: int
+    steps: list[int]
+
+
+class RolloutStatus(_Wire):
+    id: str
+    status: RolloutState
+    model: str
+    progress: Progress
+    created_at: str
+    started_at: str | None = None
+    finished_at: str | None = None
+    error: ErrorInfo | None = None
+    result: ResultInfo | None = None
+    flight: FlightTicket
+
+
+class RolloutList(_Wire):
+    rollouts: list[RolloutStatus]
+
+
+class ValidationDetail(_Wire):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ErrorDetail(_Wire):
+    type: str = Field(..., description="Machine-readable kind, e.g. validation_error, not_found.")
+    message: str
+    details: list[ValidationDetail] | dict[str, Any] | None = None
+
+
+class ErrorBody(_Wire):
+    error: ErrorDetail
+
+
+
+class ModelInfo(_Wire):
+    model_config = ConfigDict(extra="allow")
+    id: str
+    default: bool
+
+
+class ModelList(_Wire):
+    models: list[ModelInfo]
+
+
+class Health(_Wire):
+    status: str
+    checks: dict[str, bool] = Field(default_factory=dict)
