@@ -103,6 +103,8 @@ class ScheduleSnapshot:
     """dtype of the captured latents (the loop's own unless a lossy conversion was requested)."""
     native_dtype: torch.dtype
     """dtype the loop consumed."""
+    model_digest: str = ""
+    """Weights digest of the model that ran (the trajectory's policy)."""
 
 
 @dataclass(frozen=True, kw_only=True)
