@@ -1,0 +1,368 @@
+"""Trainer client: pull a rollout over Flight (or read a file) into torch tensors.
+
+    from dataplane.client import TrajectoryClient
+    with TrajectoryClient("grpc+tcp://127.0.0.1:8815", token="...") as c:
+        traj = c.pull(ticket_or_rollout_id)          # everything, one copy, aligned
+        for i, x, x_next, s, s_next, lp in traj.transitions():
+            ...
+        for st in c.iter_steps(ticket):               # one step at a time, flat memory
+            st.step, st.latent                        # [B, *latent_shape]
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import torch
+
+from dataplane.codec import StepTensors, batch_to_tensors
+from dataplane.files import read_trajectory
+from dataplane.record import TrajectoryHeader
+from dataplane.schema import header_from_schema, schema_metadata
+from dataplane.server import DESCRIPTOR_ROOT
+from dataplane.store import TICKET_PREFIX
+
+
+@dataclass(frozen=True)
+class Transition:
+    """Transition i: x_i -> x_{i+1} (aligned by absolute index)."""
+
+    i: int
+    x: torch.Tensor
+    """[B, *latent_shape]: x_i."""
+    x_next: torch.Tensor
+    """[B, *latent_shape]: x_{i+1}."""
+    sigma: float
+    sigma_next: float
+    log_prob: torch.Tensor
+    """float32 [B], NaN where null."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.i, self.x, self.x_next, self.sigma, self.sigma_next, self.log_prob))
+
+
+class Trajectory:
+    """A whole rollout as torch tensors, aligned by ABSOLUTE step index.
+
+    ``latents[:, k]`` is x_{steps[k]}; use ``latent(i)`` to look up by absolute index.
+    sigmas / timesteps are the full schedule (never filtered by a step selection).
+    """
+
+    def __init__(
+        self,
+        header: TrajectoryHeader,
+        latents: torch.Tensor,
+        log_probs: torch.Tensor,
+        metadata: dict[str, Any],
+        schema: pa.Schema,
+    ) -> None:
+        self.header = header
+        self.latents = latents  # [B, K, *latent_shape]
+        self.log_probs = log_probs  # [B, T] float32, NaN where null
+        self.steps = torch.tensor(header.steps, dtype=torch.int64)  # [K]
+        self.sigmas = header.sigmas  # [T+1] float32
+        self.timesteps = header.timesteps  # [T] float32
+        self.seeds = torch.tensor(header.seeds, dtype=torch.int64)  # [B]
+        self.prompt_index = torch.arange(header.num_samples) // header.num_outputs_per_prompt  # [B]
+        self.sde_steps = tuple(header.sde_steps)
+        self.metadata = metadata  # the sigmaflight.rollout object
+        self.schema = schema
+        self._pos = {s: k for k, s in enumerate(header.steps)}
+
+    @property
+    def rollout_id(self) -> str:
+        return self.header.rollout_id
+
+    @property
+    def num_steps(self) -> int:
+        """T."""
+        return self.header.num_steps
+
+    @property
+    def num_samples(self) -> int:
+        """B."""
+        return self.header.num_samples
+
+    def __repr__(self) -> str:
+        return (
+            f"Trajectory(id={self.rollout_id!r}, B={self.num_samples}, T={self.num_steps}, "
+            f"steps={list(self.header.steps)}, latents={list(self.latents.shape)} {self.latents.dtype})"
+        )
+
+    def has_step(self, i: int) -> bool:
+        return i in self._pos
+
+    def latent(self, i: int) -> torch.Tensor:
+        """x_i for every sample, [B, *latent_shape], by absolute step index."""
+        if i not in self._pos:
+            raise KeyError(f"step {i} is not in this trajectory (steps {list(self.header.steps)})")
+        return self.latents[:, self._pos[i]]
+
+    def transitions(self, steps: Iterable[int] | None = None) -> Iterator[Transition]:
+        """Transitions i (x_i -> x_{i+1}) where both latents are present, ascending."""
+        wanted = range(self.num_steps) if steps is None else sorted(set(steps))
+        for i in wanted:
+            if 0 <= i < self.num_steps and i in self._pos and i + 1 in self._pos:
+                yield Transition(
+                    i=i,
+                    x=self.latent(i),
+                    x_next=self.latent(i + 1),
+                    sigma=float(self.sigmas[i]),
+                    sigma_next=float(self.sigmas[i + 1]),
+                    log_prob=self.log_probs[:, i],
+                )
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def from_batches(cls, schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> Trajectory:
+        """Assemble (one copy per latent into one aligned, writable tensor)."""
+        header = header_from_schema(schema)
+        b, t = header.num_samples, header.num_steps
+        pos = {s: k for k, s in enumerate(header.steps)}
+        latents = torch.empty((b, len(header.steps), *header.latent_shape), dtype=header.latent_dtype)
+        log_probs = torch.full((b, t), float("nan"), dtype=torch.float32)
+        seen = torch.zeros((b, len(header.steps)), dtype=torch.bool)
+        for batch in batches:
+            st = batch_to_tensors(batch, dtype=header.latent_dtype)
+            k = pos.get(st.step)
+            if k is None:
+                raise ValueError(f"stream holds step {st.step}, not listed in sigmaflight.steps")
+            idx = st.sample
+            latents[idx, k] = st.latent
+            seen[idx, k] = True
+            if st.step < t:
+                log_probs[idx, st.step] = st.log_prob
+        if not bool(seen.all()):
+            missing = sorted({header.steps[int(k)] for k in torch.nonzero(~seen)[:, 1]})
+            raise ValueError(f"trajectory {header.rollout_id} is incomplete: steps {missing} missing")
+        return cls(header, latents, log_probs, dict(schema_metadata(schema).get("sigmaflight.rollout", {})), schema)
+
+    @classmethod
+    def from_reader(cls, reader: pa.RecordBatchReader | flight.FlightStreamReader) -> Trajectory:
+        if isinstance(reader, flight.FlightStreamReader):
+            return cls.from_batches(reader.schema, _flight_batches(reader))
+        return cls.from_batches(reader.schema, reader)
+
+    @classmethod
+    def from_table(cls, table: pa.Table) -> Trajectory:
+        return cls.from_batches(table.schema, table.to_batches())
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Trajectory:
+        schema, batches, _ = read_trajectory(path)
+        return cls.from_batches(schema, batches)
+
+
+def _flight_batches(reader: flight.FlightStreamReader) -> Iterator[pa.RecordBatch]:
+    while True:
+        try:
+            chunk = reader.read_chunk()
+        except StopIteration:
+            return
+        yield chunk.data
+
+
+def iter_step_tensors(
+    schema: pa.Schema, batches: Iterable[pa.RecordBatch], *, copy: bool = False
+) -> Iterator[StepTensors]:
+    """Group batches by step: one StepTensors with all B samples per step. A step in one
+    batch is a zero-copy view (unless ``copy``); a split step is concatenated (one copy)."""
+    dtype = header_from_schema(schema).latent_dtype
+    pending: list[StepTensors] = []
+    for batch in batches:
+        st = batch_to_tensors(batch, copy=copy, dtype=dtype)
+        if pending and pending[0].step != st.step:
+            yield _merge(pending)
+            pending = []
+        pending.append(st)
+    if pending:
+        yield _merge(pending)
+
+
+def _merge(parts: Sequence[StepTensors]) -> StepTensors:
+    if len(parts) == 1:
+        return parts[0]
+    p = parts[0]
+    return StepTensors(
+        step=p.step,
+        sample=torch.cat([q.sample for q in parts]),
+        prompt_index=torch.cat([q.prompt_index for q in parts]),
+        seed=torch.cat([q.seed for q in parts]),
+        latent=torch.cat([q.latent for q in parts]),
+        log_prob=torch.cat([q.log_prob for q in parts]),
+        sigma=p.sigma,
+        sigma_next=p.sigma_next,
+        timestep=p.timestep,
+        sde=p.sde,
+    )
+
+
+class TrajectoryClient:
+    """One FlightClient (one connection) for many pulls."""
+
+    def __init__(
+        self,
+        location: str | tuple[str, int] | flight.Location,
+        *,
+        token: str | None = None,
+        tls_root_certs: bytes | None = None,
+        generic_options: list[tuple[str, Any]] | None = None,
+    ) -> None:
+        self._client = flight.FlightClient(
+            location, tls_root_certs=tls_root_certs, generic_options=generic_options or None
+        )
+        headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        self._options = flight.FlightCallOptions(headers=headers)
+        self._location = location
+        self._token = token
+        self._tls_root_certs = tls_root_certs
+
+    @property
+    def flight_client(self) -> flight.FlightClient:
+        return self._client
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> TrajectoryClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- lookups ---------------------------------------------------------------------------
+    def flight_info(self, rollout_id: str, *, partitions: int = 1) -> flight.FlightInfo:
+        if partitions == 1:
+            d = flight.FlightDescriptor.for_path(DESCRIPTOR_ROOT, rollout_id)
+        else:
+            d = flight.FlightDescriptor.for_path(DESCRIPTOR_ROOT, rollout_id, "partitions", str(partitions))
+        return self._client.get_flight_info(d, self._options)
+
+    def info(self, rollout_id: str) -> dict[str, Any]:
+        fi = self.flight_info(rollout_id)
+        return {
+            "id": rollout_id,
+            "ticket": fi.endpoints[0].ticket.ticket.decode(),
+            "locations": [loc.uri.decode() for loc in fi.endpoints[0].locations],
+            "total_records": fi.total_records,
+            "total_bytes": fi.total_bytes,
+            "schema": fi.schema,
+        }
+
+    def _ticket(self, ticket_or_id: str | bytes | flight.Ticket) -> flight.Ticket:
+        if isinstance(ticket_or_id, flight.Ticket):
+            return ticket_or_id
+        if isinstance(ticket_or_id, bytes):
+            return flight.Ticket(ticket_or_id)
+        if ticket_or_id.startswith(TICKET_PREFIX):
+            return flight.Ticket(ticket_or_id.encode())
+        return self.flight_info(ticket_or_id).endpoints[0].ticket  # a rollout id
+
+    def _action(self, kind: str, rollout_id: str) -> dict[str, Any]:
+        body = json.dumps({"id": rollout_id}).encode()
+        results = list(self._client.do_action(flight.Action(kind, body), self._options))
+        return json.loads(results[0].body.to_pybytes()) if results else {}
+
+    def cancel(self, rollout_id: str) -> bool:
+        return bool(self._action("cancel", rollout_id).get("cancelled"))
+
+    def release(self, rollout_id: str) -> bool:
+        return bool(self._action("release", rollout_id).get("released"))
+
+    # -- pulls -----------------------------------------------------------------------------
+    def reader(self, ticket_or_id: str | bytes | flight.Ticket) -> flight.FlightStreamReader:
+        """The raw Flight stream (pyarrow), e.g. for ``Trajectory.from_reader``."""
+        return self._client.do_get(self._ticket(ticket_or_id), self._options)
+
+    def iter_batches(self, ticket_or_id: str | bytes | flight.Ticket) -> Iterator[pa.RecordBatch]:
+        return _flight_batches(self.reader(ticket_or_id))
+
+    def schema(self, ticket_or_id: str | bytes | flight.Ticket) -> pa.Schema:
+        return self.reader(ticket_or_id).schema
+
+    def pull(self, ticket_or_id: str | bytes | flight.Ticket) -> Trajectory:
+        """The whole rollout; waits for a running one to finish (streams as it goes)."""
+        return Trajectory.from_reader(self.reader(ticket_or_id))
+
+    def iter_steps(self, ticket_or_id: str | bytes | flight.Ticket, *, copy: bool = False) -> Iterator[StepTensors]:
+        """One StepTensors per step, as the stream delivers it (memory stays flat).
+
+        ``copy=False``: latents are read-only views of the received buffers (valid as
+        long as you hold them); ``copy=True``: aligned, writable tensors."""
+        reader = self.reader(ticket_or_id)
+        return iter_step_tensors(reader.schema, _flight_batches(reader), copy=copy)
+
+    def iter_steps_parallel(
+        self, rollout_id: str, *, streams: int = 4, copy: bool = False, prefetch: int = 8
+    ) -> Iterator[StepTensors]:
+        """Like ``iter_steps`` but pulls ``streams`` endpoints concurrently (one
+        connection each) and yields record batches in stream order (batch j comes from
+        endpoint j % streams). Goes beyond the single-stream limit of Flight."""
+        fi = self.flight_info(rollout_id, partitions=streams)
+        schema = fi.schema
+        n = len(fi.endpoints)
+        queues: list[queue.Queue[Any]] = [queue.Queue(maxsize=prefetch) for _ in range(n)]
+        stop = threading.Event()
+        done = object()
+
+        def pump(k: int, ep: flight.FlightEndpoint) -> None:
+            q = queues[k]
+            try:
+                client = flight.FlightClient(
+                    self._location, tls_root_certs=self._tls_root_certs
+                ) if k else self._client
+                reader = client.do_get(ep.ticket, self._options)
+                for b in _flight_batches(reader):
+                    while not stop.is_set():
+                        try:
+                            q.put(b, timeout=0.5)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+                q.put(done)
+            except BaseException as e:  # handed to the consumer
+                q.put(e)
+
+        threads = [threading.Thread(target=pump, args=(k, ep), daemon=True) for k, ep in enumerate(fi.endpoints)]
+        for th in threads:
+            th.start()
+
+        def ordered() -> Iterator[pa.RecordBatch]:
+            k = 0
+            finished = 0
+            try:
+                while finished < n:
+                    item = queues[k].get()
+                    if item is done:
+                        finished += 1
+                        # batch j lives on endpoint j % n: once one endpoint ends, all later ones end
+                        for j in range(1, n):
+                            if queues[(k + j) % n].get() is not done:
+                                raise RuntimeError("partitioned stream ended out of order")
+                        return
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+                    k = (k + 1) % n
+            finally:
+                stop.set()
+
+        return iter_step_tensors(schema, ordered(), copy=copy)
+
+
+def pull_file(path: str | Path) -> Trajectory:
+    """A ``.arrow`` trajectory file as a Trajectory (memory-mapped read, one copy)."""
+    return Trajectory.from_file(path)
+
+
+__all__ = ["StepTensors", "Trajectory", "TrajectoryClient", "Transition", "iter_step_tensors", "pull_file"]

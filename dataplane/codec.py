@@ -1,0 +1,195 @@
+"""Zero-copy codec: StepBatch (torch) -> "trajectory/v1" record batches -> torch.
+
+Out: the ``latent`` column's data buffer IS the tensor's memory (``pa.py_buffer`` over a
+numpy view of the tensor); the record batch holds a reference, so the tensor stays alive
+as long as any batch (or slice of it) does.
+
+In: ``batch_to_tensors`` views Arrow's buffer with ``torch.from_numpy`` (read-only,
+possibly misaligned as received from Flight); ``copy=True`` returns aligned, writable
+tensors at the cost of one copy.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from dataplane.record import StepBatch, TrajectoryHeader
+from dataplane.schema import arrow_value_type, latent_dtype_of, numpy_dtype, trajectory_schema
+
+DEFAULT_MAX_BATCH_BYTES = 4 << 20
+"""Keep record batches around 1-8 MiB: the measured fast range for Flight here."""
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """The rows of one record batch (one step, some or all samples) as torch tensors."""
+
+    step: int
+    sample: torch.Tensor
+    """int64 [b]: sample indices (prompt-major)."""
+    prompt_index: torch.Tensor
+    """int64 [b]."""
+    seed: torch.Tensor
+    """int64 [b]."""
+    latent: torch.Tensor
+    """[b, *latent_shape] in the rollout's dtype: x_step for each sample."""
+    log_prob: torch.Tensor
+    """float32 [b], NaN where null (i = T, deterministic transitions, not requested)."""
+    sigma: float
+    sigma_next: float | None
+    timestep: float | None
+    sde: bool | None
+
+
+def _tensor_to_numpy(t: torch.Tensor) -> np.ndarray[Any, Any]:
+    """A numpy view of ``t`` (no copy); bfloat16 bits as uint16."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def latent_array(latent: torch.Tensor, latent_shape: tuple[int, ...], dtype: torch.dtype) -> pa.Array:
+    """[b, *latent_shape] tensor -> fixed_shape_tensor array over the same memory."""
+    if latent.device.type != "cpu":
+        raise ValueError(f"latent must be on the CPU, got {latent.device}")
+    if latent.dtype != dtype:
+        raise ValueError(f"latent dtype {latent.dtype} != header latent_dtype {dtype}")
+    if tuple(latent.shape[1:]) != tuple(latent_shape):
+        raise ValueError(f"latent shape {list(latent.shape)} != [B, *{list(latent_shape)}]")
+    if not latent.is_contiguous():
+        latent = latent.contiguous()  # the only copy: a strided tensor has no single buffer
+    b = int(latent.shape[0])
+    n = int(np.prod(latent_shape))
+    arr = _tensor_to_numpy(latent.detach())
+    values = pa.Array.from_buffers(arrow_value_type(dtype), b * n, [None, pa.py_buffer(arr)])
+    storage = pa.FixedSizeListArray.from_arrays(values, n)
+    return pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(values.type, list(latent_shape)), storage)
+
+
+def encode_step(
+    header: TrajectoryHeader,
+    batch: StepBatch,
+    *,
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+    schema: pa.Schema | None = None,
+) -> list[pa.RecordBatch]:
+    """One step -> record batches of ``trajectory_schema(header)``, split by samples
+    so that each holds at most ``max_batch_bytes`` of latents (at least one sample)."""
+    schema = schema if schema is not None else trajectory_schema(header)
+    i = int(batch.step)
+    t = header.num_steps
+    b = header.num_samples
+    if not 0 <= i <= t:
+        raise ValueError(f"step {i} outside 0..{t}")
+    if batch.latent.ndim < 1 or batch.latent.shape[0] != b:
+        raise ValueError(f"latent must be [B={b}, ...], got {list(batch.latent.shape)}")
+    latent = batch.latent if batch.latent.is_contiguous() else batch.latent.contiguous()
+    last = i == t
+    sde = (i in set(header.sde_steps)) if not last else None
+    log_prob: np.ndarray[Any, Any] | None = None
+    if header.log_probs and batch.log_prob is not None and not last and sde:
+        log_prob = batch.log_prob.detach().to(torch.float32).cpu().numpy().reshape(-1)
+        if log_prob.shape[0] != b:
+            raise ValueError(f"log_prob must be [B={b}], got {list(batch.log_prob.shape)}")
+    seeds = np.asarray(header.seeds, dtype=np.int64)
+    per_sample = int(np.prod(header.latent_shape)) * latent.element_size()
+    chunk = max(1, int(max_batch_bytes) // max(per_sample, 1))
+    sigma = float(header.sigmas[i])
+    sigma_next = None if last else float(header.sigmas[i + 1])
+    timestep = None if last else float(header.timesteps[i])
+    out = []
+    for a in range(0, b, chunk):
+        e = min(b, a + chunk)
+        n = e - a
+        sample = np.arange(a, e, dtype=np.int32)
+        lp = pa.nulls(n, pa.float32())
+        if log_prob is not None:
+            part = log_prob[a:e]
+            lp = pa.array(part, pa.float32(), mask=np.isnan(part))
+        arrays = [
+            pa.array(np.full(n, i, np.int32)),
+            pa.array(sample),
+            pa.array(sample // header.num_outputs_per_prompt),
+            pa.array(seeds[a:e]),
+            pa.array([timestep] * n, pa.float32()),
+            pa.array(np.full(n, sigma, np.float32)),
+            pa.array([sigma_next] * n, pa.float32()),
+            pa.array([sde] * n, pa.bool_()),
+            lp,
+            latent_array(latent[a:e], tuple(header.latent_shape), header.latent_dtype),
+        ]
+        out.append(pa.RecordBatch.from_arrays(arrays, schema=schema))
+    return out
+
+
+def latent_view(column: pa.Array, dtype: torch.dtype, *, copy: bool = False) -> torch.Tensor:
+    """fixed_shape_tensor column -> [rows, *shape] torch tensor (zero-copy unless ``copy``)."""
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    ext_type = column.type
+    shape = tuple(int(d) for d in ext_type.shape)
+    storage = column.storage
+    rows = len(storage)
+    n = int(np.prod(shape))
+    np_dtype = numpy_dtype(dtype)
+    values = storage.values
+    offset = (values.offset + storage.offset * n) * np_dtype.itemsize
+    buf = values.buffers()[1]
+    arr = np.frombuffer(buf, dtype=np_dtype, count=rows * n, offset=offset).reshape(rows, *shape)
+    if copy:
+        # one copy into torch-owned (64-byte aligned), writable memory
+        out = torch.empty((rows, *shape), dtype=dtype)
+        _tensor_to_numpy(out)[...] = arr
+        return out
+    with warnings.catch_warnings():
+        # Arrow buffers are read-only by design: the view is read-only too.
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
+        t = torch.from_numpy(arr.view(np.int16) if dtype == torch.bfloat16 else arr)
+    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+
+
+def _int_column(batch: pa.RecordBatch, name: str) -> torch.Tensor:
+    return torch.from_numpy(batch.column(name).to_numpy(zero_copy_only=False).astype(np.int64))
+
+
+def batch_to_tensors(
+    batch: pa.RecordBatch, *, copy: bool = False, dtype: torch.dtype | None = None
+) -> StepTensors:
+    """One "trajectory/v1" record batch -> StepTensors.
+
+    ``copy=False``: ``latent`` is a read-only view of the batch's own buffer (possibly
+    misaligned when received over Flight); it keeps the batch alive. ``copy=True``: an
+    aligned, writable tensor (one copy). The dtype comes from the field metadata.
+    """
+    if batch.num_rows == 0:
+        raise ValueError("empty record batch")
+    dtype = dtype if dtype is not None else latent_dtype_of(batch.schema)
+    steps = batch.column("step")
+    step = int(steps[0].as_py())
+    log_prob = batch.column("log_prob").to_numpy(zero_copy_only=False).astype(np.float32)  # nulls -> NaN
+    sigma_next = batch.column("sigma_next")[0].as_py()
+    timestep = batch.column("timestep")[0].as_py()
+    sde = batch.column("sde")[0].as_py()
+    return StepTensors(
+        step=step,
+        sample=_int_column(batch, "sample"),
+        prompt_index=_int_column(batch, "prompt_index"),
+        seed=_int_column(batch, "seed"),
+        latent=latent_view(batch.column("latent"), dtype, copy=copy),
+        log_prob=torch.from_numpy(log_prob),
+        sigma=float(batch.column("sigma")[0].as_py()),
+        sigma_next=None if sigma_next is None else float(sigma_next),
+        timestep=None if timestep is None else float(timestep),
+        sde=sde,
+    )
+
+
+def batch_nbytes(batch: pa.RecordBatch) -> int:
+    """Bytes the batch's buffers occupy (what the store budgets and Flight ships)."""
+    return int(batch.nbytes)

@@ -1,0 +1,210 @@
+"""The "trajectory/v1" Arrow schema (contract, section Flight) and its inverse.
+
+Rows are (step, sample) pairs, step-major. Schedule metadata (sigmas, timesteps) rides
+in the schema metadata as JSON numbers chosen so that ``float32(value)`` gives back the
+exact bits of the snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from dataplane.record import TrajectoryHeader
+
+FORMAT = "trajectory/v1"
+
+KEY_FORMAT = "sigmaflight.format"
+KEY_SIGMAS = "sigmaflight.sigmas"
+KEY_TIMESTEPS = "sigmaflight.timesteps"
+KEY_STEPS = "sigmaflight.steps"
+KEY_SDE_STEPS = "sigmaflight.sde_steps"
+KEY_ROLLOUT = "sigmaflight.rollout"
+KEY_LOG_PROBS = "sigmaflight.log_probs"
+"""Added key (v1 readers ignore unknown keys): whether log-probs were requested."""
+KEY_DTYPE = "sigmaflight.dtype"
+"""Field metadata of ``latent``: the torch dtype the values stand for."""
+
+COLUMNS = ("step", "sample", "prompt_index", "seed", "timestep", "sigma", "sigma_next", "sde", "log_prob", "latent")
+
+# torch dtype <-> (Arrow value type, numpy dtype, name in field metadata)
+_DTYPES: dict[torch.dtype, tuple[pa.DataType, np.dtype[Any], str]] = {
+    torch.float32: (pa.float32(), np.dtype(np.float32), "float32"),
+    torch.float16: (pa.float16(), np.dtype(np.float16), "float16"),
+    torch.bfloat16: (pa.uint16(), np.dtype(np.uint16), "bfloat16"),
+}
+_BY_NAME = {name: dt for dt, (_, _, name) in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPES[dtype][2]
+    except KeyError:
+        raise ValueError(f"unsupported latent dtype {dtype}; use float32, float16 or bfloat16") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown sigmaflight.dtype {name!r}") from None
+
+
+def arrow_value_type(dtype: torch.dtype) -> pa.DataType:
+    dtype_name(dtype)
+    return _DTYPES[dtype][0]
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
+    """The numpy dtype whose bytes carry ``dtype`` (uint16 for bfloat16)."""
+    dtype_name(dtype)
+    return _DTYPES[dtype][1]
+
+
+def exact_float32(value: float | np.floating[Any]) -> float:
+    """The shortest decimal whose float32 rounding is ``value``'s float32 bits.
+
+    numpy's float32 repr is the shortest round-tripping decimal for float32; it is
+    parsed as a Python float (float64) and checked, because decimal -> float64 ->
+    float32 rounds twice. Should the check ever fail, the float64 that equals the
+    float32 exactly is returned (always round-trips, just longer).
+    """
+    f = np.float32(value)
+    if not math.isfinite(float(f)):
+        raise ValueError(f"schedule value {float(f)!r} is not finite")
+    short = float(str(f))  # numpy 2: shortest float32 repr, e.g. '0.1'
+    if np.float32(short).view(np.uint32) == f.view(np.uint32):
+        return short
+    return float(f)
+
+
+def float32_list(values: torch.Tensor | Sequence[float]) -> list[float]:
+    arr = values.detach().cpu().to(torch.float32).numpy() if isinstance(values, torch.Tensor) else values
+    return [exact_float32(v) for v in np.asarray(arr, dtype=np.float32).reshape(-1)]
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+
+
+def rollout_metadata(header: TrajectoryHeader) -> dict[str, Any]:
+    """``header.rollout`` with the keys the contract names filled from the header."""
+    rollout = dict(header.rollout)
+    rollout["id"] = header.rollout_id
+    rollout["seeds"] = [int(s) for s in header.seeds]
+    rollout["num_samples"] = header.num_samples
+    rollout["num_outputs_per_prompt"] = header.num_outputs_per_prompt
+    return rollout
+
+
+def validate_header(header: TrajectoryHeader) -> None:
+    """Invariants the codec relies on; raises ValueError naming the bad field."""
+    t = header.num_steps
+    if header.sigmas.ndim != 1 or header.sigmas.shape[0] != t + 1:
+        raise ValueError(f"sigmas must be [T+1] = [{t + 1}], got {list(header.sigmas.shape)}")
+    if header.timesteps.ndim != 1:
+        raise ValueError("timesteps must be 1-D [T]")
+    steps = list(header.steps)
+    if steps != sorted(set(steps)) or any(not 0 <= s <= t for s in steps):
+        raise ValueError(f"steps must be unique, ascending and in 0..{t}, got {steps}")
+    if any(not 0 <= s < t for s in header.sde_steps):
+        raise ValueError(f"sde_steps must be in 0..{t - 1}, got {list(header.sde_steps)}")
+    if header.num_outputs_per_prompt < 1 or header.num_samples % header.num_outputs_per_prompt:
+        raise ValueError(
+            f"num_samples {header.num_samples} is not a multiple of num_outputs_per_prompt "
+            f"{header.num_outputs_per_prompt}"
+        )
+    if header.num_samples < 1:
+        raise ValueError("a rollout needs at least one sample (seeds is empty)")
+    dtype_name(header.latent_dtype)
+    if any(d < 1 for d in header.latent_shape) or not header.latent_shape:
+        raise ValueError(f"latent_shape must be non-empty and positive, got {header.latent_shape}")
+
+
+def trajectory_schema(header: TrajectoryHeader) -> pa.Schema:
+    """The exact "trajectory/v1" schema (column order, types, nullability, metadata)."""
+    validate_header(header)
+    value_type, _, name = _DTYPES[header.latent_dtype]
+    latent_type = pa.fixed_shape_tensor(value_type, list(header.latent_shape))
+    fields = [
+        pa.field("step", pa.int32(), nullable=False),
+        pa.field("sample", pa.int32(), nullable=False),
+        pa.field("prompt_index", pa.int32(), nullable=False),
+        pa.field("seed", pa.int64(), nullable=False),
+        pa.field("timestep", pa.float32(), nullable=True),
+        pa.field("sigma", pa.float32(), nullable=False),
+        pa.field("sigma_next", pa.float32(), nullable=True),
+        pa.field("sde", pa.bool_(), nullable=True),
+        pa.field("log_prob", pa.float32(), nullable=True),
+        pa.field("latent", latent_type, nullable=False, metadata={KEY_DTYPE: name}),
+    ]
+    metadata = {
+        KEY_FORMAT: _dumps(FORMAT),
+        KEY_SIGMAS: _dumps(float32_list(header.sigmas)),
+        KEY_TIMESTEPS: _dumps(float32_list(header.timesteps)),
+        KEY_STEPS: _dumps([int(s) for s in header.steps]),
+        KEY_SDE_STEPS: _dumps(sorted(int(s) for s in header.sde_steps)),
+        KEY_ROLLOUT: _dumps(rollout_metadata(header)),
+        KEY_LOG_PROBS: _dumps(bool(header.log_probs)),
+    }
+    return pa.schema(fields, metadata=metadata)
+
+
+def schema_metadata(schema: pa.Schema) -> dict[str, Any]:
+    """The schema metadata with JSON values decoded (unknown keys kept, v1 evolution)."""
+    out: dict[str, Any] = {}
+    for k, v in (schema.metadata or {}).items():
+        key = k.decode()
+        try:
+            out[key] = json.loads(v)
+        except ValueError:
+            out[key] = v.decode(errors="replace")
+    return out
+
+
+def latent_dtype_of(schema: pa.Schema) -> torch.dtype:
+    field = schema.field("latent")
+    meta = field.metadata or {}
+    name = meta.get(KEY_DTYPE.encode())
+    if name is not None:
+        return torch_dtype(name.decode())
+    storage = field.type.storage_type.value_type if isinstance(field.type, pa.ExtensionType) else None
+    for dt, (vt, _, _) in _DTYPES.items():
+        if storage == vt and dt is not torch.bfloat16:
+            return dt
+    raise ValueError(f"cannot tell the latent dtype of {field.type} (no {KEY_DTYPE} field metadata)")
+
+
+def header_from_schema(schema: pa.Schema) -> TrajectoryHeader:
+    """Rebuild the TrajectoryHeader a "trajectory/v1" schema was made from."""
+    meta = schema_metadata(schema)
+    fmt = meta.get(KEY_FORMAT)
+    if fmt != FORMAT:
+        raise ValueError(f"not a {FORMAT} schema ({KEY_FORMAT} = {fmt!r})")
+    missing = [c for c in COLUMNS if c not in schema.names]
+    if missing:
+        raise ValueError(f"{FORMAT} schema lacks columns {missing}")
+    latent_type = schema.field("latent").type
+    if not isinstance(latent_type, pa.FixedShapeTensorType):
+        raise ValueError(f"latent column is {latent_type}, expected arrow.fixed_shape_tensor")
+    rollout = dict(meta.get(KEY_ROLLOUT) or {})
+    seeds = tuple(int(s) for s in rollout.get("seeds", ()))
+    return TrajectoryHeader(
+        rollout_id=str(rollout.get("id", "")),
+        sigmas=torch.from_numpy(np.asarray(meta[KEY_SIGMAS], dtype=np.float32)),
+        timesteps=torch.from_numpy(np.asarray(meta[KEY_TIMESTEPS], dtype=np.float32)),
+        steps=tuple(int(s) for s in meta[KEY_STEPS]),
+        sde_steps=tuple(int(s) for s in meta.get(KEY_SDE_STEPS, ())),
+        seeds=seeds,
+        num_outputs_per_prompt=int(rollout.get("num_outputs_per_prompt", 1)),
+        latent_shape=tuple(int(d) for d in latent_type.shape),
+        latent_dtype=latent_dtype_of(schema),
+        log_probs=bool(meta.get(KEY_LOG_PROBS, True)),
+        rollout=rollout,
+    )

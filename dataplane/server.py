@@ -1,0 +1,289 @@
+"""FlightDataServer: the "trajectory/v1" streams of a ResultStore over Arrow Flight.
+
+Errors (all FlightError subclasses, with a message naming what was wrong):
+- unknown / released / expired ticket or rollout id: FlightServerError "ticket '...' not
+  found (unknown|released|expired)" -- answered at once, never a hang;
+- malformed descriptor (CMD, wrong path shape, non-UTF-8): FlightServerError;
+- rollout failed: FlightInternalError "rollout <id> failed: <reason>";
+- rollout cancelled: FlightServerError "rollout <id> cancelled: <reason>" (not
+  FlightCancelledError: pyarrow turns an ArrowCancelled raised inside
+  ``reader.read_all()`` into a SIGINT, i.e. a KeyboardInterrupt in the trainer);
+- missing / wrong bearer token: FlightUnauthenticatedError;
+- more than ``max_concurrent_streams`` streams: FlightUnavailableError.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Collection, Iterator
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from dataplane.store import Entry, ResultStore, RolloutEnded, TicketNotFound
+
+log = logging.getLogger(__name__)
+
+DESCRIPTOR_ROOT = "rollouts"
+ACTIONS = {
+    "cancel": 'Cancel a queued or running rollout. Body: the rollout id (UTF-8) or JSON {"id": ...}. '
+    'Answers JSON {"id", "cancelled": bool}.',
+    "release": 'Release a finished rollout (memory and file). Body: the rollout id (UTF-8) or JSON {"id": ...}. '
+    'Answers JSON {"id", "released": bool}.',
+}
+
+
+class BearerTokenMiddlewareFactory(flight.ServerMiddlewareFactory):
+    """Every call needs ``authorization: Bearer <token>`` matching one of ``tokens``.
+
+    Compared with hmac.compare_digest against every token (no early exit), never logged.
+    """
+
+    def __init__(self, tokens: Collection[str]) -> None:
+        super().__init__()
+        self._tokens = [t.encode() for t in tokens if t]
+        if not self._tokens:
+            raise ValueError("tokens must hold at least one non-empty token")
+
+    def start_call(self, info: flight.CallInfo, headers: dict[str, list[str]]) -> None:
+        values = headers.get("authorization") or headers.get("Authorization") or []
+        presented = values[0] if values else ""
+        scheme, _, token = presented.partition(" ")
+        candidate = token.strip().encode() if scheme.lower() == "bearer" else b""
+        ok = False
+        for t in self._tokens:
+            ok |= hmac.compare_digest(candidate, t)
+        if not ok:
+            raise flight.FlightUnauthenticatedError(
+                "missing or wrong bearer token (send the header 'authorization: Bearer <token>')"
+            )
+        return None
+
+
+class _StreamSlot:
+    """Holds one of max_concurrent_streams; freed when the stream ends or is dropped."""
+
+    def __init__(self, server: FlightDataServer) -> None:
+        self._fin = weakref.finalize(self, server._stream_closed)
+
+    def free(self) -> None:
+        self._fin()
+
+
+class FlightDataServer(flight.FlightServerBase):
+    def __init__(
+        self,
+        store: ResultStore,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: str | None = None,
+        tokens: Collection[str] | None = None,
+        tls_certificates: list[tuple[bytes, bytes]] | None = None,
+        on_cancel: Callable[[str], bool] | None = None,
+        on_release: Callable[[str], bool] | None = None,
+        max_concurrent_streams: int = 64,
+    ) -> None:
+        scheme = "grpc+tls" if tls_certificates else "grpc+tcp"
+        middleware = {"auth": BearerTokenMiddlewareFactory(tokens)} if tokens else None
+        super().__init__(
+            f"{scheme}://{host}:{port}",
+            tls_certificates=tls_certificates or None,
+            middleware=middleware,
+        )
+        self.store = store
+        self._scheme = scheme
+        self._host = advertise_host if (advertise_host and host in ("0.0.0.0", "::", "")) else host
+        self._on_cancel = on_cancel
+        self._on_release = on_release
+        self.max_concurrent_streams = int(max_concurrent_streams)
+        self._lock = threading.Lock()
+        self.active_streams = 0
+        self.bytes_served = 0
+        self.streams_served = 0
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def locations(self) -> list[str]:
+        return [f"{self._scheme}://{self._host}:{self.port}"]
+
+    def start(self) -> FlightDataServer:
+        """Serve in a background thread (the port is bound already)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self.serve, name="flight-data-server", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Wake waiting live streams (they end with an error) and shut down."""
+        self.store.stop_event.set()
+        for rid in self.store.ids():
+            try:
+                e = self.store.get(rid)
+            except TicketNotFound:
+                continue
+            with e.cond:
+                e.cond.notify_all()
+        self.shutdown()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def __enter__(self) -> FlightDataServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def metrics(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "active_streams": self.active_streams,
+                "bytes_served": self.bytes_served,
+                "streams_served": self.streams_served,
+            }
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _rollout_id(self, descriptor: flight.FlightDescriptor) -> str:
+        if descriptor.descriptor_type != flight.DescriptorType.PATH:
+            raise flight.FlightServerError(
+                f"unsupported descriptor type {descriptor.descriptor_type.name}: "
+                f"use FlightDescriptor.for_path({DESCRIPTOR_ROOT!r}, <rollout id>)"
+            )
+        try:
+            path = [p.decode("utf-8") if isinstance(p, bytes) else str(p) for p in descriptor.path]
+        except UnicodeDecodeError:
+            raise flight.FlightServerError("descriptor path is not UTF-8") from None
+        if len(path) != 2 or path[0] != DESCRIPTOR_ROOT or not path[1]:
+            raise flight.FlightServerError(
+                f"bad descriptor path {path[:4]!r}: expected [{DESCRIPTOR_ROOT!r}, <rollout id>]"
+            )
+        return path[1]
+
+    def _entry(self, rollout_id: str) -> Entry:
+        try:
+            return self.store.get(rollout_id)
+        except TicketNotFound as e:
+            raise flight.FlightServerError(str(e)) from None
+
+    def _flight_info(self, entry: Entry, partitions: int = 1) -> flight.FlightInfo:
+        tickets = self.store.partition_tickets(entry.rollout_id, partitions)
+        locations = [flight.Location(u) for u in self.locations]
+        endpoints = [flight.FlightEndpoint(t.encode(), locations) for t in tickets]
+        descriptor = flight.FlightDescriptor.for_path(DESCRIPTOR_ROOT, entry.rollout_id)
+        return flight.FlightInfo(entry.schema, descriptor, endpoints, entry.total_records, entry.total_bytes)
+
+    def _stream_closed(self) -> None:
+        with self._lock:
+            self.active_streams -= 1
+
+    def _serve(self, entry: Entry, start: int, stride: int, slot: _StreamSlot) -> Iterator[pa.RecordBatch]:
+        try:
+            for batch in entry.iter_batches(start, stride, stop=self.store.stop_event):
+                with self._lock:
+                    self.bytes_served += batch.nbytes
+                yield batch
+        except RolloutEnded as e:
+            if e.state == "failed":
+                raise flight.FlightInternalError(str(e)) from None
+            raise flight.FlightServerError(str(e)) from None
+        finally:
+            slot.free()
+
+    # -- Flight methods --------------------------------------------------------------------
+    def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.FlightDataStream:
+        try:
+            entry, start, stride = self.store.lookup_ticket(ticket.ticket)
+        except TicketNotFound as e:
+            raise flight.FlightServerError(str(e)) from None
+        if entry.state not in ("running", "succeeded"):
+            msg = f"rollout {entry.rollout_id} {entry.state}: {entry.message or entry.state}"
+            if entry.state == "failed":
+                raise flight.FlightInternalError(msg)
+            raise flight.FlightServerError(msg)
+        with self._lock:
+            if self.active_streams >= self.max_concurrent_streams:
+                raise flight.FlightUnavailableError(
+                    f"too many concurrent streams ({self.active_streams} of max_concurrent_streams="
+                    f"{self.max_concurrent_streams}); retry later"
+                )
+            self.active_streams += 1
+            self.streams_served += 1
+        slot = _StreamSlot(self)
+        return flight.GeneratorStream(entry.schema, self._serve(entry, start, stride, slot))
+
+    def get_flight_info(
+        self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor
+    ) -> flight.FlightInfo:
+        """``for_path("rollouts", id)``: one endpoint streaming the whole rollout.
+        ``for_path("rollouts", id, "partitions", n)``: n endpoints (batches k, k+n, ...)
+        that a client may pull concurrently; concatenated in step order they are the rollout."""
+        if descriptor.descriptor_type == flight.DescriptorType.PATH and len(descriptor.path) == 4:
+            parts = [bytes(p) for p in descriptor.path]
+            if parts[0] == DESCRIPTOR_ROOT.encode() and parts[2] == b"partitions":
+                try:
+                    n = int(parts[3])
+                    if not 1 <= n <= 64:
+                        raise ValueError
+                except ValueError:
+                    raise flight.FlightServerError(
+                        f"bad partition count {parts[3][:20]!r}: expected an integer in 1..64"
+                    ) from None
+                rid = parts[1].decode("utf-8", errors="replace")
+                return self._flight_info(self._entry(rid), n)
+        return self._flight_info(self._entry(self._rollout_id(descriptor)))
+
+    def get_schema(
+        self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor
+    ) -> flight.SchemaResult:
+        return flight.SchemaResult(self._entry(self._rollout_id(descriptor)).schema)
+
+    def list_flights(self, context: flight.ServerCallContext, criteria: bytes) -> Iterator[flight.FlightInfo]:
+        """Every rollout that can be streamed (running or succeeded)."""
+        for rid in self.store.ids():
+            try:
+                e = self.store.get(rid)
+            except TicketNotFound:
+                continue
+            if e.state in ("running", "succeeded"):
+                yield self._flight_info(e)
+
+    def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
+        return list(ACTIONS.items())
+
+    def do_action(self, context: flight.ServerCallContext, action: flight.Action) -> Iterator[bytes]:
+        kind = action.type
+        if kind not in ACTIONS:
+            raise flight.FlightServerError(f"unknown action {kind[:40]!r}; known: {sorted(ACTIONS)}")
+        rid = _action_id(action.body.to_pybytes() if action.body is not None else b"")
+        if kind == "cancel":
+            if self._on_cancel is None:
+                raise flight.FlightServerError("this server has no cancel handler (no control plane)")
+            done = bool(self._on_cancel(rid))
+            return iter([json.dumps({"id": rid, "cancelled": done}).encode()])
+        done = bool(self._on_release(rid) if self._on_release is not None else self.store.release(rid))
+        return iter([json.dumps({"id": rid, "released": done}).encode()])
+
+
+def _action_id(body: bytes) -> str:
+    try:
+        text = body.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise flight.FlightServerError("action body must be a rollout id (UTF-8) or JSON {\"id\": ...}") from None
+    if text.startswith("{"):
+        try:
+            obj: Any = json.loads(text)
+        except ValueError:
+            raise flight.FlightServerError("action body is not valid JSON") from None
+        text = obj.get("id", "") if isinstance(obj, dict) else ""
+        if not isinstance(text, str):
+            text = ""
+    if not text:
+        raise flight.FlightServerError("action body names no rollout id")
+    return text
