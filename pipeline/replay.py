@@ -1,0 +1,111 @@
+"""Replay for trainers: score a captured trajectory with the rollout's own code.
+
+`step_log_prob` (re-exported from kernels) scores one transition from tensors a trainer
+already has. `Replayer` re-runs the model on a captured trajectory through the same pipeline
+call the rollout made (same batch layout, prompts, negative prompt, CFG, per-sample
+generators), feeding the captured latents back in, and scores each stochastic transition
+whose x_i and x_{i+1} were both captured. Transitions between uncaptured latents are
+re-sampled with the rollout's own noise (same seeds), so a gap in the capture does not
+break the chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pipeline.kernels import kernel_mean_std, step_log_prob
+from pipeline.models import LoadedModel
+from pipeline.rollout import _call_kwargs, _draw_noise, _per_row_overrides, _sde_steps_of, validate_spec
+from pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
+from pipeline.spec import RolloutSpec
+
+__all__ = ["Replayer", "step_log_prob"]
+
+
+class _ReplayDriver:
+    def __init__(
+        self,
+        spec: RolloutSpec,
+        latents: dict[int, torch.Tensor],
+        sigmas: torch.Tensor,
+        timesteps: torch.Tensor,
+        seeds: tuple[int, ...],
+    ) -> None:
+        self.spec = spec
+        self.T = spec.num_inference_steps
+        self.latents = latents
+        self.sigmas = sigmas
+        self.timesteps = timesteps
+        self.seeds = seeds
+        self.sde_steps = frozenset(_sde_steps_of(spec))
+        self.log_probs = torch.full((len(seeds), self.T), float("nan"), dtype=torch.float32)
+
+    def on_set_timesteps(self, scheduler: RolloutScheduler) -> None:
+        if self.sigmas.shape[0] != self.T + 1 or self.timesteps.shape[0] != self.T:
+            raise ValueError(f"sigmas must have T+1 = {self.T + 1} entries and timesteps T = {self.T}")
+        # Condition the model on the recorded timesteps (the pipeline reads scheduler.timesteps next).
+        scheduler.timesteps = self.timesteps.to(device=scheduler.timesteps.device, dtype=torch.float32)
+
+    def step(self, scheduler: RolloutScheduler, i: int, sample: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
+        stochastic = i in self.sde_steps
+        x_next = self.latents.get(i + 1)
+        if x_next is not None:
+            x_next = x_next.to(device=sample.device)
+        elif stochastic:
+            mean, std = kernel_mean_std(sample, velocity, self.sigmas, i, sampler=self.spec.sampler)
+            eps = _draw_noise(self.seeds, i, tuple(sample.shape[1:])).to(mean.device)
+            x_next = (mean + std * eps).to(velocity.dtype)
+        else:
+            x_next = scheduler.euler_step(i, sample, velocity)
+        if stochastic and i in self.latents and (i + 1) in self.latents:
+            self.log_probs[:, i] = step_log_prob(
+                sample, x_next, velocity, self.sigmas, i, sampler=self.spec.sampler
+            ).to("cpu")
+        return x_next
+
+
+class Replayer:
+    """Re-runs `model` on captured trajectories; thread-safe like `run_rollout`."""
+
+    def __init__(self, model: LoadedModel) -> None:
+        self.model = model
+
+    def log_probs(
+        self,
+        spec: RolloutSpec,
+        *,
+        latents: torch.Tensor,
+        steps: Sequence[int],
+        sigmas: torch.Tensor,
+        timesteps: torch.Tensor,
+        seeds: Sequence[int],
+        per_sample_model_calls: bool = False,
+    ) -> torch.Tensor:
+        """float32 [B, T] log-probs; NaN where the transition is deterministic or not both ends captured.
+
+        latents: [B, K, *latent_shape], x_i for the absolute indices `steps` (K entries), in
+        the dtype they were captured in (native for a bit-exact replay).
+        sigmas [T+1], timesteps [T]: the trajectory's snapshot, as recorded.
+        seeds: the per-sample seeds of the rollout (`RolloutResult.seeds` / the `seed` column).
+        Pass `per_sample_model_calls` as the rollout did.
+        """
+        validate_spec(self.model, spec)
+        if latents.shape[0] != spec.num_samples or latents.shape[1] != len(steps):
+            raise ValueError(f"latents must be [B={spec.num_samples}, K={len(steps)}, ...], got {tuple(latents.shape)}")
+        seeds_t = tuple(int(s) for s in seeds)
+        pipeline, _ = self.model.snapshot()
+        device = self.model.device
+        by_step = {int(s): latents[:, k].to(device) for k, s in enumerate(steps)}
+        driver = _ReplayDriver(spec, by_step, sigmas, timesteps, seeds_t)
+        scheduler = make_rollout_scheduler(pipeline.scheduler, driver)
+        overrides = _per_row_overrides(self.model, pipeline) if per_sample_model_calls else None
+        pipe = per_call_pipeline(pipeline, scheduler, overrides)
+        kwargs: dict[str, Any] = _call_kwargs(self.model, spec, seeds_t)
+        if 0 in by_step:
+            kwargs["latents"] = by_step[0].to(self.model.dtype)
+        with torch.inference_mode():
+            pipe(**kwargs)
+        return driver.log_probs
