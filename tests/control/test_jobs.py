@@ -1,0 +1,104 @@
+"""JobManager with the real local backend: real tiny model, real result store."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from control.backend import LocalBackend
+from control.jobs import IdempotencyConflict, JobManager, QueueFull
+from dataplane.store import ResultStore
+from pipeline.models import ModelRegistry
+from pipeline.spec import RolloutSpec, SamplerSpec
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return ModelRegistry()
+
+
+def manager(registry, tmp_path=None, **kw) -> tuple[JobManager, ResultStore]:
+    store = ResultStore(memory_budget_bytes=1 << 30, data_dir=tmp_path)
+    backend = LocalBackend(registry, store, locations=lambda: ["grpc+tcp://127.0.0.1:1"])
+    return JobManager(backend, data_dir=tmp_path, **kw), store
+
+
+def spec(**kw) -> RolloutSpec:
+    base = dict(model="tiny-sd3", prompts=("a cat",), num_inference_steps=2, seed=1)
+    return RolloutSpec(**{**base, **kw})
+
+
+def wait(jobs: JobManager, job_id: str, statuses: set[str], timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while (status := jobs.get(job_id).status) not in statuses:
+        assert time.monotonic() < deadline, status
+        time.sleep(0.01)
+    return status
+
+
+def test_a_failing_rollout_is_marked_failed_and_the_next_one_runs(registry):
+    jobs, store = manager(registry)
+    jobs.start()
+    try:
+        bad, _ = jobs.submit(spec(return_steps=(0, 99)), {})  # bypasses request validation on purpose
+        good, _ = jobs.submit(spec(), {})
+        assert wait(jobs, bad.id, {"failed", "succeeded"}) == "failed"
+        assert bad.error is not None and bad.error[1]
+        assert wait(jobs, good.id, {"failed", "succeeded"}) == "succeeded"
+        assert good.result == {"num_rows": 3, "num_bytes": good.result["num_bytes"], "steps": [0, 1, 2]}
+        assert good.steps_done == good.steps_total == 2
+    finally:
+        jobs.stop()
+
+
+def test_ttl_expires_results_and_releases_the_store(registry):
+    jobs, store = manager(registry, ttl_s=60)
+    jobs.start()
+    try:
+        job, _ = jobs.submit(spec(), {})
+        wait(jobs, job.id, {"succeeded"})
+        assert store.info(job.id).state == "succeeded"
+        jobs.reap(now=time.time() + 30)
+        assert jobs.get(job.id).status == "succeeded"
+        jobs.reap(now=time.time() + 61)
+        assert jobs.get(job.id).status == "expired"
+        with pytest.raises(KeyError):
+            store.info(job.id)
+    finally:
+        jobs.stop()
+
+
+def test_queue_bound_and_idempotency(registry):
+    jobs, _ = manager(registry, queue_size=2)  # not started: everything stays queued
+    a, created = jobs.submit(spec(), {}, idempotency_key="k", body_digest="d1")
+    again, created_again = jobs.submit(spec(), {}, idempotency_key="k", body_digest="d1")
+    assert created and not created_again and again is a
+    with pytest.raises(IdempotencyConflict):
+        jobs.submit(spec(), {}, idempotency_key="k", body_digest="d2")
+    jobs.submit(spec(), {})
+    with pytest.raises(QueueFull):
+        jobs.submit(spec(), {})
+    assert jobs.queue_depth() == 2
+    assert jobs.cancel(a.id).status == "cancelled"
+    assert jobs.queue_depth() == 1
+    jobs.stop()
+
+
+def test_restart_marks_unfinished_rollouts_failed_and_keeps_finished_ones(registry, tmp_path):
+    jobs, store = manager(registry, tmp_path)
+    jobs.start()
+    done, _ = jobs.submit(spec(), {})
+    wait(jobs, done.id, {"succeeded"})
+    jobs.stop()
+    store.close()
+    crashed, _ = manager(registry, tmp_path)  # never started: its rollout stays queued
+    lost, _ = crashed.submit(spec(), {})
+    # The process "dies" here: no stop(), nothing cleaned up; a new one opens the same directory.
+    again, store2 = manager(registry, tmp_path)
+    assert again.get(done.id).status == "succeeded"
+    assert store2.info(done.id).state == "succeeded"
+    failed = again.get(lost.id)
+    assert failed.status == "failed" and failed.error is not None
+    assert failed.error[0] == "server_restarted" and "queued" in failed.error[1]
+    again.stop()

@@ -1,0 +1,265 @@
+"""End to end: the real `sigmaflight serve` process, httpx on REST, plain pyarrow.flight on Flight."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from tests.servers import ServerProcess, wait_for_status
+
+COLUMNS = ["step", "sample", "prompt_index", "seed", "timestep", "sigma", "sigma_next", "sde", "log_prob", "latent"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess() as s:
+        yield s
+
+
+@pytest.fixture()
+def client(server):
+    with server.client() as c:
+        yield c
+
+
+def submit(client: httpx.Client, **body) -> dict:
+    body.setdefault("prompts", ["a red cube"])
+    r = client.post("/v1/rollouts", json=body)
+    assert r.status_code == 202, r.text
+    return r.json()
+
+
+def pull(ticket: dict, location: str | None = None) -> pa.Table:
+    with flight.FlightClient(location or ticket["flight"]["locations"][0]) as fc:
+        return fc.do_get(flight.Ticket(ticket["flight"]["ticket"].encode())).read_all()
+
+
+def meta(table: pa.Table, key: str):
+    return json.loads(table.schema.metadata[f"sigmaflight.{key}".encode()])
+
+
+def test_submit_follow_and_pull_with_plain_flight(client):
+    t0 = time.perf_counter()
+    ticket = submit(client, prompts=["a red cube", "a blue ball"], num_inference_steps=4, seed=7,
+                    sampler={"type": "sde", "noise_level": 0.7}, guidance_scale=4.5)
+    assert time.perf_counter() - t0 < 5  # answered at once (the 100 ms target is measured by ops/bench_service.py)
+    assert ticket["status"] == "queued" and ticket["flight"]["descriptor_path"] == ["rollouts", ticket["id"]]
+    assert ticket["status_url"].endswith(f"/v1/rollouts/{ticket['id']}")
+    done = wait_for_status(client, ticket["id"], {"succeeded", "failed"})
+    assert done["status"] == "succeeded", done
+    assert done["progress"] == {"steps_done": 4, "steps_total": 4}
+    table = pull(ticket)
+    assert table.schema.names == COLUMNS
+    assert meta(table, "format") == "trajectory/v1"
+    assert table.num_rows == 5 * 2 == done["result"]["num_rows"]
+    assert done["result"]["steps"] == [0, 1, 2, 3, 4]
+    # Rows are step-major, samples ascending within a step.
+    assert table["step"].to_pylist() == [i for i in range(5) for _ in range(2)]
+    assert table["sample"].to_pylist() == [0, 1] * 5
+    # sigmas are the model scheduler's own snapshot after set_timesteps, bit for bit.
+    rollout = meta(table, "rollout")
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(rollout["scheduler"]["config"])
+    scheduler.set_timesteps(num_inference_steps=4)
+    sigmas = torch.tensor(np.array(meta(table, "sigmas"), dtype=np.float32))
+    assert torch.equal(sigmas, scheduler.sigmas.to(torch.float32))
+    assert torch.equal(torch.tensor(np.array(meta(table, "timesteps"), dtype=np.float32)), scheduler.timesteps)
+    assert sigmas[-1].item() == 0.0 and len(sigmas) == 5
+    # Columns carry the schedule by absolute index; the terminal row has no transition.
+    assert table["sigma"].to_pylist()[::2] == sigmas.tolist()
+    assert table["sigma_next"].to_pylist()[::2] == sigmas[1:].tolist() + [None]
+    log_probs = table["log_prob"].to_pylist()
+    assert all(lp is not None and np.isfinite(lp) for lp in log_probs[:8]) and log_probs[8:] == [None, None]
+    assert rollout["id"] == ticket["id"] and rollout["model"]["digest"]
+
+
+def test_b_equals_t_plus_one_gives_every_sample_the_full_schedule(client):
+    ticket = submit(client, prompts=["a", "b"], num_outputs_per_prompt=2, num_inference_steps=3, seed=3)
+    assert wait_for_status(client, ticket["id"], {"succeeded", "failed"})["status"] == "succeeded"
+    table = pull(ticket)
+    sigmas = meta(table, "sigmas")
+    assert len(sigmas) == 4 and len(meta(table, "rollout")["seeds"]) == 4
+    assert table["prompt_index"].to_pylist()[:4] == [0, 0, 1, 1]
+    for s in range(4):
+        rows = table.filter(pa.compute.equal(table["sample"], s))
+        assert rows["sigma"].to_pylist() == pytest.approx(sigmas, abs=0) and rows.num_rows == 4
+    final = table.filter(pa.compute.equal(table["step"], 3))["latent"].combine_chunks().to_numpy_ndarray()
+    assert len({final[s].tobytes() for s in range(4)}) == 4  # samples differ
+
+
+def test_return_steps_filter_keeps_absolute_indices_and_full_sigmas(client):
+    ticket = submit(client, num_inference_steps=4, seed=5, **{"return": {"steps": [0, 3]}})
+    done = wait_for_status(client, ticket["id"], {"succeeded", "failed"})
+    assert done["result"]["steps"] == [0, 3]
+    table = pull(ticket)
+    assert table["step"].to_pylist() == [0, 3]
+    assert meta(table, "steps") == [0, 3]
+    assert len(meta(table, "sigmas")) == 5 and len(meta(table, "timesteps")) == 4
+    assert table["sigma"].to_pylist() == [meta(table, "sigmas")[0], meta(table, "sigmas")[3]]
+
+
+def test_same_seed_gives_bit_identical_trajectories(client):
+    a = submit(client, num_inference_steps=3, seed=11)
+    b = submit(client, num_inference_steps=3, seed=11)
+    for t in (a, b):
+        wait_for_status(client, t["id"], {"succeeded"})
+    ta, tb = pull(a), pull(b)
+    assert ta["latent"].equals(tb["latent"]) and ta["log_prob"].equals(tb["log_prob"])
+
+
+def test_consumer_joining_before_the_end_gets_every_step_once(client):
+    ticket = submit(client, num_inference_steps=60, seed=1)
+    got: dict[str, pa.Table] = {}
+
+    def consume() -> None:
+        got["table"] = pull(ticket)
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    status = client.get(f"/v1/rollouts/{ticket['id']}").json()["status"]
+    reader.join(60)
+    assert not reader.is_alive()
+    assert status in ("queued", "running")  # the consumer really joined before the end
+    assert got["table"]["step"].to_pylist() == list(range(61))
+
+
+def test_cancel_mid_run_ends_the_stream_with_a_named_error(client):
+    ticket = submit(client, num_inference_steps=400, seed=2)
+    deadline = time.monotonic() + 30
+    while client.get(f"/v1/rollouts/{ticket['id']}").json()["progress"]["steps_done"] < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    r = client.delete(f"/v1/rollouts/{ticket['id']}")
+    assert r.status_code == 200
+    done = wait_for_status(client, ticket["id"], {"cancelled", "succeeded", "failed"})
+    assert done["status"] == "cancelled"
+    assert 2 <= done["progress"]["steps_done"] < 400
+    with pytest.raises(flight.FlightError, match="cancel"):
+        pull(ticket)
+
+
+def test_idempotency_key_returns_the_same_ticket_and_409_on_another_body(client):
+    body = {"prompts": ["same"], "num_inference_steps": 2, "seed": 1}
+    headers = {"Idempotency-Key": "retry-me-1"}
+    first = client.post("/v1/rollouts", json=body, headers=headers)
+    second = client.post("/v1/rollouts", json=body, headers=headers)
+    assert first.status_code == second.status_code == 202
+    assert first.json()["id"] == second.json()["id"]
+    other = client.post("/v1/rollouts", json={**body, "seed": 2}, headers=headers)
+    assert other.status_code == 409
+    assert other.json()["error"]["type"] == "idempotency_conflict"
+
+
+BAD_BODIES = [
+    ({"prompts": "not a list"}, ["body", "prompts"]),
+    ({"prompts": []}, ["body", "prompts"]),
+    ({"prompts": ["a"], "colour": "red"}, ["body", "colour"]),
+    ({"prompts": ["a"], "num_inference_steps": -3}, ["body", "num_inference_steps"]),
+    ({"prompts": ["a"], "num_inference_steps": "many"}, ["body", "num_inference_steps"]),
+    ({"prompts": ["a"], "sampler": {"type": "euler"}}, ["body", "sampler", "type"]),
+    ({"prompts": ["a"], "sampler": {"noise_level": -1}}, ["body", "sampler", "noise_level"]),
+    ({"prompts": ["a"], "num_inference_steps": 3, "sampler": {"sde_steps": [3]}}, ["body", "sampler", "sde_steps"]),
+    ({"prompts": ["a"], "num_inference_steps": 3, "return": {"steps": [0, 0]}}, ["body", "return", "steps"]),
+    ({"prompts": ["a"], "num_inference_steps": 3, "return": {"steps": [4]}}, ["body", "return", "steps"]),
+    ({"prompts": ["a"], "model": "no-such-model"}, ["body", "model"]),
+    ({"prompts": ["a"], "height": 33}, ["body", "height"]),
+    ({"prompts": ["a"] * 1000}, ["body", "prompts"]),
+    ({"prompts": ["a"], "seeds": [1, 2]}, ["body", "seeds"]),
+]
+
+
+@pytest.mark.parametrize(("body", "loc"), BAD_BODIES, ids=[str(loc[-1]) + str(i) for i, (_, loc) in enumerate(BAD_BODIES)])
+def test_bad_requests_get_422_naming_the_field(client, body, loc):
+    r = client.post("/v1/rollouts", json=body)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["type"] == "validation_error" and err["message"]
+    assert any(d["loc"][: len(loc)] == loc and d["msg"] for d in err["details"]), err
+
+
+def test_malformed_payloads_and_the_server_keeps_serving(client):
+    nan = client.post("/v1/rollouts", content=b'{"prompts": ["a"], "guidance_scale": NaN}',
+                      headers={"content-type": "application/json"})
+    assert nan.status_code == 422 and nan.json()["error"]["details"][0]["loc"] == ["body", "guidance_scale"]
+    broken = client.post("/v1/rollouts", content=b'{"prompts": [', headers={"content-type": "application/json"})
+    assert broken.status_code == 422 and broken.json()["error"]["details"][0]["type"] == "json_invalid"
+    huge = client.post("/v1/rollouts", content=b'{"prompts": ["' + b"x" * (2 << 20) + b'"]}')
+    assert huge.status_code == 413 and huge.json()["error"]["type"] == "body_too_large"
+    assert client.get("/v1/rollouts/nope").status_code == 404
+    assert client.get("/v1/rollouts/nope").json()["error"]["type"] == "not_found"
+    assert client.get("/v1/rollouts", params={"status": "weird"}).status_code == 422
+    assert client.get("/no/such/route").json()["error"]["type"] == "not_found"
+    ok = submit(client, num_inference_steps=2, seed=9)
+    assert wait_for_status(client, ok["id"], {"succeeded", "failed"})["status"] == "succeeded"
+
+
+def test_models_health_ready_metrics_and_list(client):
+    models = client.get("/v1/models").json()["models"]
+    assert [m["id"] for m in models if m["default"]] == ["tiny-sd3"]
+    assert client.get("/healthz").status_code == 200
+    assert client.get("/readyz").json()["status"] == "ready"
+    submit(client, num_inference_steps=2, seed=1)
+    text = client.get("/metrics").text
+    for name in ("sigmaflight_queue_depth", 'sigmaflight_rollouts{status="succeeded"}', "sigmaflight_steps_total",
+                 "sigmaflight_flight_bytes_served_total", 'sigmaflight_store_bytes{where="memory"}'):
+        assert name in text
+    listed = client.get("/v1/rollouts", params={"status": "succeeded"}).json()["rollouts"]
+    assert listed and all(r["status"] == "succeeded" for r in listed)
+
+
+def test_openapi_validates_and_matches_what_endpoints_return(client):
+    from jsonschema import Draft202012Validator
+    from openapi_spec_validator import validate
+
+    doc = client.get("/openapi.json").json()
+    validate(doc)
+
+    def check(instance: dict, name: str) -> None:
+        schema = {"$ref": f"#/components/schemas/{name}", "components": doc["components"]}
+        Draft202012Validator(schema).validate(instance)
+
+    ticket = submit(client, num_inference_steps=2, seed=4)
+    check(ticket, "Ticket")
+    check(wait_for_status(client, ticket["id"], {"succeeded"}), "RolloutStatus")
+    check(client.get("/v1/rollouts").json(), "RolloutList")
+    check(client.get("/v1/models").json(), "ModelList")
+    check(client.post("/v1/rollouts", json={"prompts": []}).json(), "ErrorBody")
+    assert set(doc["paths"]) == {"/v1/rollouts", "/v1/rollouts/{rollout_id}", "/v1/models", "/healthz", "/readyz",
+                                 "/metrics", "/openapi.json"}
+
+
+def test_queue_full_answers_429_with_retry_after():
+    with ServerProcess("--queue-size", "1", "--workers", "1") as s, s.client() as c:
+        codes = [c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 300, "seed": i}).status_code
+                 for i in range(4)]
+        assert 429 in codes and codes[0] == 202
+        r = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 300})
+        assert r.status_code == 429 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "queue_full"
+        for rollout in c.get("/v1/rollouts").json()["rollouts"]:
+            c.delete(f"/v1/rollouts/{rollout['id']}")
+
+
+def test_sigterm_fails_running_rollouts_and_exits_quickly(tmp_path):
+    s = ServerProcess("--data-dir", str(tmp_path))
+    with s.client() as c:
+        done = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2, "seed": 1}).json()
+        wait_for_status(c, done["id"], {"succeeded"})
+        running = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2000, "seed": 1}).json()
+        wait_for_status(c, running["id"], {"running"})
+    t0 = time.monotonic()
+    assert s.terminate(timeout=30) == 0
+    assert time.monotonic() - t0 < 30
+    with ServerProcess("--data-dir", str(tmp_path)) as again, again.client() as c:
+        assert c.get(f"/v1/rollouts/{done['id']}").json()["status"] == "succeeded"
+        failed = c.get(f"/v1/rollouts/{running['id']}").json()
+        assert failed["status"] == "failed" and "shutting down" in failed["error"]["message"]
+        assert pull(done, again.flight_url).num_rows == 3

@@ -1,0 +1,89 @@
+"""Wire models, their one converter, settings precedence and the CLI's help."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from control.cli import build_parser, settings_from_args
+from control.settings import Settings
+from control.wire import RolloutRequest, to_spec
+
+
+def test_to_spec_maps_every_field_and_fills_defaults():
+    req = RolloutRequest.model_validate(
+        {
+            "prompts": ["a", "b"],
+            "negative_prompt": "blurry",
+            "num_outputs_per_prompt": 3,
+            "guidance_scale": 4.5,
+            "height": 32,
+            "width": 48,
+            "seed": 17,
+            "sampler": {"type": "cps", "noise_level": 0.5, "sde_steps": [2, 0], "log_prob": "no_const"},
+            "return": {"steps": [0, 3], "log_probs": False, "latent_dtype": "bfloat16"},
+        }
+    )
+    spec = to_spec(req, model_id="tiny-sd3", default_steps=6, seed=999)
+    assert spec.prompts == ("a", "b") and spec.num_samples == 6
+    assert spec.num_inference_steps == 6  # the model's default
+    assert spec.seed == 17 and spec.seeds is None  # the request's seed beats the server's draw
+    assert spec.sampler.type == "cps" and spec.sampler.sde_steps == (2, 0) and spec.sampler.log_prob == "no_const"
+    assert spec.return_steps == (0, 3) and spec.return_log_probs is False and spec.latent_dtype == "bfloat16"
+    assert (spec.height, spec.width, spec.guidance_scale, spec.negative_prompt) == (32, 48, 4.5, "blurry")
+
+
+def test_to_spec_uses_the_server_seed_only_without_seed_or_seeds():
+    assert to_spec(RolloutRequest(prompts=["a"]), model_id="m", default_steps=2, seed=5).seed == 5
+    spec = to_spec(RolloutRequest(prompts=["a", "b"], seeds=[3, 4]), model_id="m", default_steps=2, seed=5)
+    assert spec.seeds == (3, 4) and spec.seed is None
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"prompts": ["a"], "seed": 1, "seeds": [1]}, ()),
+        ({"prompts": ["a"], "seeds": [-1]}, ()),
+        ({"prompts": ["a"], "seed": 2**63}, ("seed",)),
+        ({"prompts": ["a"], "guidance_scale": float("inf")}, ("guidance_scale",)),
+        ({"prompts": ["a"], "num_outputs_per_prompt": 0}, ("num_outputs_per_prompt",)),
+        ({"prompts": ["a"], "return": {"latent_dtype": "int8"}}, ("return", "latent_dtype")),
+        ({"prompts": ["a"], "sampler": {"log_prob": "sum"}}, ("sampler", "log_prob")),
+        ({"prompts": ["a"], "sampler": {"extra": 1}}, ("sampler", "extra")),
+    ],
+)
+def test_request_rejects_bad_values_naming_the_field(body, field):
+    with pytest.raises(ValidationError) as info:
+        RolloutRequest.model_validate(body)
+    assert info.value.errors()[0]["loc"] == field
+
+
+def test_settings_flag_beats_env_beats_default(monkeypatch):
+    monkeypatch.setenv("SIGMAFLIGHT_PORT", "9123")
+    monkeypatch.setenv("SIGMAFLIGHT_WORKERS", "3")
+    args = build_parser().parse_args(["serve", "--port", "9200", "--batch-invariant"])
+    s = settings_from_args(args)
+    assert (s.port, s.workers, s.flight_port, s.batch_invariant) == (9200, 3, 8815, True)
+
+
+def test_tokens_come_from_file_and_variable(tmp_path):
+    f = tmp_path / "tokens"
+    f.write_text("# trainers\n\nalpha\n  beta  \n")
+    s = Settings(token_file=f, token="gamma,delta")
+    assert s.tokens() == ["gamma", "delta", "alpha", "beta"]
+    assert "gamma" not in repr(s)  # a secret never shows in a repr (and so never in a log)
+
+
+def test_serve_help_explains_every_setting(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = capsys.readouterr().out
+    for name, field in Settings.model_fields.items():
+        assert "--" + name.replace("_", "-") in text
+        assert f"SIGMAFLIGHT_{name.upper()}" in "".join(text.split())
+        assert field.description
+
+
+def test_invalid_setting_is_refused_with_its_name():
+    with pytest.raises(ValidationError, match="workers"):
+        Settings(workers=0)
