@@ -10,7 +10,7 @@ from control.backend import LocalBackend
 from control.jobs import IdempotencyConflict, JobManager, QueueFull
 from dataplane.store import ResultStore
 from pipeline.models import ModelRegistry
-from pipeline.spec import RolloutSpec, SamplerSpec
+from pipeline.spec import RolloutSpec
 
 
 @pytest.fixture(scope="module")
