@@ -1,0 +1,3 @@
+from tests.dataplane.helpers import make_header, server, store
+
+__all__ = ["make_header", "server", "store"]

@@ -1,0 +1,118 @@
+"""Live rollouts: consumers that join mid-way, failures, cancels, shared buffers."""
+
+import threading
+import time
+
+import pyarrow.flight as flight
+import pytest
+import torch
+
+from dataplane.client import TrajectoryClient
+from dataplane.server import FlightDataServer
+from dataplane.store import ResultStore
+from tests.dataplane.helpers import build_header, make_steps
+
+
+def _consume(location, ticket, out, key):
+    try:
+        with TrajectoryClient(location) as c:
+            out[key] = [(s.step, s.latent.clone()) for s in c.iter_steps(ticket)]
+    except Exception as e:  # recorded for the asserting thread
+        out[key] = e
+
+
+def test_consumer_joining_mid_way_gets_every_step_once(server, store):
+    h = build_header("live", T=8, B=2)
+    steps = make_steps(h)
+    w = store.create(h)
+    ticket = w.ticket
+    out: dict = {}
+    threads = []
+    for i in h.steps:
+        if i in (0, 3, 7):  # consumers join before the start, mid-way and near the end
+            th = threading.Thread(target=_consume, args=(server.locations[0], ticket, out, i))
+            th.start()
+            threads.append(th)
+            time.sleep(0.05)
+        w.append(steps[i])
+        time.sleep(0.02)
+    assert store.info("live").state == "running"
+    w.finish()
+    for th in threads:
+        th.join(timeout=10)
+        assert not th.is_alive()
+    for key in (0, 3, 7):
+        got = out[key]
+        assert not isinstance(got, Exception), got
+        assert [s for s, _ in got] == list(range(9))
+        assert all(torch.equal(x, steps[s].latent) for s, x in got)
+
+
+def test_running_flight_info_reports_unknown_totals(server, store):
+    w = store.create(build_header("run"))
+    with flight.FlightClient(server.locations[0]) as c:
+        info = c.get_flight_info(flight.FlightDescriptor.for_path("rollouts", "run"))
+        assert info.total_records == -1 and info.total_bytes == -1
+        assert info.endpoints[0].ticket.ticket.decode() == w.ticket
+    w.fail("cancelled", "stop")
+
+
+@pytest.mark.parametrize(
+    ("kind", "error", "when"),
+    [("failed", flight.FlightInternalError, "during"), ("cancelled", flight.FlightServerError, "during"),
+     ("failed", flight.FlightInternalError, "after"), ("cancelled", flight.FlightServerError, "after")],
+)
+def test_failed_or_cancelled_rollout_ends_streams_with_reason(server, store, kind, error, when):
+    h = build_header(f"end-{kind}-{when}", T=4)
+    steps = make_steps(h)
+    w = store.create(h)
+    w.append(steps[0])
+    out: dict = {}
+    if when == "during":
+        th = threading.Thread(target=_consume, args=(server.locations[0], w.ticket, out, "x"))
+        th.start()
+        time.sleep(0.2)
+    w.fail(kind, "out of memory in step 1")
+    if when == "during":
+        th.join(timeout=10)
+        exc = out["x"]
+    else:
+        with TrajectoryClient(server.locations[0]) as c, pytest.raises(error) as ei:
+            list(c.iter_steps(w.ticket))
+        exc = ei.value
+    assert isinstance(exc, error), exc
+    assert kind in str(exc) and "out of memory in step 1" in str(exc)
+    assert not isinstance(exc, flight.FlightCancelledError)  # would become a KeyboardInterrupt in read_all
+    assert store.info(h.rollout_id).state == kind
+    assert store.stats()["bytes_in_memory"] == 0
+
+
+def test_consumers_share_the_stored_buffers(store):
+    h = build_header("share", T=3)
+    steps = make_steps(h)
+    w = store.create(h)
+    for i in h.steps:
+        w.append(steps[i])
+    w.finish()
+    e = store.get("share")
+    a = list(e.iter_batches())
+    b = list(e.iter_batches())
+    assert all(x is y for x, y in zip(a, b, strict=True))
+    addr = [x.column("latent").storage.values.buffers()[1].address for x in a]
+    assert addr == [steps[i].latent.data_ptr() for i in h.steps]
+
+
+def test_stop_ends_a_waiting_stream(tmp_path):
+    store = ResultStore(memory_budget_bytes=1 << 20)
+    srv = FlightDataServer(store).start()
+    w = store.create(build_header("hang"))
+    out: dict = {}
+    th = threading.Thread(target=_consume, args=(srv.locations[0], w.ticket, out, "x"))
+    th.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    srv.stop()
+    th.join(timeout=10)
+    assert time.monotonic() - t0 < 8
+    assert isinstance(out.get("x"), Exception)
+    store.close()
