@@ -56,7 +56,6 @@ def test_decode_is_zero_copy_and_dtype_restored(dtype):
 
 
 def test_decode_misaligned_readonly_buffer():
-    h = build_header(dtype=torch.float32, B=2, shape=(4,))
     x = torch.arange(8, dtype=torch.float32).reshape(2, 4)
     raw = b"\x00" + x.numpy().tobytes()
     buf = pa.py_buffer(raw).slice(1)  # address % 4 != 0, read-only

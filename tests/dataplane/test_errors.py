@@ -1,0 +1,124 @@
+"""Bad tickets, descriptors and actions get typed errors at once; the server keeps serving.
+Auth: no / wrong / right bearer token. Concurrent stream limit."""
+
+import logging
+import time
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+
+from dataplane.client import TrajectoryClient
+from dataplane.server import FlightDataServer
+from tests.dataplane.helpers import build_header, fill
+
+BAD_TICKETS = [b"", b"nope", b"\xff\xfe\x00garbage", b"sft1_" + b"x" * 5000, b"__import__('os')"]
+
+
+@pytest.mark.parametrize("ticket", BAD_TICKETS)
+def test_bad_tickets_answer_at_once_and_server_keeps_serving(server, store, ticket):
+    fill(store, build_header("ok"))
+    with flight.FlightClient(server.locations[0]) as c:
+        t0 = time.monotonic()
+        with pytest.raises(flight.FlightServerError, match="ticket .* not found"):
+            c.do_get(flight.Ticket(ticket)).read_all()
+        assert time.monotonic() - t0 < 1.0
+        assert c.do_get(flight.Ticket(store.ticket_for("ok").encode())).read_all().num_rows == 15
+
+
+BAD_DESCRIPTORS = [
+    (flight.FlightDescriptor.for_command(b"SELECT 1"), "unsupported descriptor type CMD"),
+    (flight.FlightDescriptor.for_path("rollouts"), "bad descriptor path"),
+    (flight.FlightDescriptor.for_path("other", "ok"), "bad descriptor path"),
+    (flight.FlightDescriptor.for_path("rollouts", "ok", "x"), "bad descriptor path"),
+    (flight.FlightDescriptor.for_path("rollouts", "missing"), "rollout 'missing' not found"),
+    (flight.FlightDescriptor.for_path("rollouts", "ok", "partitions", "zero"), "bad partition count"),
+    (flight.FlightDescriptor.for_path("rollouts", "ok", "partitions", "1000"), "bad partition count"),
+]
+
+
+@pytest.mark.parametrize(("descriptor", "message"), BAD_DESCRIPTORS)
+def test_bad_descriptors(server, store, descriptor, message):
+    fill(store, build_header("ok"))
+    with flight.FlightClient(server.locations[0]) as c:
+        with pytest.raises(flight.FlightServerError, match=message):
+            c.get_flight_info(descriptor)
+        if len(descriptor.path or []) != 4:
+            # pyarrow 26 loses the Flight error type on get_schema (ArrowException, message kept)
+            with pytest.raises(pa.ArrowException, match=message):
+                c.get_schema(descriptor)
+        assert c.get_flight_info(flight.FlightDescriptor.for_path("rollouts", "ok")).total_records == 15
+
+
+def test_non_utf8_descriptor_is_refused_by_grpc_and_server_survives(server, store):
+    fill(store, build_header("ok"))
+    with flight.FlightClient(server.locations[0]) as c:
+        with pytest.raises(flight.FlightError):  # protobuf rejects it before our code runs
+            c.get_flight_info(flight.FlightDescriptor.for_path(b"rollouts", b"\xff\xfe"))
+        assert c.get_flight_info(flight.FlightDescriptor.for_path("rollouts", "ok")).total_records == 15
+
+
+@pytest.mark.parametrize(
+    ("action", "message"),
+    [(flight.Action("drop_tables", b"ok"), "unknown action"), (flight.Action("release", b""), "names no rollout id"),
+     (flight.Action("release", b"{not json"), "not valid JSON"), (flight.Action("release", b"\xff"), "UTF-8"),
+     (flight.Action("cancel", b"ok"), "no cancel handler")],
+)
+def test_bad_actions(server, store, action, message):
+    fill(store, build_header("ok"))
+    with flight.FlightClient(server.locations[0]) as c:
+        with pytest.raises(flight.FlightServerError, match=message):
+            list(c.do_action(action))
+        assert list(c.list_flights())
+
+
+def test_cancel_and_release_handlers(store):
+    seen = []
+    fill(store, build_header("a"))
+    with FlightDataServer(store, on_cancel=lambda i: seen.append(("c", i)) or True,
+                          on_release=lambda i: seen.append(("r", i)) or False) as srv, TrajectoryClient(srv.locations[0]) as c:
+        assert c.cancel("a") is True
+        assert c.release("a") is False
+        (r,) = list(c.flight_client.do_action(flight.Action("cancel", b"plain-id")))
+        assert r.body.to_pybytes() == b'{"id": "plain-id", "cancelled": true}'
+    assert seen == [("c", "a"), ("r", "a"), ("c", "plain-id")]
+
+
+def test_auth_no_wrong_right_token(store, caplog):
+    fill(store, build_header("sec"))
+    caplog.set_level(logging.DEBUG)
+    secret = "s3cret-token-value"
+    with FlightDataServer(store, tokens=["other", secret]) as srv:
+        loc = srv.locations[0]
+        with flight.FlightClient(loc) as c:
+            with pytest.raises(flight.FlightUnauthenticatedError):
+                c.do_get(flight.Ticket(store.ticket_for("sec").encode())).read_all()
+            with pytest.raises(flight.FlightUnauthenticatedError):
+                list(c.list_flights())
+            bad = flight.FlightCallOptions(headers=[(b"authorization", b"Bearer nope")])
+            with pytest.raises(flight.FlightUnauthenticatedError):
+                c.get_flight_info(flight.FlightDescriptor.for_path("rollouts", "sec"), bad)
+            basic = flight.FlightCallOptions(headers=[(b"authorization", f"Basic {secret}".encode())])
+            with pytest.raises(flight.FlightUnauthenticatedError):
+                list(c.list_actions(basic))
+        with TrajectoryClient(loc, token="wrong") as tc, pytest.raises(flight.FlightUnauthenticatedError):
+            tc.pull("sec")
+        with TrajectoryClient(loc, token=secret) as tc:
+            assert tc.pull("sec").latents.shape[0] == 3
+    assert secret not in caplog.text
+
+
+def test_concurrent_stream_limit(store):
+    w = store.create(build_header("slow"))
+    with FlightDataServer(store, max_concurrent_streams=1) as srv, flight.FlightClient(srv.locations[0]) as c:
+        first = c.do_get(flight.Ticket(w.ticket.encode()))  # waits on the live rollout
+        with pytest.raises(flight.FlightUnavailableError, match="too many concurrent streams"):
+            c.do_get(flight.Ticket(w.ticket.encode())).read_all()
+        w.fail("cancelled", "test over")
+        with pytest.raises(flight.FlightServerError):
+            first.read_all()
+        del first
+        deadline = time.monotonic() + 5
+        while srv.metrics()["active_streams"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.metrics()["active_streams"] == 0
