@@ -18,7 +18,7 @@ Online RL", arXiv:2505.05470: the reverse-time SDE of the rectified flow discret
     x'      = mean + std * eps,   eps ~ N(0, I)
 
 "cps" -- coefficients-preserving sampling (Wang & Yu 2025, "Coefficients-Preserving
-Sampling for Reinforcement Learning with Flow Matching", arXiv:2509.05952): predicted x0 = x - sigma v,
+Sampling for Reinforcement Learning with Flow Matching"): predicted x0 = x - sigma v,
 predicted noise = x + (1 - sigma) v, and
 
     std     = sigma' * sin(a * pi / 2)

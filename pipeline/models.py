@@ -53,6 +53,8 @@ class LoadedModel:
     digest: str
     defaults: ModelDefaults
     lock: threading.Lock = field(default_factory=threading.Lock)
+    tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Fast tokenizers mutate their padding/truncation state per call: one call at a time."""
 
     def snapshot(self) -> tuple[Any, str]:
         with self.lock:
@@ -415,7 +417,7 @@ class ModelRegistry:
     def _load_local(self, model_id: str, path: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
         from diffusers import DiffusionPipeline
 
-        pipeline = DiffusionPipeline.from_pretrained(path, local_files_only=True, torch_dtype=dtype)
+        pipeline = DiffusionPipeline.from_pretrained(path, local_files_only=True, dtype=dtype)
         _prepare(pipeline, device, dtype)
         family = _family_of(pipeline)
         vae = int(getattr(pipeline, "vae_scale_factor", 8))

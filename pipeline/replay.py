@@ -18,7 +18,7 @@ import torch
 
 from pipeline.kernels import kernel_mean_std, step_log_prob
 from pipeline.models import LoadedModel
-from pipeline.rollout import _call_kwargs, _draw_noise, _per_row_overrides, _sde_steps_of, validate_spec
+from pipeline.rollout import _call_kwargs, _draw_noise, _call_overrides, _sde_steps_of, validate_spec
 from pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
 from pipeline.spec import RolloutSpec
 
@@ -101,7 +101,7 @@ class Replayer:
         by_step = {int(s): latents[:, k].to(device) for k, s in enumerate(steps)}
         driver = _ReplayDriver(spec, by_step, sigmas, timesteps, seeds_t)
         scheduler = make_rollout_scheduler(pipeline.scheduler, driver)
-        overrides = _per_row_overrides(self.model, pipeline) if per_sample_model_calls else None
+        overrides = _call_overrides(self.model, pipeline, per_sample_model_calls)
         pipe = per_call_pipeline(pipeline, scheduler, overrides)
         kwargs: dict[str, Any] = _call_kwargs(self.model, spec, seeds_t)
         if 0 in by_step:

@@ -242,6 +242,40 @@ class _PerRow:
         return _cat_outputs(outs)
 
 
+class _Locked:
+    """A tokenizer whose calls hold the model's tokenizer lock (shared across worker threads)."""
+
+    def __init__(self, tokenizer: Any, lock: Any) -> None:
+        self._tokenizer = tokenizer
+        self._lock = lock
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._tokenizer, name)
+        if not callable(attr):
+            return attr
+
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                return attr(*args, **kwargs)
+
+        return locked
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._tokenizer(*args, **kwargs)
+
+
+def _call_overrides(model: LoadedModel, pipeline: Any, per_sample_model_calls: bool) -> dict[str, Any]:
+    out = {
+        name: _Locked(comp, model.tokenizer_lock)
+        for name, comp in pipeline.components.items()
+        if name.startswith("tokenizer") and comp is not None
+    }
+    if per_sample_model_calls:
+        out.update(_per_row_overrides(model, pipeline))
+    return out
+
+
 def _per_row_overrides(model: LoadedModel, pipeline: Any) -> dict[str, Any]:
     if model.family not in _TRANSFORMER_BATCH_ARGS:
         raise RolloutInputError("model", f"per-sample model calls are not available for family {model.family!r}")
@@ -447,7 +481,7 @@ def run_rollout(
         original_scheduler=pipeline.scheduler,
     )
     scheduler = make_rollout_scheduler(pipeline.scheduler, driver)
-    overrides = _per_row_overrides(model, pipeline) if per_sample_model_calls else None
+    overrides = _call_overrides(model, pipeline, per_sample_model_calls)
     pipe = per_call_pipeline(pipeline, scheduler, overrides)
     with torch.inference_mode():
         out = pipe(**_call_kwargs(model, spec, seeds))

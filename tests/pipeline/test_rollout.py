@@ -1,0 +1,188 @@
+import threading
+
+import pytest
+import torch
+
+from pipeline.rollout import (
+    derive_seeds,
+    estimate_latent_bytes,
+    rollout_metadata,
+    run_rollout,
+    validate_spec,
+)
+from pipeline.spec import RolloutCancelled, RolloutInputError, RolloutSpec, SamplerSpec
+
+
+def _latents(res):
+    return torch.stack([c.latent for c in res.captures], dim=1)  # [B, K, ...]
+
+
+@pytest.mark.parametrize("model_id", ["tiny-sd3", "tiny-flux"])
+def test_batch_equal_to_steps_plus_one(registry, model_id):
+    model = registry.get(model_id)
+    spec = RolloutSpec(model=model_id, prompts=("a cat", "the dog"), num_outputs_per_prompt=2, num_inference_steps=3, seed=7)
+    events = []
+    res = run_rollout(
+        model,
+        spec,
+        on_schedule=lambda s: events.append(("schedule", s.sigmas.shape[0])),
+        on_step=lambda c: events.append(("step", c.step)),
+        on_progress=lambda d, t: events.append(("progress", d, t)),
+    )
+    assert events[0] == ("schedule", 4)
+    assert [e[1] for e in events if e[0] == "step"] == [0, 1, 2, 3]
+    assert [e[1:] for e in events if e[0] == "progress"] == [(1, 3), (2, 3), (3, 3)]
+    assert res.snapshot.sigmas.shape == (4,) and res.snapshot.timesteps.shape == (3,)
+    assert res.seeds == derive_seeds(7, 4) and len(set(res.seeds)) == 4
+    lat = _latents(res)
+    assert lat.shape[:2] == (4, 4)
+    for a in range(4):
+        for b in range(a + 1, 4):
+            assert not torch.equal(lat[a], lat[b])
+    assert res.log_probs.shape == (4, 3) and torch.isfinite(res.log_probs).all()
+    assert res.captures[-1].log_prob is None and res.captures[0].log_prob.shape == (4,)
+    assert torch.equal(res.captures[-1].latent, res.final_latents)
+    assert estimate_latent_bytes(model, spec) == sum(c.latent.nbytes for c in res.captures)
+    assert res.snapshot.latent_shape == tuple(lat.shape[2:])
+
+
+@pytest.mark.parametrize("model_id", ["tiny-sd3", "tiny-flux"])
+def test_twice_in_a_row_is_bit_identical(registry, model_id):
+    model = registry.get(model_id)
+    spec = RolloutSpec(model=model_id, prompts=("a cat", "the dog"), num_outputs_per_prompt=2, num_inference_steps=3, seed=11)
+    a, b = run_rollout(model, spec), run_rollout(model, spec)
+    assert torch.equal(_latents(a), _latents(b))
+    assert torch.equal(a.log_probs, b.log_probs)
+
+
+@pytest.mark.parametrize("model_id", ["tiny-sd3", "tiny-flux"])
+def test_alone_equals_inside_a_batch_of_16_with_per_sample_calls(registry, model_id):
+    model = registry.get(model_id)
+    prompts = tuple(f"prompt {chr(97 + k)}" for k in range(8))
+    batch = RolloutSpec(model=model_id, prompts=prompts, num_outputs_per_prompt=2, num_inference_steps=3, seed=5,
+                        negative_prompt="blur")
+    big = run_rollout(model, batch, per_sample_model_calls=True)
+    for k in (0, 9, 15):
+        alone = RolloutSpec(model=model_id, prompts=(prompts[k // 2],), num_inference_steps=3,
+                            seeds=(big.seeds[k],), negative_prompt="blur")
+        one = run_rollout(model, alone, per_sample_model_calls=True)
+        assert torch.equal(_latents(one)[0], _latents(big)[k])
+        assert torch.equal(one.log_probs[0], big.log_probs[k])
+
+
+def test_step_selection_keeps_absolute_indices_and_full_sigmas(registry):
+    model = registry.get("tiny-sd3")
+    base = RolloutSpec(model="tiny-sd3", prompts=("a cat",), num_outputs_per_prompt=2, num_inference_steps=3, seed=2)
+    full = run_rollout(model, base)
+    sel = run_rollout(model, RolloutSpec(**{**base.__dict__, "return_steps": (0, 3)}))
+    assert [c.step for c in sel.captures] == [0, 3]
+    assert sel.snapshot.steps == (0, 3)
+    assert torch.equal(sel.snapshot.sigmas, full.snapshot.sigmas) and sel.snapshot.sigmas.shape == (4,)
+    assert torch.equal(sel.snapshot.timesteps, full.snapshot.timesteps)
+    assert torch.equal(sel.captures[0].latent, full.captures[0].latent)
+    assert torch.equal(sel.captures[1].latent, full.captures[3].latent)
+    assert torch.equal(sel.log_probs, full.log_probs)
+
+
+def test_sde_steps_window_and_noise_independent_of_other_transitions(registry):
+    model = registry.get("tiny-sd3")
+    base = RolloutSpec(model="tiny-sd3", prompts=("a cat",), num_inference_steps=4, seed=4)
+    win = run_rollout(model, RolloutSpec(**{**base.__dict__, "sampler": SamplerSpec(sde_steps=(1, 2))}))
+    assert win.snapshot.sde_steps == (1, 2)
+    lp = win.log_probs[0]
+    assert torch.isnan(lp[0]) and torch.isnan(lp[3]) and torch.isfinite(lp[1:3]).all()
+    # Transition 1's noise is the same whether or not transition 0 was stochastic.
+    only1 = run_rollout(model, RolloutSpec(**{**base.__dict__, "sampler": SamplerSpec(sde_steps=(1,))}))
+    assert torch.equal(only1.captures[2].latent, win.captures[2].latent)
+
+
+def test_capture_off_and_cancel(registry):
+    model = registry.get("tiny-sd3")
+    spec = RolloutSpec(model="tiny-sd3", prompts=("a cat",), num_inference_steps=3, seed=1, capture=False)
+    seen = []
+    res = run_rollout(model, spec, on_step=seen.append)
+    assert seen == [] and res.captures == () and estimate_latent_bytes(model, spec) == 0
+    calls = []
+    with pytest.raises(RolloutCancelled):
+        run_rollout(model, RolloutSpec(model="tiny-sd3", prompts=("a cat",), num_inference_steps=3),
+                    on_progress=lambda d, t: calls.append(d), should_stop=lambda: len(calls) >= 1)
+    assert calls == [1]
+
+
+def test_latent_dtype_conversion_keeps_native_log_probs(registry):
+    model = registry.get("tiny-sd3")
+    base = RolloutSpec(model="tiny-sd3", prompts=("a cat",), num_inference_steps=2, seed=1)
+    native = run_rollout(model, base)
+    bf = run_rollout(model, RolloutSpec(**{**base.__dict__, "latent_dtype": "bfloat16"}))
+    assert bf.captures[1].latent.dtype == torch.bfloat16 and bf.snapshot.native_dtype == torch.float32
+    assert torch.equal(bf.log_probs, native.log_probs)
+
+
+def test_concurrent_rollouts_on_one_model(registry):
+    model = registry.get("tiny-flux")
+    spec = RolloutSpec(model="tiny-flux", prompts=("a cat", "the dog"), num_inference_steps=3, seed=9)
+    ref = run_rollout(model, spec)
+    results = [None] * 4
+
+    def work(k):
+        results[k] = run_rollout(model, spec)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in results:
+        assert torch.equal(_latents(r), _latents(ref)) and torch.equal(r.log_probs, ref.log_probs)
+
+
+def test_metadata_is_json(registry):
+    import json
+
+    model = registry.get("tiny-flux")
+    spec = RolloutSpec(model="tiny-flux", prompts=("a cat",), num_inference_steps=2, seed=1)
+    res = run_rollout(model, spec)
+    meta = json.loads(json.dumps(rollout_metadata(model, spec, res.snapshot)))
+    assert meta["model"] == {"id": "tiny-flux", "dtype": "float32", "digest": model.digest}
+    assert meta["scheduler"]["class"] == "FlowMatchEulerDiscreteScheduler"
+    assert meta["scheduler"]["config"]["use_dynamic_shifting"] is True
+    assert "mu" in meta["scheduler"]["set_timesteps"]
+    assert meta["seeds"] == list(res.seeds) and meta["num_samples"] == 1
+
+
+BAD = [
+    ({"num_inference_steps": 0}, "num_inference_steps"),
+    ({"sampler": SamplerSpec(type="ddim")}, "sampler.type"),
+    ({"sampler": SamplerSpec(noise_level=-0.1)}, "sampler.noise_level"),
+    ({"sampler": SamplerSpec(noise_level=float("nan"))}, "sampler.noise_level"),
+    ({"sampler": SamplerSpec(sde_steps=(3,))}, "sampler.sde_steps"),
+    ({"sampler": SamplerSpec(sde_steps=(1, 1))}, "sampler.sde_steps"),
+    ({"sampler": SamplerSpec(log_prob="sum")}, "sampler.log_prob"),
+    ({"return_steps": (4,)}, "return.steps"),
+    ({"return_steps": (2, 0)}, "return.steps"),
+    ({"return_steps": (1, 1)}, "return.steps"),
+    ({"height": 30}, "height"),
+    ({"width": 18}, "width"),
+    ({"seeds": (1, 2, 3)}, "seeds"),
+    ({"num_frames": 5}, "num_frames"),
+    ({"guidance_scale": float("inf")}, "guidance_scale"),
+    ({"prompts": ()}, "prompts"),
+    ({"latent_dtype": "int8"}, "latent_dtype"),
+]
+
+
+@pytest.mark.parametrize("change,field", BAD)
+def test_bad_input_names_the_field(registry, change, field):
+    model = registry.get("tiny-sd3")
+    spec = RolloutSpec(**{"model": "tiny-sd3", "prompts": ("a cat",), "num_inference_steps": 3, **change})
+    with pytest.raises(RolloutInputError) as err:
+        validate_spec(model, spec)
+    assert err.value.field == field
+    with pytest.raises(RolloutInputError):
+        run_rollout(model, spec)
+
+
+def test_unknown_model(registry):
+    with pytest.raises(RolloutInputError) as err:
+        registry.get("no-such-model")
+    assert err.value.field == "model"
