@@ -86,7 +86,7 @@ def _clip_tokenizer(max_length: int) -> Any:
     for ch in _LETTERS:
         vocab[ch] = len(vocab)
         vocab[ch + "</w>"] = len(vocab)
-    merges = [("a", "t</w>"), ("t", "h"), ("th", "e</w>")]
+    merges: Any = [("a", "t</w>"), ("t", "h"), ("th", "e</w>")]  # tuples (transformers 5), not strings
     for a, b in merges:
         vocab[a + b] = len(vocab)
     return CLIPTokenizer(
@@ -128,7 +128,7 @@ def _clip_encoder(hidden: int, proj: int, max_pos: int, vocab: int, layers: int,
 def _t5_encoder(d_model: int, vocab: int) -> Any:
     from transformers import T5Config, T5EncoderModel
 
-    cfg = T5Config(
+    kwargs: dict[str, Any] = dict(
         vocab_size=vocab,
         d_model=d_model,
         d_kv=8,
@@ -140,7 +140,7 @@ def _t5_encoder(d_model: int, vocab: int) -> Any:
         pad_token_id=0,
         eos_token_id=1,
     )
-    return T5EncoderModel(cfg)
+    return T5EncoderModel(T5Config(**kwargs))
 
 
 def _tiny_vae(latent_channels: int, **kw: Any) -> Any:

@@ -18,7 +18,7 @@ import torch
 
 from pipeline.kernels import kernel_mean_std, step_log_prob
 from pipeline.models import LoadedModel
-from pipeline.rollout import _call_kwargs, _draw_noise, _call_overrides, _sde_steps_of, validate_spec
+from pipeline.rollout import _call_kwargs, _call_overrides, _draw_noise, _sde_steps_of, validate_spec
 from pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
 from pipeline.spec import RolloutSpec
 

@@ -45,7 +45,11 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-class RolloutScheduler(FlowMatchEulerDiscreteScheduler):
+# diffusers' lazy module confuses type checkers; the base is a plain FlowMatchEulerDiscreteScheduler.
+_FlowMatchBase: Any = FlowMatchEulerDiscreteScheduler
+
+
+class RolloutScheduler(_FlowMatchBase):
     """FlowMatchEulerDiscreteScheduler whose `step` is delegated to a `StepDriver`."""
 
     driver: StepDriver | None = None
@@ -84,7 +88,7 @@ class RolloutScheduler(FlowMatchEulerDiscreteScheduler):
         generator: torch.Generator | None = None,
         per_token_timesteps: torch.Tensor | None = None,
         return_dict: bool = True,
-    ) -> FlowMatchEulerDiscreteSchedulerOutput | tuple[torch.Tensor]:
+    ) -> Any:
         if self.driver is None or per_token_timesteps is not None:
             if per_token_timesteps is not None:
                 raise NotImplementedError("per-token timesteps are not supported by sigmaflight rollouts")
@@ -96,7 +100,7 @@ class RolloutScheduler(FlowMatchEulerDiscreteScheduler):
         self._step_index = i + 1
         if not return_dict:
             return (prev_sample,)
-        return FlowMatchEulerDiscreteSchedulerOutput(prev_sample=prev_sample)
+        return FlowMatchEulerDiscreteSchedulerOutput(prev_sample=prev_sample)  # type: ignore[arg-type]
 
     def euler_step(self, i: int, sample: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
         """The stock deterministic step at index i (bit-identical to FlowMatchEulerDiscreteScheduler.step)."""
@@ -111,7 +115,7 @@ class RolloutScheduler(FlowMatchEulerDiscreteScheduler):
 
 def make_rollout_scheduler(original: Any, driver: StepDriver) -> RolloutScheduler:
     """A fresh RolloutScheduler with `original`'s config; refuses non-flow-match schedulers."""
-    if not isinstance(original, FlowMatchEulerDiscreteScheduler):
+    if not isinstance(original, _FlowMatchBase):
         raise RolloutInputError(
             "model",
             f"scheduler {type(original).__name__} is not a flow-match scheduler "
