@@ -186,3 +186,19 @@ def test_unknown_model(registry):
     with pytest.raises(RolloutInputError) as err:
         registry.get("no-such-model")
     assert err.value.field == "model"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_on_gpu_captures_native_and_replays():
+    from pipeline.models import ModelRegistry
+    from pipeline.replay import Replayer
+
+    model = ModelRegistry(device="cuda", dtype=torch.bfloat16).get("tiny-sd3")
+    spec = RolloutSpec(model="tiny-sd3", prompts=("a cat",), num_inference_steps=3, seed=1)
+    res = run_rollout(model, spec)
+    assert res.captures[0].latent.dtype == torch.bfloat16 and res.captures[0].latent.device.type == "cpu"
+    lat = torch.stack([c.latent for c in res.captures], dim=1)
+    got = Replayer(model).log_probs(spec, latents=lat, steps=res.snapshot.steps, sigmas=res.snapshot.sigmas,
+                                    timesteps=res.snapshot.timesteps, seeds=res.seeds)
+    torch.testing.assert_close(got, res.log_probs, equal_nan=True)
