@@ -85,11 +85,8 @@ def _service(request: Request) -> Service:
 
 
 def flight_ticket(service: Service, job_id: str) -> FlightTicket:
-    return FlightTicket(
-        ticket=service.store.ticket_for(job_id),
-        locations=service.flight.locations,
-        descriptor_path=["rollouts", job_id],
-    )
+    ticket, locations = service.backend.flight_endpoint(job_id)
+    return FlightTicket(ticket=ticket, locations=locations, descriptor_path=["rollouts", job_id])
 
 
 def status_of(service: Service, job: Job) -> RolloutStatus:
@@ -141,7 +138,7 @@ async def create_rollout(request: Request) -> Response:
     except RolloutInputError as exc:
         raise invalid(["body", "model"], exc.reason) from None
     seed = secrets.randbits(63)
-    spec = to_spec(req, model_id=model_id, defaults=dict(model.defaults), seed=seed)
+    spec = to_spec(req, model_id=model_id, default_steps=model.defaults.num_inference_steps, seed=seed)
     try:
         validate_spec(model, spec)
     except RolloutInputError as exc:
@@ -206,9 +203,8 @@ async def delete_rollout(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     service = _service(request)
-    infos = [
-        ModelInfo(**{**d, "default": d["id"] == service.settings.model}) for d in service.registry.describe()
-    ]
+    described = await run_in_threadpool(service.registry.describe)
+    infos = [ModelInfo(**{**d, "default": d["id"] == service.settings.model}) for d in described]
     return _model(ModelList(models=infos))
 
 

@@ -34,9 +34,19 @@ def header_for(job_id: str, snapshot: ScheduleSnapshot, rollout: dict[str, Any],
 
 
 class LocalBackend:
-    def __init__(self, registry: ModelRegistry, store: ResultStore, *, batch_invariant: bool = False) -> None:
+    """Runs rollouts on this process's worker threads; results live in `store`, served by `flight`."""
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        store: ResultStore,
+        *,
+        locations: Callable[[], list[str]],
+        batch_invariant: bool = False,
+    ) -> None:
         self.registry = registry
         self.store = store
+        self.locations = locations
         self.batch_invariant = batch_invariant
 
     def run(
@@ -93,3 +103,6 @@ class LocalBackend:
 
     def has_result(self, job_id: str) -> bool:
         return self.store.get(job_id) is not None
+
+    def flight_endpoint(self, job_id: str) -> tuple[str, list[str]]:
+        return self.store.ticket_for(job_id), self.locations()

@@ -125,6 +125,10 @@ class Backend(Protocol):
 
     def has_result(self, job_id: str) -> bool: ...
 
+    def flight_endpoint(self, job_id: str) -> tuple[str, list[str]]:
+        """(ticket, locations) where the rollout's trajectory is served."""
+        ...
+
 
 class JobManager:
     def __init__(

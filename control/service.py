@@ -37,7 +37,9 @@ class Service:
         self.store = ResultStore(
             memory_budget_bytes=settings.store_budget_bytes, data_dir=settings.data_dir, ttl_s=None
         )
-        self.backend = LocalBackend(self.registry, self.store, batch_invariant=settings.batch_invariant)
+        self.backend = LocalBackend(
+            self.registry, self.store, locations=lambda: self.flight.locations, batch_invariant=settings.batch_invariant
+        )
         self.jobs = JobManager(
             self.backend,
             workers=settings.workers,

@@ -69,7 +69,7 @@ class RolloutRequest(_Wire):
         return len(self.prompts) * self.num_outputs_per_prompt
 
 
-def to_spec(request: RolloutRequest, *, model_id: str, defaults: dict[str, Any], seed: int) -> RolloutSpec:
+def to_spec(request: RolloutRequest, *, model_id: str, default_steps: int, seed: int) -> RolloutSpec:
     """The one converter from wire to engine. `seed` is used when the request gave neither seed nor seeds."""
     r = request.return_
     return RolloutSpec(
@@ -77,7 +77,7 @@ def to_spec(request: RolloutRequest, *, model_id: str, defaults: dict[str, Any],
         prompts=tuple(request.prompts),
         negative_prompt=request.negative_prompt,
         num_outputs_per_prompt=request.num_outputs_per_prompt,
-        num_inference_steps=request.num_inference_steps or int(defaults["num_inference_steps"]),
+        num_inference_steps=request.num_inference_steps or default_steps,
         guidance_scale=request.guidance_scale,
         height=request.height,
         width=request.width,
