@@ -102,7 +102,10 @@ class LocalBackend:
         self.store.release(job_id)
 
     def has_result(self, job_id: str) -> bool:
-        return self.store.get(job_id) is not None
+        try:
+            return self.store.info(job_id).state == "succeeded"
+        except KeyError:
+            return False
 
     def flight_endpoint(self, job_id: str) -> tuple[str, list[str]]:
         return self.store.ticket_for(job_id), self.locations()

@@ -255,6 +255,9 @@ class ResultStore:
         self._tickets: dict[str, str] = {}  # ticket -> rollout id
         self._partitions: dict[str, tuple[str, int, int]] = {}  # ticket -> (id, k, n)
         self._gone: dict[str, str] = {}  # ticket or id -> "released" / "expired"
+        # Rollouts announced (ticket issued) but not started yet: id -> ticket.
+        self._reserved: dict[str, str] = {}
+        self._reserved_cond = threading.Condition(self._lock)
         self._bytes_in_memory = 0
         self._warned_budget = False
         self._closed = False
@@ -273,6 +276,36 @@ class ResultStore:
         return self.trajectory_dir / f"{rollout_id}.arrow"
 
     # -- producer side --------------------------------------------------------------------
+    def reserve(self, rollout_id: str) -> str:
+        """Announce a rollout before it runs and issue its ticket.
+
+        A do_get on the ticket waits until ``create`` registers the rollout (then follows it
+        live) or ``abandon`` ends it (then fails naming why).
+        """
+        if not _ID_RE.match(rollout_id):
+            raise ValueError(f"rollout id {rollout_id!r} must match {_ID_RE.pattern}")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("store is closed")
+            if rollout_id in self._entries or rollout_id in self._reserved:
+                raise ValueError(f"rollout {rollout_id} already exists")
+            ticket = TICKET_PREFIX + secrets.token_urlsafe(18)
+            self._reserved[rollout_id] = ticket
+            self._tickets[ticket] = rollout_id
+            self._gone.pop(rollout_id, None)
+            return ticket
+
+    def abandon(self, rollout_id: str, kind: str, message: str) -> bool:
+        """End a reserved rollout that never started (cancelled while queued, shutdown)."""
+        with self._lock:
+            ticket = self._reserved.pop(rollout_id, None)
+            if ticket is None:
+                return False
+            self._tickets.pop(ticket, None)
+            self._gone[ticket] = self._gone[rollout_id] = f"{kind}: {message}"
+            self._reserved_cond.notify_all()
+        return True
+
     def create(self, header: TrajectoryHeader) -> TrajectoryWriter:
         """Register a live rollout; its ticket works at once (streams follow it live)."""
         if not _ID_RE.match(header.rollout_id):
@@ -284,11 +317,12 @@ class ResultStore:
                 raise RuntimeError("store is closed")
             if header.rollout_id in self._entries:
                 raise ValueError(f"rollout {header.rollout_id} already exists")
-            ticket = TICKET_PREFIX + secrets.token_urlsafe(18)
+            ticket = self._reserved.pop(header.rollout_id, None) or TICKET_PREFIX + secrets.token_urlsafe(18)
             entry = Entry(header, schema, ticket)
             self._entries[header.rollout_id] = entry
             self._tickets[ticket] = header.rollout_id
             self._gone.pop(header.rollout_id, None)
+            self._reserved_cond.notify_all()
         file = None
         if self.data_dir is not None:
             file = TrajectoryFileWriter(self._path(header.rollout_id), schema, footer={_FOOTER_TICKET: ticket})
@@ -377,7 +411,9 @@ class ResultStore:
 
     # -- consumer side -------------------------------------------------------------------
     def ticket_for(self, rollout_id: str) -> str:
-        return self.get(rollout_id).ticket
+        with self._lock:
+            reserved = self._reserved.get(rollout_id)
+        return reserved if reserved is not None else self.get(rollout_id).ticket
 
     def partition_tickets(self, rollout_id: str, n: int) -> list[str]:
         """n tickets that together stream the rollout: ticket k gets batches k, k+n, ..."""
@@ -401,6 +437,11 @@ class ResultStore:
         shown = repr(key[:80]) + ("..." if len(key) > 80 else "")
         with self._lock:
             rid = self._tickets.get(key)
+            while rid is not None and rid in self._reserved:  # announced, not started: wait for it
+                if self.stop_event.is_set():
+                    raise TicketNotFound(f"ticket {shown}", "server shutting down")
+                self._reserved_cond.wait(timeout=1.0)
+                rid = self._tickets.get(key)
             if rid is not None and rid in self._entries:
                 return self._entries[rid], 0, 1
             part = self._partitions.get(key)
@@ -414,6 +455,8 @@ class ResultStore:
         with self._lock:
             e = self._entries.get(rollout_id)
             if e is None:
+                if rollout_id in self._reserved:
+                    raise TicketNotFound(f"rollout {rollout_id!r}", "queued: not started yet; do_get on its ticket waits")
                 raise TicketNotFound(f"rollout {rollout_id!r}", self._gone.get(rollout_id, "unknown"))
             return e
 
@@ -492,6 +535,8 @@ class ResultStore:
             self._entries.clear()
             self._tickets.clear()
             self._partitions.clear()
+            self._reserved.clear()
+            self._reserved_cond.notify_all()
             self._bytes_in_memory = 0
         for e in entries:
             if e.state == "running":
