@@ -300,12 +300,22 @@ class TrajectoryClient:
         reader = self.reader(ticket_or_id)
         return iter_step_tensors(reader.schema, _flight_batches(reader), copy=copy)
 
+    def iter_chunks(self, ticket_or_id: str | bytes | flight.Ticket, *, copy: bool = False) -> Iterator[StepTensors]:
+        """One StepTensors per record batch (one step, a run of samples; see ``.sample``):
+        zero-copy views of the received buffers, never concatenated. The fastest way
+        through a stream whose steps are larger than one batch."""
+        reader = self.reader(ticket_or_id)
+        dtype = header_from_schema(reader.schema).latent_dtype
+        for batch in _flight_batches(reader):
+            yield batch_to_tensors(batch, copy=copy, dtype=dtype)
+
     def iter_steps_parallel(
-        self, rollout_id: str, *, streams: int = 4, copy: bool = False, prefetch: int = 8
+        self, rollout_id: str, *, streams: int = 4, copy: bool = False, prefetch: int = 8, merge_steps: bool = True
     ) -> Iterator[StepTensors]:
         """Like ``iter_steps`` but pulls ``streams`` endpoints concurrently (one
-        connection each) and yields record batches in stream order (batch j comes from
-        endpoint j % streams). Goes beyond the single-stream limit of Flight."""
+        connection each) and yields in stream order (batch j comes from endpoint
+        j % streams). ``merge_steps=False`` yields one StepTensors per record batch, like
+        ``iter_chunks``."""
         fi = self.flight_info(rollout_id, partitions=streams)
         schema = fi.schema
         n = len(fi.endpoints)
@@ -357,7 +367,10 @@ class TrajectoryClient:
             finally:
                 stop.set()
 
-        return iter_step_tensors(schema, ordered(), copy=copy)
+        if merge_steps:
+            return iter_step_tensors(schema, ordered(), copy=copy)
+        dtype = header_from_schema(schema).latent_dtype
+        return (batch_to_tensors(b, copy=copy, dtype=dtype) for b in ordered())
 
 
 def pull_file(path: str | Path) -> Trajectory:
