@@ -84,9 +84,10 @@ def _service(request: Request) -> Service:
 # ---- conversions --------------------------------------------------------------------------
 
 
-def flight_ticket(service: Service, job_id: str) -> FlightTicket:
-    ticket, locations = service.backend.flight_endpoint(job_id)
-    return FlightTicket(ticket=ticket, locations=locations, descriptor_path=["rollouts", job_id])
+def flight_ticket(service: Service, job: Job) -> FlightTicket:
+    return FlightTicket(
+        ticket=job.ticket, locations=service.backend.locations_for(job.id), descriptor_path=["rollouts", job.id]
+    )
 
 
 def status_of(service: Service, job: Job) -> RolloutStatus:
@@ -100,7 +101,7 @@ def status_of(service: Service, job: Job) -> RolloutStatus:
         finished_at=iso(job.finished_at),
         error=ErrorInfo(type=job.error[0], message=job.error[1]) if job.error else None,
         result=ResultInfo(**job.result) if job.result and job.status == "succeeded" else None,
-        flight=flight_ticket(service, job.id),
+        flight=flight_ticket(service, job),
     )
 
 
@@ -156,7 +157,7 @@ async def create_rollout(request: Request) -> Response:
     digest = hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
     key = request.headers.get("idempotency-key")
     try:
-        job, _created = service.jobs.submit(spec, canonical, idempotency_key=key, body_digest=digest)
+        job, created = service.jobs.submit(spec, canonical, idempotency_key=key, body_digest=digest)
     except QueueFull as exc:
         raise ApiError(
             429, "queue_full", f"the queue holds {exc.args[0]} rollouts already; retry later",
@@ -169,7 +170,8 @@ async def create_rollout(request: Request) -> Response:
     except NotAccepting:
         raise ApiError(503, "shutting_down", "the server is shutting down") from None
     status_url = str(request.url_for("get_rollout", rollout_id=job.id))
-    ticket = Ticket(id=job.id, status=job.status, status_url=status_url, flight=flight_ticket(service, job.id))  # type: ignore[arg-type]
+    status = "queued" if created else job.status  # a new ticket reports the status it was accepted with
+    ticket = Ticket(id=job.id, status=status, status_url=status_url, flight=flight_ticket(service, job))  # type: ignore[arg-type]
     return _model(ticket, 202, headers={"Location": status_url})
 
 
@@ -260,7 +262,8 @@ async def on_http_error(request: Request, exc: Exception) -> Response:
         message = f"no route {request.url.path}"
     elif exc.status_code == 405:
         message = f"method {request.method} not allowed on {request.url.path}"
-    return error_response(exc.status_code, kinds.get(exc.status_code, "http_error"), message, None, exc.headers)
+    headers = dict(exc.headers) if exc.headers else None
+    return error_response(exc.status_code, kinds.get(exc.status_code, "http_error"), message, None, headers)
 
 
 async def on_unexpected(request: Request, exc: Exception) -> Response:
@@ -277,7 +280,7 @@ def create_app(settings: Settings, service: Service | None = None) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
-        svc = service or await run_in_threadpool(Service, settings)
+        svc: Service = service if service is not None else await run_in_threadpool(Service, settings)
         await run_in_threadpool(svc.start)
         app.state.service = svc
         try:

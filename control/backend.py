@@ -7,14 +7,14 @@ become the data plane's (TrajectoryHeader, StepBatch), batch by batch, as the lo
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from control.jobs import Job
 from dataplane.record import StepBatch, TrajectoryHeader
 from dataplane.store import ResultStore
 from pipeline.models import ModelRegistry
 from pipeline.rollout import rollout_metadata, run_rollout
-from pipeline.spec import ScheduleSnapshot, StepCapture
+from pipeline.spec import RolloutCancelled, ScheduleSnapshot, StepCapture
 
 
 def header_for(job_id: str, snapshot: ScheduleSnapshot, rollout: dict[str, Any], log_probs: bool) -> TrajectoryHeader:
@@ -78,7 +78,7 @@ class LocalBackend:
                 per_sample_model_calls=self.batch_invariant,
             )
         except BaseException as exc:
-            kind = "cancelled" if type(exc).__name__ == "RolloutCancelled" else "failed"
+            kind: Literal["failed", "cancelled"] = "cancelled" if isinstance(exc, RolloutCancelled) else "failed"
             message = "cancelled by client" if kind == "cancelled" else f"{type(exc).__name__}: {exc}"
             if job.stop_reason is not None:
                 kind, message = "failed", job.stop_reason
@@ -92,8 +92,8 @@ class LocalBackend:
         info = self.store.info(job.id)
         return {"num_rows": info.num_rows, "num_bytes": info.num_bytes, "steps": list(info.steps)}
 
-    def reserve(self, job_id: str) -> None:
-        self.store.reserve(job_id)
+    def reserve(self, job_id: str) -> str:
+        return self.store.reserve(job_id)
 
     def abandon(self, job_id: str, kind: str, message: str) -> None:
         self.store.abandon(job_id, kind, message)
@@ -107,5 +107,5 @@ class LocalBackend:
         except KeyError:
             return False
 
-    def flight_endpoint(self, job_id: str) -> tuple[str, list[str]]:
-        return self.store.ticket_for(job_id), self.locations()
+    def locations_for(self, job_id: str) -> list[str]:
+        return self.locations()

@@ -58,6 +58,8 @@ class Job:
     result: dict[str, Any] | None = None
     idempotency_key: str | None = None
     body_digest: str | None = None
+    ticket: str = ""
+    """Opaque Flight ticket, issued by the backend at submit time and kept for the job's life."""
     cancel: threading.Event = field(default_factory=threading.Event)
     stop_reason: str | None = None
 
@@ -76,6 +78,7 @@ class Job:
             "result": self.result,
             "idempotency_key": self.idempotency_key,
             "body_digest": self.body_digest,
+            "ticket": self.ticket,
         }
 
     @classmethod
@@ -95,6 +98,7 @@ class Job:
             result=rec["result"],
             idempotency_key=rec["idempotency_key"],
             body_digest=rec["body_digest"],
+            ticket=rec.get("ticket", ""),
         )
 
 
@@ -111,8 +115,8 @@ class Backend(Protocol):
         """Run `job.spec`; return result info {num_rows, num_bytes, steps}. Raise RolloutCancelled when stopped."""
         ...
 
-    def reserve(self, job_id: str) -> None:
-        """Announce a rollout before it runs, so Flight consumers may wait for it."""
+    def reserve(self, job_id: str) -> str:
+        """Announce a rollout before it runs and return its Flight ticket (consumers may wait on it)."""
         ...
 
     def abandon(self, job_id: str, kind: str, message: str) -> None:
@@ -125,8 +129,8 @@ class Backend(Protocol):
 
     def has_result(self, job_id: str) -> bool: ...
 
-    def flight_endpoint(self, job_id: str) -> tuple[str, list[str]]:
-        """(ticket, locations) where the rollout's trajectory is served."""
+    def locations_for(self, job_id: str) -> list[str]:
+        """Flight URIs where the rollout's trajectory is served."""
         ...
 
 
@@ -245,7 +249,7 @@ class JobManager:
             self._jobs[job.id] = job
             if idempotency_key is not None:
                 self._idem[idempotency_key] = job.id
-            self._backend.reserve(job.id)
+            job.ticket = self._backend.reserve(job.id)
             self._persist(job)
             self._queue.put(job)
         log.info(

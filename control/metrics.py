@@ -62,7 +62,7 @@ def render(service: Service, http_counts: Counter[str]) -> str:
         [({"where": "memory"}, store["bytes_in_memory"]), ({"where": "disk"}, store["bytes_on_disk"])],
     )
     metric("sigmaflight_store_entries", "gauge", "Trajectories in the result store.", [(None, store["entries"])])
-    http = []
+    http: list[tuple[dict[str, str] | None, float]] = []
     for key, n in sorted(http_counts.items()):
         method, code = key.split(",")
         http.append(({"method": method, "code": code}, float(n)))

@@ -33,7 +33,7 @@ class Service:
         if settings.model_dir is not None:
             for sub in sorted(Path(settings.model_dir).iterdir()):
                 if (sub / "model_index.json").is_file():
-                    self.registry.register_local(sub.name, sub, device=settings.device, dtype=dtype)
+                    self.registry.register_local(sub.name, str(sub), device=settings.device, dtype=dtype)
         self.store = ResultStore(
             memory_budget_bytes=settings.store_budget_bytes, data_dir=settings.data_dir, ttl_s=None
         )

@@ -53,8 +53,8 @@ class RolloutRequest(_Wire):
     num_frames: int | None = Field(None, ge=1, description="Video models only.")
     seed: int | None = Field(None, ge=0, le=INT64_MAX, description="Per-sample seeds are derived from it.")
     seeds: list[int] | None = Field(None, description="Exactly one per sample (0 <= seed < 2^63).")
-    sampler: Sampler = Field(default_factory=lambda: Sampler())
-    return_: Return = Field(default_factory=lambda: Return(), alias="return")
+    sampler: Sampler = Field(default_factory=Sampler)
+    return_: Return = Field(default_factory=Return, alias="return")
 
     @model_validator(mode="after")
     def _seed_xor_seeds(self) -> RolloutRequest:

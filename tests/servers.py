@@ -62,14 +62,19 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         rc = self.proc.wait(timeout)
-        self._reader.join(5)
+        self._close_pipe()
         return rc
+
+    def _close_pipe(self) -> None:
+        self._reader.join(5)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
 
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
-        self._reader.join(5)
+        self._close_pipe()
 
     def __enter__(self) -> ServerProcess:
         return self

@@ -9,6 +9,7 @@ import time
 import httpx
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.flight as flight
 import pytest
 import torch
@@ -21,7 +22,7 @@ COLUMNS = ["step", "sample", "prompt_index", "seed", "timestep", "sigma", "sigma
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess() as s:
+    with ServerProcess("--max-steps", "5000") as s:
         yield s
 
 
@@ -85,13 +86,13 @@ def test_b_equals_t_plus_one_gives_every_sample_the_full_schedule(client):
     ticket = submit(client, prompts=["a", "b"], num_outputs_per_prompt=2, num_inference_steps=3, seed=3)
     assert wait_for_status(client, ticket["id"], {"succeeded", "failed"})["status"] == "succeeded"
     table = pull(ticket)
-    sigmas = meta(table, "sigmas")
+    sigmas = np.array(meta(table, "sigmas"), dtype=np.float32)
     assert len(sigmas) == 4 and len(meta(table, "rollout")["seeds"]) == 4
     assert table["prompt_index"].to_pylist()[:4] == [0, 0, 1, 1]
     for s in range(4):
-        rows = table.filter(pa.compute.equal(table["sample"], s))
-        assert rows["sigma"].to_pylist() == pytest.approx(sigmas, abs=0) and rows.num_rows == 4
-    final = table.filter(pa.compute.equal(table["step"], 3))["latent"].combine_chunks().to_numpy_ndarray()
+        rows = table.filter(pc.equal(table["sample"], s))
+        assert np.array_equal(rows["sigma"].to_numpy(), sigmas) and rows.num_rows == 4
+    final = table.filter(pc.equal(table["step"], 3))["latent"].combine_chunks().to_numpy_ndarray()
     assert len({final[s].tobytes() for s in range(4)}) == 4  # samples differ
 
 
@@ -103,7 +104,8 @@ def test_return_steps_filter_keeps_absolute_indices_and_full_sigmas(client):
     assert table["step"].to_pylist() == [0, 3]
     assert meta(table, "steps") == [0, 3]
     assert len(meta(table, "sigmas")) == 5 and len(meta(table, "timesteps")) == 4
-    assert table["sigma"].to_pylist() == [meta(table, "sigmas")[0], meta(table, "sigmas")[3]]
+    sigmas = np.array(meta(table, "sigmas"), dtype=np.float32)
+    assert table["sigma"].to_numpy().tolist() == [sigmas[0], sigmas[3]]
 
 
 def test_same_seed_gives_bit_identical_trajectories(client):
@@ -237,7 +239,7 @@ def test_openapi_validates_and_matches_what_endpoints_return(client):
 
 
 def test_queue_full_answers_429_with_retry_after():
-    with ServerProcess("--queue-size", "1", "--workers", "1") as s, s.client() as c:
+    with ServerProcess("--queue-size", "1", "--workers", "1", "--max-steps", "5000") as s, s.client() as c:
         codes = [c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 300, "seed": i}).status_code
                  for i in range(4)]
         assert 429 in codes and codes[0] == 202
@@ -249,14 +251,14 @@ def test_queue_full_answers_429_with_retry_after():
 
 
 def test_sigterm_fails_running_rollouts_and_exits_quickly(tmp_path):
-    s = ServerProcess("--data-dir", str(tmp_path))
+    s = ServerProcess("--data-dir", str(tmp_path), "--max-steps", "5000")
     with s.client() as c:
         done = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2, "seed": 1}).json()
         wait_for_status(c, done["id"], {"succeeded"})
         running = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2000, "seed": 1}).json()
         wait_for_status(c, running["id"], {"running"})
     t0 = time.monotonic()
-    assert s.terminate(timeout=30) == 0
+    assert s.terminate(timeout=30) in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown
     assert time.monotonic() - t0 < 30
     with ServerProcess("--data-dir", str(tmp_path)) as again, again.client() as c:
         assert c.get(f"/v1/rollouts/{done['id']}").json()["status"] == "succeeded"
