@@ -116,3 +116,32 @@ def test_stop_ends_a_waiting_stream(tmp_path):
     assert time.monotonic() - t0 < 8
     assert isinstance(out.get("x"), Exception)
     store.close()
+
+
+def test_reserved_ticket_waits_for_create_then_streams(server, store):
+    h = build_header("queued", T=2)
+    steps = make_steps(h)
+    ticket = store.reserve("queued")
+    assert store.ticket_for("queued") == ticket
+    out: dict = {}
+    th = threading.Thread(target=_consume, args=(server.locations[0], ticket, out, "x"))
+    th.start()
+    time.sleep(0.2)
+    w = store.create(h)
+    assert w.ticket == ticket
+    for i in h.steps:
+        w.append(steps[i])
+    w.finish()
+    th.join(timeout=10)
+    assert [s for s, _ in out["x"]] == [0, 1, 2]
+
+
+def test_abandoned_reservation_ends_waiting_streams(server, store):
+    ticket = store.reserve("never")
+    out: dict = {}
+    th = threading.Thread(target=_consume, args=(server.locations[0], ticket, out, "x"))
+    th.start()
+    time.sleep(0.2)
+    assert store.abandon("never", "cancelled", "cancelled while queued")
+    th.join(timeout=10)
+    assert isinstance(out["x"], flight.FlightServerError) and "cancelled while queued" in str(out["x"])
