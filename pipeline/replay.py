@@ -11,6 +11,7 @@ break the chain.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,8 +34,10 @@ class _ReplayDriver:
         sigmas: torch.Tensor,
         timesteps: torch.Tensor,
         seeds: tuple[int, ...],
+        grad: bool = False,
     ) -> None:
         self.spec = spec
+        self.grad = grad
         self.T = spec.num_inference_steps
         self.latents = latents
         self.sigmas = sigmas
@@ -60,6 +63,8 @@ class _ReplayDriver:
             x_next = (mean + std * eps).to(velocity.dtype)
         else:
             x_next = scheduler.euler_step(i, sample, velocity)
+        if self.grad:
+            x_next = x_next.detach()  # x_{i+1} is data: gradients flow only through this step's velocity
         if stochastic and i in self.latents and (i + 1) in self.latents:
             self.log_probs[:, i] = step_log_prob(
                 sample, x_next, velocity, self.sigmas, i, sampler=self.spec.sampler
@@ -83,6 +88,7 @@ class Replayer:
         timesteps: torch.Tensor,
         seeds: Sequence[int],
         per_sample_model_calls: bool = False,
+        grad: bool = False,
     ) -> torch.Tensor:
         """float32 [B, T] log-probs; NaN where the transition is deterministic or not both ends captured.
 
@@ -91,6 +97,10 @@ class Replayer:
         sigmas [T+1], timesteps [T]: the trajectory's snapshot, as recorded.
         seeds: the per-sample seeds of the rollout (`RolloutResult.seeds` / the `seed` column).
         Pass `per_sample_model_calls` as the rollout did.
+        grad: run with autograd on (the pipeline's own `torch.no_grad` is bypassed), so the
+        result carries a graph back to every model parameter with `requires_grad` (a trainer's
+        policy loss). The values are the same bits as with `grad=False`; each x_{i+1} is
+        treated as data (detached), so the graph of step i runs through its velocity only.
         """
         validate_spec(self.model, spec)
         if latents.shape[0] != spec.num_samples or latents.shape[1] != len(steps):
@@ -99,13 +109,18 @@ class Replayer:
         pipeline, _ = self.model.snapshot()
         device = self.model.device
         by_step = {int(s): latents[:, k].to(device) for k, s in enumerate(steps)}
-        driver = _ReplayDriver(spec, by_step, sigmas, timesteps, seeds_t)
+        driver = _ReplayDriver(spec, by_step, sigmas, timesteps, seeds_t, grad=grad)
         scheduler = make_rollout_scheduler(pipeline.scheduler, driver)
         overrides = _call_overrides(self.model, pipeline, per_sample_model_calls)
         pipe = per_call_pipeline(pipeline, scheduler, overrides)
         kwargs: dict[str, Any] = _call_kwargs(self.model, spec, seeds_t)
         if 0 in by_step:
             kwargs["latents"] = by_step[0].to(self.model.dtype)
-        with torch.inference_mode():
-            pipe(**kwargs)
+        if grad:
+            # diffusers decorates __call__ with @torch.no_grad(); call the undecorated function.
+            with torch.enable_grad():
+                inspect.unwrap(type(pipe).__call__)(pipe, **kwargs)
+        else:
+            with torch.inference_mode():
+                pipe(**kwargs)
         return driver.log_probs
