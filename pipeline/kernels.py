@@ -37,21 +37,49 @@ Log-prob of x' under N(mean, std^2 I), averaged (not summed) over the non-batch 
 
 `step_log_prob` is the one function that scores a transition; the rollout calls it on the
 stored x_i and x_{i+1}, so a trainer that calls it with the same tensors gets the same bits.
-With std == 0 (noise_level 0, or cps at sigma' = 0) the density is not defined: the result
-is NaN or -inf, as the formula gives.
+A transition whose std is exactly 0 (noise_level 0, or cps into sigma' = 0, i.e. the last
+step) has no density: `stochastic_transitions` drops it from the stochastic set, so the
+rollout takes the Euler step there (the kernels' own mean at std = 0) and records no
+log-prob; called directly on such a transition, `step_log_prob` gives NaN or -inf.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
 from pipeline.spec import SamplerSpec
 
-__all__ = ["kernel_mean_std", "step_log_prob", "gaussian_log_prob"]
+__all__ = ["kernel_mean_std", "step_log_prob", "gaussian_log_prob", "transition_std", "stochastic_transitions"]
 
 _LOG_SQRT_2PI = math.log(math.sqrt(2.0 * math.pi))
+
+
+def _sde_std_t(sig: torch.Tensor, sigma: torch.Tensor, a: float) -> torch.Tensor:
+    s = sig[1].to(sigma.device) if bool(sigma == 1) else sigma
+    return torch.sqrt(s / (1 - s)) * a
+
+
+def transition_std(sigmas: torch.Tensor, step_index: int, *, sampler: SamplerSpec) -> torch.Tensor:
+    """std (float32 0-d) of transition i under the "sde" or "cps" kernel; it depends on the schedule only."""
+    sig = sigmas.to(dtype=torch.float32)
+    i = int(step_index)
+    sigma, sigma_next = sig[i], sig[i + 1]
+    a = float(sampler.noise_level)
+    if sampler.type == "sde":
+        return _sde_std_t(sig, sigma, a) * torch.sqrt(-(sigma_next - sigma))
+    if sampler.type == "cps":
+        return sigma_next * math.sin(a * math.pi / 2)
+    raise ValueError(f"kernel {sampler.type!r} has no Gaussian transition")
+
+
+def stochastic_transitions(requested: Iterable[int], sigmas: torch.Tensor, *, sampler: SamplerSpec) -> frozenset[int]:
+    """The requested transitions that really are stochastic (std > 0) under this schedule."""
+    if sampler.type == "ode":
+        return frozenset()
+    return frozenset(i for i in requested if bool(transition_std(sigmas, i, sampler=sampler) > 0))
 
 
 def kernel_mean_std(
@@ -74,8 +102,7 @@ def kernel_mean_std(
     a = float(sampler.noise_level)
     if sampler.type == "sde":
         dt = sigma_next - sigma
-        s = sig[1].to(x.device) if bool(sigma == 1) else sigma
-        std_t = torch.sqrt(s / (1 - s)) * a
+        std_t = _sde_std_t(sig, sigma, a)
         mean = x * (1 + std_t**2 / (2 * sigma) * dt) + v * (1 + std_t**2 * (1 - sigma) / (2 * sigma)) * dt
         std = std_t * torch.sqrt(-dt)
     elif sampler.type == "cps":

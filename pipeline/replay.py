@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pipeline.kernels import kernel_mean_std, step_log_prob
+from pipeline.kernels import kernel_mean_std, step_log_prob, stochastic_transitions
 from pipeline.models import LoadedModel
 from pipeline.rollout import _call_kwargs, _call_overrides, _draw_noise, _sde_steps_of, validate_spec
 from pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
@@ -43,7 +43,7 @@ class _ReplayDriver:
         self.sigmas = sigmas
         self.timesteps = timesteps
         self.seeds = seeds
-        self.sde_steps = frozenset(_sde_steps_of(spec))
+        self.sde_steps = stochastic_transitions(_sde_steps_of(spec), sigmas, sampler=spec.sampler)
         self.log_probs = torch.full((len(seeds), self.T), float("nan"), dtype=torch.float32)
 
     def on_set_timesteps(self, scheduler: RolloutScheduler) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pipeline.kernels import kernel_mean_std, step_log_prob
+from pipeline.kernels import kernel_mean_std, step_log_prob, stochastic_transitions
 from pipeline.models import LoadedModel
 from pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
 from pipeline.spec import (
@@ -380,6 +380,7 @@ class _Driver:
         if sigmas.shape[0] != self.T + 1:
             raise RuntimeError(f"the pipeline ran {sigmas.shape[0] - 1} steps, the request asked for {self.T}")
         self.sigmas = sigmas
+        self.sde_steps = stochastic_transitions(self.sde_steps, sigmas, sampler=self.sampler)
         self.snapshot = ScheduleSnapshot(
             sigmas=sigmas,
             timesteps=scheduler.timesteps_snapshot,

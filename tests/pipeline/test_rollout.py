@@ -202,3 +202,19 @@ def test_bf16_on_gpu_captures_native_and_replays():
     got = Replayer(model).log_probs(spec, latents=lat, steps=res.snapshot.steps, sigmas=res.snapshot.sigmas,
                                     timesteps=res.snapshot.timesteps, seeds=res.seeds)
     torch.testing.assert_close(got, res.log_probs, equal_nan=True)
+
+
+def test_zero_std_transitions_are_deterministic_not_nan(registry):
+    """cps into sigma' = 0 and noise_level 0 have no density: Euler step, no log-prob, not in sde_steps."""
+    model = registry.get("tiny-sd3")
+    base = RolloutSpec(model="tiny-sd3", prompts=("a cat",), num_inference_steps=4, seed=4)
+    cps = run_rollout(model, RolloutSpec(**{**base.__dict__, "sampler": SamplerSpec(type="cps")}))
+    assert cps.snapshot.sde_steps == (0, 1, 2)  # the last transition lands on sigma = 0
+    assert torch.isfinite(cps.log_probs[:, :3]).all() and torch.isnan(cps.log_probs[:, 3]).all()
+    assert cps.captures[2].log_prob is not None and cps.captures[2].log_prob.isfinite().all()
+    assert cps.captures[3].log_prob is None  # the row of a deterministic transition holds a null
+    quiet = run_rollout(model, RolloutSpec(**{**base.__dict__, "sampler": SamplerSpec(noise_level=0.0)}))
+    ode = run_rollout(model, RolloutSpec(**{**base.__dict__, "sampler": SamplerSpec(type="ode")}))
+    assert quiet.snapshot.sde_steps == ()
+    assert torch.isnan(quiet.log_probs).all()
+    assert torch.equal(quiet.final_latents, ode.final_latents)
