@@ -30,6 +30,7 @@ from control.middleware import BearerAuthMiddleware, BodyLimitMiddleware, Reques
 from control.openapi import openapi_document
 from control.service import Service
 from control.settings import Settings
+from control.weights import WEIGHTS_PATH, WEIGHTS_PATH_REGEX, put_weights
 from control.wire import (
     ErrorInfo,
     FlightTicket,
@@ -237,6 +238,7 @@ ROUTES = [
     Route("/v1/rollouts/{rollout_id}", get_rollout, methods=["GET"], name="get_rollout"),
     Route("/v1/rollouts/{rollout_id}", delete_rollout, methods=["DELETE"], name="delete_rollout"),
     Route("/v1/models", list_models, methods=["GET"], name="list_models"),
+    Route(WEIGHTS_PATH, put_weights, methods=["PUT"], name="put_weights"),
     Route("/healthz", healthz, methods=["GET"], name="healthz"),
     Route("/readyz", readyz, methods=["GET"], name="readyz"),
     Route("/metrics", get_metrics, methods=["GET"], name="metrics"),
@@ -294,7 +296,11 @@ def create_app(settings: Settings, service: Service | None = None) -> Starlette:
         middleware=[
             Middleware(RequestIdMiddleware, counts=http_counts),
             Middleware(BearerAuthMiddleware, tokens=tokens),
-            Middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes),
+            Middleware(
+                BodyLimitMiddleware,
+                max_bytes=settings.max_body_bytes,
+                path_limits=[("PUT", WEIGHTS_PATH_REGEX, settings.max_weights_bytes)],
+            ),
         ],
         exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected},
         lifespan=lifespan,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import re
 import uuid
 from collections import Counter
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -86,16 +87,30 @@ class BearerAuthMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Refuses bodies over `max_bytes` with 413, by Content-Length up front or while streaming."""
+    """Refuses bodies over `max_bytes` with 413, by Content-Length up front or while streaming.
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    `path_limits`: (method, path regex, limit) triples that give matching routes their own limit
+    (the weights upload gets --max-weights-bytes); the first match wins.
+    """
+
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, path_limits: Sequence[tuple[str, str, int]] = ()
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.path_limits = [(m, re.compile(p), n) for m, p, n in path_limits]
+
+    def _limit(self, scope: Scope) -> int:
+        for method, pattern, limit in self.path_limits:
+            if scope["method"] == method and pattern.fullmatch(scope["path"]):
+                return limit
+        return self.max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self._limit(scope)
         for k, v in scope["headers"]:
             if k == b"content-length":
                 try:
@@ -103,8 +118,8 @@ class BodyLimitMiddleware:
                 except ValueError:
                     await send_error(send, 400, "bad_request", "Content-Length is not a number")
                     return
-                if declared > self.max_bytes:
-                    await send_error(send, 413, "body_too_large", self._message(declared))
+                if declared > max_bytes:
+                    await send_error(send, 413, "body_too_large", self._message(declared, max_bytes))
                     return
         seen = 0
         started = False
@@ -117,7 +132,7 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
+                if seen > max_bytes:
                     raise TooLarge
             return message
 
@@ -131,7 +146,7 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except TooLarge:
             if not started:
-                await send_error(send, 413, "body_too_large", self._message(seen))
+                await send_error(send, 413, "body_too_large", self._message(seen, max_bytes))
 
-    def _message(self, size: int) -> str:
-        return f"request body of {size} bytes or more exceeds the limit of {self.max_bytes} bytes"
+    def _message(self, size: int, limit: int) -> str:
+        return f"request body of {size} bytes or more exceeds the limit of {limit} bytes"

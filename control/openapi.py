@@ -22,7 +22,7 @@ def _json(name: str, description: str) -> dict[str, Any]:
 def _errors(*codes: int) -> dict[str, Any]:
     text = {
         401: "Bearer token missing or wrong.",
-        404: "Unknown rollout id.",
+        404: "Unknown rollout id (or model id).",
         409: "Idempotency-Key reused with another body.",
         413: "Request body, or the trajectory it asks for, is too large.",
         422: "Validation error; details name each bad field and why.",
@@ -92,6 +92,21 @@ def openapi_document(*, auth: bool = False) -> dict[str, Any]:
                 "operationId": "list_models",
                 "summary": "Models this server can run, with their defaults.",
                 "responses": {"200": _json("ModelList", "Models."), **_errors(*secured)},
+            }
+        },
+        "/v1/models/{model_id}/weights": {
+            "put": {
+                "operationId": "put_weights",
+                "summary": "Replace the model's transformer weights (safetensors of its state dict); answers the new digest.",
+                "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "requestBody": {"required": True, "content": {"application/octet-stream": {
+                    "schema": {"type": "string", "format": "binary"}}}},
+                "responses": {"200": {"description": "Loaded; the next rollouts run on these weights.",
+                                      "content": {"application/json": {"schema": {
+                                          "type": "object", "required": ["id", "digest", "tensors"],
+                                          "properties": {"id": {"type": "string"}, "digest": {"type": "string"},
+                                                         "tensors": {"type": "integer"}}}}}},
+                              **_errors(*secured, 404, 413, 422)},
             }
         },
         "/healthz": {"get": {"operationId": "healthz", "summary": "Liveness.",
