@@ -198,15 +198,8 @@ class FlightDataServer(flight.FlightServerBase):
 
     # -- Flight methods --------------------------------------------------------------------
     def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.FlightDataStream:
-        try:
-            entry, start, stride = self.store.lookup_ticket(ticket.ticket)
-        except TicketNotFound as e:
-            raise flight.FlightServerError(str(e)) from None
-        if entry.state not in ("running", "succeeded"):
-            msg = f"rollout {entry.rollout_id} {entry.state}: {entry.message or entry.state}"
-            if entry.state == "failed":
-                raise flight.FlightInternalError(msg)
-            raise flight.FlightServerError(msg)
+        # Take a stream slot first: a consumer of a queued rollout waits inside lookup_ticket,
+        # and that wait must count against max_concurrent_streams too.
         with self._lock:
             if self.active_streams >= self.max_concurrent_streams:
                 raise flight.FlightUnavailableError(
@@ -216,6 +209,19 @@ class FlightDataServer(flight.FlightServerBase):
             self.active_streams += 1
             self.streams_served += 1
         slot = _StreamSlot(self)
+        try:
+            entry, start, stride = self.store.lookup_ticket(ticket.ticket)
+            if entry.state not in ("running", "succeeded"):
+                msg = f"rollout {entry.rollout_id} {entry.state}: {entry.message or entry.state}"
+                if entry.state == "failed":
+                    raise flight.FlightInternalError(msg)
+                raise flight.FlightServerError(msg)
+        except TicketNotFound as e:
+            slot.free()
+            raise flight.FlightServerError(str(e)) from None
+        except BaseException:
+            slot.free()
+            raise
         return flight.GeneratorStream(entry.schema, self._serve(entry, start, stride, slot))
 
     def get_flight_info(
