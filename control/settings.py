@@ -42,7 +42,16 @@ class Settings(BaseSettings):
     )
 
     # Jobs
-    workers: int = Field(1, ge=1, le=64, description="Rollout worker threads.")
+    workers: int = Field(
+        1, ge=1, le=64, description="Rollout worker threads (local backend) or Ray worker actors (--backend ray)."
+    )
+    backend: Literal["local", "ray"] = Field(
+        "local", description="Where rollouts run: this process (local) or Ray actors, one device each (ray)."
+    )
+    ray_address: str = Field(
+        "auto", description="Ray cluster to join with --backend ray: auto (the running one), ray://..., or local."
+    )
+    ray_num_cpus: float = Field(1.0, gt=0, description="CPUs each Ray worker actor reserves (plus 1 GPU on cuda).")
     queue_size: int = Field(64, ge=1, description="Rollouts that may wait; beyond it POST answers 429.")
     ttl_s: float = Field(3600.0, gt=0, description="Seconds a finished result is kept before it expires.")
 
