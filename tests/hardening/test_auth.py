@@ -1,0 +1,121 @@
+"""Bearer auth on both planes of the real server: no token, wrong token, right token; tokens never logged."""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow.flight as flight
+import pytest
+
+from tests.hardening.conftest import OTHER_TOKEN, TOKEN, WRONG_TOKEN, call_options, pull
+from tests.servers import ServerProcess, wait_for_status
+
+BODY = {"prompts": ["a red cube"], "num_inference_steps": 2, "seed": 3}
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory):
+    path = tmp_path_factory.mktemp("auth") / "tokens.txt"
+    path.write_text(f"# tokens\n\n{TOKEN}\n{OTHER_TOKEN}\n")
+    with ServerProcess("--token-file", str(path)) as server:
+        yield server
+
+
+ROUTES = [("GET", "/v1/rollouts"), ("POST", "/v1/rollouts"), ("GET", "/v1/rollouts/x"), ("DELETE", "/v1/rollouts/x"),
+          ("GET", "/v1/models"), ("GET", "/readyz"), ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/nope")]
+
+
+@pytest.mark.parametrize(("method", "path"), ROUTES)
+@pytest.mark.parametrize("token", [None, WRONG_TOKEN, TOKEN[:-1], TOKEN + "x"])
+def test_rest_refuses_missing_and_wrong_tokens(secured, method, path, token):
+    headers = {"authorization": f"Bearer {token}"} if token is not None else {}
+    with secured.client() as c:
+        r = c.request(method, path, headers=headers, json=BODY if method == "POST" else None)
+    assert r.status_code == 401
+    assert r.headers["www-authenticate"].startswith("Bearer")
+    error = r.json()["error"]
+    assert error["type"] == "unauthorized"
+    assert error["message"] == ("missing bearer token" if token is None else "invalid bearer token")
+
+
+@pytest.mark.parametrize("header", [f"Basic {TOKEN}", TOKEN, f"bearer{TOKEN}", "Bearer", f"Bearer  {WRONG_TOKEN}"])
+def test_rest_refuses_other_schemes(secured, header):
+    with secured.client() as c:
+        assert c.get("/v1/models", headers={"authorization": header}).status_code == 401
+
+
+def test_healthz_is_open(secured):
+    with secured.client() as c:
+        r = c.get("/healthz")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_right_tokens_work_on_both_planes(secured):
+    for token in (TOKEN, OTHER_TOKEN):
+        with secured.client(token) as c:
+            assert c.get("/readyz").status_code == 200
+            ticket = c.post("/v1/rollouts", json=BODY).json()
+            assert wait_for_status(c, ticket["id"], {"succeeded"})["status"] == "succeeded"
+        table = pull(secured.flight_url, ticket["flight"]["ticket"], token)
+        assert table.num_rows == 3
+        with flight.FlightClient(secured.flight_url) as fc:
+            opts = call_options(token)
+            info = fc.get_flight_info(flight.FlightDescriptor.for_path("rollouts", ticket["id"]), options=opts)
+            assert info.total_records == 3
+            assert any(i.descriptor.path[1] == ticket["id"].encode() for i in fc.list_flights(options=opts))
+            assert {a.type for a in fc.list_actions(options=opts)} == {"cancel", "release"}
+
+
+def _flight_calls(client: flight.FlightClient, opts: flight.FlightCallOptions, rollout_id: str, ticket: str):
+    yield "do_get", lambda: client.do_get(flight.Ticket(ticket.encode()), options=opts).read_all()
+    yield "get_flight_info", lambda: client.get_flight_info(
+        flight.FlightDescriptor.for_path("rollouts", rollout_id), options=opts)
+    yield "list_flights", lambda: list(client.list_flights(options=opts))
+    yield "do_action", lambda: list(client.do_action(flight.Action("release", rollout_id.encode()), options=opts))
+    yield "list_actions", lambda: list(client.list_actions(options=opts))
+
+
+@pytest.mark.parametrize("token", [None, WRONG_TOKEN, TOKEN[:-1]])
+def test_flight_refuses_missing_and_wrong_tokens(secured, token):
+    with secured.client(TOKEN) as c:
+        ticket = c.post("/v1/rollouts", json=BODY).json()
+        wait_for_status(c, ticket["id"], {"succeeded"})
+    with flight.FlightClient(secured.flight_url) as fc:
+        for name, call in _flight_calls(fc, call_options(token), ticket["id"], ticket["flight"]["ticket"]):
+            t0 = time.monotonic()
+            with pytest.raises(flight.FlightUnauthenticatedError, match="bearer token"):
+                call()
+            assert time.monotonic() - t0 < 2.0, name
+    # the refused do_action("release") released nothing
+    with secured.client(TOKEN) as c:
+        assert c.get(f"/v1/rollouts/{ticket['id']}").json()["status"] == "succeeded"
+    assert pull(secured.flight_url, ticket["flight"]["ticket"], TOKEN).num_rows == 3
+
+
+def test_tokens_never_reach_the_logs(secured):
+    with secured.client(WRONG_TOKEN) as c:
+        c.get("/v1/models")
+        c.post("/v1/rollouts", json=BODY)
+    with secured.client(TOKEN) as c:
+        c.post("/v1/rollouts", content=b"{broken", headers={"content-type": "application/json"})
+        c.get("/v1/rollouts/does-not-exist")
+    with flight.FlightClient(secured.flight_url) as fc, pytest.raises(flight.FlightUnauthenticatedError):
+        fc.get_flight_info(flight.FlightDescriptor.for_path("rollouts", "x"), options=call_options(WRONG_TOKEN))
+    time.sleep(0.3)
+    logs = secured.log_text
+    assert '"auth": true' in logs or '"auth":true' in logs
+    for secret in (TOKEN, OTHER_TOKEN, WRONG_TOKEN):
+        assert secret not in logs
+        assert secret[4:20] not in logs
+
+
+def test_token_from_environment_variable_and_help_hides_it():
+    with ServerProcess(env={"SIGMAFLIGHT_TOKEN": f"{TOKEN},{OTHER_TOKEN}"}) as server:
+        with server.client() as c:
+            assert c.get("/v1/models").status_code == 401
+        with server.client(OTHER_TOKEN) as c:
+            assert c.get("/v1/models").status_code == 200
+        with flight.FlightClient(server.flight_url) as fc, pytest.raises(flight.FlightUnauthenticatedError):
+            list(fc.list_flights())
+        assert list(flight.FlightClient(server.flight_url).list_flights(options=call_options(TOKEN))) == []
+        assert TOKEN not in server.log_text
