@@ -1,0 +1,204 @@
+"""The Python API for trainers: REST calls plus Flight pulls into torch tensors.
+
+    from sigmaflight import Client
+    client = Client("http://127.0.0.1:8000", token=None)
+    ticket = client.submit(prompts=["a red cube"], num_outputs_per_prompt=4, num_inference_steps=8, seed=7)
+    status = client.wait(ticket, timeout=60)          # raises RolloutFailed unless it succeeded
+    traj = client.pull(ticket)                        # dataplane.client.Trajectory (torch)
+    for i, x, x_next, sigma, sigma_next, log_prob in traj.transitions():
+        ...
+
+`submit` takes the RolloutRequest fields as keyword arguments (`return_=` or
+`**{"return": ...}` for the `return` object); the server validates them and a refusal
+raises `ApiError` with the contract's error body. docs/trainers.md has the whole tour.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+import torch
+
+from control.wire import TERMINAL_STATES, RolloutStatus, Ticket
+from dataplane.client import Trajectory, TrajectoryClient
+from dataplane.store import TICKET_PREFIX
+from pipeline.spec import RolloutSpec, SamplerSpec
+
+__all__ = ["ApiError", "Client", "RolloutFailed", "replay_log_probs", "rollout_spec"]
+
+
+class ApiError(RuntimeError):
+    """A 4xx/5xx answer: `status`, and the contract's error body's `type`, `message`, `details`."""
+
+    def __init__(self, status: int, type_: str, message: str, details: Any = None) -> None:
+        super().__init__(f"{status} {type_}: {message}")
+        self.status, self.type, self.message, self.details = status, type_, message, details
+
+
+class RolloutFailed(RuntimeError):
+    """`wait` ended on failed, cancelled or expired; `.status` is the last RolloutStatus."""
+
+    def __init__(self, status: RolloutStatus) -> None:
+        why = f": {status.error.type}: {status.error.message}" if status.error else ""
+        super().__init__(f"rollout {status.id} {status.status}{why}")
+        self.status = status
+
+
+def _raise_for(r: httpx.Response) -> None:
+    if r.status_code < 400:
+        return
+    try:
+        err = r.json()["error"]
+        raise ApiError(r.status_code, err["type"], err["message"], err.get("details"))
+    except (ValueError, KeyError, TypeError):
+        raise ApiError(r.status_code, "http_error", r.text[:500]) from None
+
+
+class Client:
+    """One REST connection (httpx) and one Flight connection per location, reused."""
+
+    def __init__(self, url: str = "http://127.0.0.1:8000", token: str | None = None, *, timeout: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self.token = token
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._flight: dict[str, TrajectoryClient] = {}
+
+    def close(self) -> None:
+        self._http.close()
+        for c in self._flight.values():
+            c.close()
+        self._flight.clear()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- REST ----------------------------------------------------------------------------
+    def submit(self, *, idempotency_key: str | None = None, **request: Any) -> Ticket:
+        """POST /v1/rollouts with the RolloutRequest fields given as keywords; the 202 Ticket."""
+        if "return_" in request:
+            request["return"] = request.pop("return_")
+        headers = {"idempotency-key": idempotency_key} if idempotency_key else {}
+        r = self._http.post("/v1/rollouts", json=request, headers=headers)
+        _raise_for(r)
+        return Ticket.model_validate(r.json())
+
+    def status(self, rollout_id: str | Ticket) -> RolloutStatus:
+        r = self._http.get(f"/v1/rollouts/{_id(rollout_id)}")
+        _raise_for(r)
+        return RolloutStatus.model_validate(r.json())
+
+    def list(self, status: str | None = None, limit: int = 100) -> list[RolloutStatus]:
+        params: dict[str, Any] = {"limit": limit, **({"status": status} if status else {})}
+        r = self._http.get("/v1/rollouts", params=params)
+        _raise_for(r)
+        return [RolloutStatus.model_validate(s) for s in r.json()["rollouts"]]
+
+    def wait(
+        self, ticket: str | Ticket, timeout: float = 300.0, *, poll_s: float = 0.05, raise_on_failure: bool = True
+    ) -> RolloutStatus:
+        """Poll until the rollout is finished; TimeoutError after `timeout` seconds.
+
+        Raises RolloutFailed when it ended other than succeeded (unless `raise_on_failure=False`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.status(ticket)
+            if st.status in TERMINAL_STATES:
+                if raise_on_failure and st.status != "succeeded":
+                    raise RolloutFailed(st)
+                return st
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout {st.id} still {st.status} after {timeout} s")
+            time.sleep(poll_s)
+
+    def cancel(self, rollout_id: str | Ticket) -> RolloutStatus:
+        """DELETE: cancel a queued/running rollout, or release a finished one's result."""
+        r = self._http.delete(f"/v1/rollouts/{_id(rollout_id)}")
+        _raise_for(r)
+        return RolloutStatus.model_validate(r.json())
+
+    def models(self) -> list[dict[str, Any]]:
+        """GET /v1/models: id, family, dtype, device, digest, defaults, ... per model."""
+        r = self._http.get("/v1/models")
+        _raise_for(r)
+        return list(r.json()["models"])
+
+    def push_weights(self, model_id: str, state_dict: Mapping[str, torch.Tensor]) -> str:
+        """PUT the transformer's state dict (safetensors); returns the server's new weights digest."""
+        from safetensors.torch import save
+
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+        r = self._http.put(
+            f"/v1/models/{model_id}/weights",
+            content=save(tensors),
+            headers={"content-type": "application/octet-stream"},
+        )
+        _raise_for(r)
+        return str(r.json()["digest"])
+
+    # -- Flight --------------------------------------------------------------------------
+    def flight(self, location: str) -> TrajectoryClient:
+        """The (cached) data-plane client for one Flight location."""
+        if location not in self._flight:
+            self._flight[location] = TrajectoryClient(location, token=self.token)
+        return self._flight[location]
+
+    def locate(self, ticket: str | Ticket) -> tuple[str, str]:
+        """(Flight location, Flight ticket) of a Ticket, a rollout id or a Flight ticket string."""
+        if isinstance(ticket, Ticket):
+            return ticket.flight.locations[0], ticket.flight.ticket
+        if ticket.startswith(TICKET_PREFIX):
+            # A bare Flight ticket: any rollout's status names the server's Flight locations.
+            listed = self.list(limit=1)
+            if not listed:
+                raise ValueError("cannot find the Flight location: the server lists no rollouts")
+            return listed[0].flight.locations[0], ticket
+        st = self.status(ticket)
+        return st.flight.locations[0], st.flight.ticket
+
+    def pull(self, ticket: str | Ticket) -> Trajectory:
+        """The whole trajectory as torch tensors (waits for a running rollout; see dataplane.client)."""
+        location, flight_ticket = self.locate(ticket)
+        return self.flight(location).pull(flight_ticket)
+
+
+def _id(ticket: str | Ticket) -> str:
+    return ticket.id if isinstance(ticket, Ticket) else ticket
+
+
+def rollout_spec(traj: Trajectory) -> RolloutSpec:
+    """The RolloutSpec the server ran, from the trajectory's `sigmaflight.rollout.request`."""
+    req = dict(traj.metadata["request"])
+    sampler = dict(req.pop("sampler"))
+    if sampler.get("sde_steps") is not None:
+        sampler["sde_steps"] = tuple(sampler["sde_steps"])
+    for key in ("prompts", "seeds", "return_steps"):
+        if req.get(key) is not None:
+            req[key] = tuple(req[key])
+    known = set(RolloutSpec.__dataclass_fields__)
+    return RolloutSpec(sampler=SamplerSpec(**sampler), **{k: v for k, v in req.items() if k in known})
+
+
+def replay_log_probs(model: Any, traj: Trajectory, *, grad: bool = False, per_sample_model_calls: bool = False) -> torch.Tensor:
+    """log p(x_{i+1} | x_i) [B, T] recomputed with `model` (a pipeline.models.LoadedModel) on `traj`.
+
+    With the server's weights this gives the trajectory's own `log_probs` bit for bit; with
+    `grad=True` the result carries a graph to the model's trainable parameters."""
+    from pipeline.replay import Replayer
+
+    return Replayer(model).log_probs(
+        rollout_spec(traj),
+        latents=traj.latents,
+        steps=[int(s) for s in traj.steps],
+        sigmas=traj.sigmas,
+        timesteps=traj.timesteps,
+        seeds=[int(s) for s in traj.seeds],
+        per_sample_model_calls=per_sample_model_calls,
+        grad=grad,
+    )
