@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from control.backend import LocalBackend
-from control.jobs import JobManager
+from control.jobs import Backend, JobManager
 from control.settings import Settings
 from dataplane.server import FlightDataServer
 from dataplane.store import ResultStore
@@ -29,17 +29,26 @@ class Service:
         tokens = settings.tokens()
         self.auth_enabled = bool(tokens)
         dtype = DTYPES[settings.dtype]
-        self.registry = ModelRegistry(device=settings.device, dtype=dtype)
+        # With --backend ray the models run in the worker actors; here they only validate requests.
+        device = settings.device if settings.backend == "local" else "cpu"
+        self.registry = ModelRegistry(device=device, dtype=dtype)
         if settings.model_dir is not None:
             for sub in sorted(Path(settings.model_dir).iterdir()):
                 if (sub / "model_index.json").is_file():
-                    self.registry.register_local(sub.name, str(sub), device=settings.device, dtype=dtype)
+                    self.registry.register_local(sub.name, str(sub), device=device, dtype=dtype)
         self.store = ResultStore(
             memory_budget_bytes=settings.store_budget_bytes, data_dir=settings.data_dir, ttl_s=None
         )
-        self.backend = LocalBackend(
-            self.registry, self.store, locations=lambda: self.flight.locations, batch_invariant=settings.batch_invariant
-        )
+        self.backend: Backend
+        if settings.backend == "ray":
+            from control.ray_backend import RayBackend
+
+            self.backend = RayBackend.from_settings(settings)
+        else:
+            self.backend = LocalBackend(
+                self.registry, self.store, locations=lambda: self.flight.locations,
+                batch_invariant=settings.batch_invariant,
+            )
         self.jobs = JobManager(
             self.backend,
             workers=settings.workers,
@@ -76,6 +85,8 @@ class Service:
     def stop(self) -> None:
         self.ready = False
         self.jobs.stop("server shutting down")
+        if hasattr(self.backend, "close"):
+            self.backend.close()
         self.flight.stop()
         self.store.close()
         log.info("stopped")

@@ -1,0 +1,381 @@
+"""The Ray backend: rollout workers are Ray actors, each with its own device and Flight server.
+
+The control plane (JobManager, REST) stays one small process. At submit time
+`reserve` places a rollout on the least-loaded live worker and asks that worker for the
+ticket, so the ticket's Flight locations name the worker that will hold the trajectory
+and trainers pull straight from it. `run` starts the rollout on that worker and, while it
+runs, polls the worker's progress and forwards a cancel; a worker that dies fails its
+rollouts with the worker named and is replaced for new ones.
+
+Ray is imported lazily: `pip install sigmaflight[ray]`; the local backend never needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from control.jobs import Job
+from control.worker import RolloutWorker, WorkerConfig
+from pipeline.spec import RolloutCancelled
+
+log = logging.getLogger("sigmaflight.ray")
+
+NAMESPACE = "sigmaflight"
+ACTOR_PREFIX = "sigmaflight-worker-"
+
+
+class WorkerDied(RuntimeError):
+    """The worker actor that held a rollout died (process crash, node lost, ray.kill)."""
+
+
+class NoWorkers(RuntimeError):
+    """No live worker can take a rollout (all died and none could be replaced yet)."""
+
+
+_remote_errors: dict[str, type[RuntimeError]] = {}
+
+
+def remote_error(type_name: str, message: str) -> RuntimeError:
+    """A rollout error raised in a worker, re-raised here under the same type name (so a
+    rollout's `error.type` reads the same on both backends) without pickling arbitrary classes."""
+    cls = _remote_errors.get(type_name)
+    if cls is None:
+        cls = _remote_errors[type_name] = type(type_name, (RuntimeError,), {"__module__": __name__})
+    return cls(message)
+
+
+class _ActorWorker(RolloutWorker):
+    """The actor-side wrapper: errors cross the boundary as plain data, not pickled tracebacks."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        import ray
+
+        super().__init__(config, node_ip=ray.util.get_node_ip_address())
+
+    def run_safe(self, job_id: str, spec: Any) -> dict[str, Any]:
+        try:
+            return {"ok": self.run(job_id, spec), "progress": self.progress(job_id)}
+        except RolloutCancelled as exc:
+            return {"cancelled": str(exc), "progress": self.progress(job_id)}
+        except Exception as exc:
+            return {"error": [type(exc).__name__, str(exc) or repr(exc)], "progress": self.progress(job_id)}
+        finally:
+            self.forget(job_id)
+
+    def actor_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_actor_id() or ""
+
+
+_REMOTE: Any = None
+
+
+def _remote_worker_class() -> Any:
+    global _REMOTE
+    if _REMOTE is None:
+        import ray
+
+        _REMOTE = ray.remote(_ActorWorker)
+    return _REMOTE
+
+
+@dataclass
+class _Slot:
+    index: int
+    handle: Any
+    generation: int
+    actor_id: str = ""
+    locations: list[str] = field(default_factory=list)
+    alive: bool = True
+    load: int = 0
+    """Rollouts reserved on this worker and not finished."""
+
+    @property
+    def name(self) -> str:
+        return f"worker {self.index} (actor {self.actor_id or '?'})"
+
+
+class RayBackend:
+    """Backend protocol (control/jobs.py) over N `RolloutWorker` actors."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        workers: int,
+        num_cpus: float = 1.0,
+        num_gpus: float | None = None,
+        poll_s: float = 0.05,
+        max_concurrency: int = 16,
+        start_timeout_s: float = 600.0,
+    ) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("RayBackend needs ray.init(...) first (see RayBackend.connect)")
+        self._ray = ray
+        self._config = config
+        self._num_cpus = num_cpus
+        self._num_gpus = (1.0 if config.device.startswith("cuda") else 0.0) if num_gpus is None else num_gpus
+        self._poll_s = poll_s
+        self._max_concurrency = max_concurrency
+        self._start_timeout_s = start_timeout_s
+        self._lock = threading.Lock()
+        self._slots: list[_Slot] = []
+        self._where: dict[str, _Slot] = {}  # job id -> the worker holding it
+        self._rr = 0
+        self._generation = 0
+        self._closed = False
+        slots = [self._spawn(i) for i in range(workers)]
+        for s in slots:
+            self._await_ready(s)
+        self._slots = slots
+
+    @staticmethod
+    def connect(address: str, **kwargs: Any) -> None:
+        """ray.init once per process: "auto" joins the running cluster, "local" starts one here."""
+        import ray
+
+        if ray.is_initialized():
+            return
+        target = None if address == "local" else address
+        ray.init(address=target, namespace=NAMESPACE, include_dashboard=False, **kwargs)
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> RayBackend:
+        """Join the cluster named by `settings.ray_address` and start `settings.workers` actors."""
+        from pathlib import Path
+
+        cls.connect(settings.ray_address)
+        tls: tuple[tuple[bytes, bytes], ...] = ()
+        if settings.tls_cert is not None and settings.tls_key is not None:
+            tls = ((Path(settings.tls_cert).read_bytes(), Path(settings.tls_key).read_bytes()),)
+        config = WorkerConfig(
+            index=0,
+            model=settings.model,
+            model_dir=str(settings.model_dir) if settings.model_dir is not None else None,
+            device=settings.device,
+            dtype=settings.dtype,
+            batch_invariant=settings.batch_invariant,
+            host=settings.host,
+            data_dir=str(settings.data_dir) if settings.data_dir is not None else None,
+            store_budget_bytes=settings.store_budget_bytes,
+            tokens=tuple(settings.tokens()),
+            tls_certificates=tls,
+            max_flight_streams=settings.max_flight_streams,
+        )
+        return cls(config, workers=settings.workers, num_cpus=settings.ray_num_cpus)
+
+    # ---- workers ----------------------------------------------------------------------------
+
+    def _spawn(self, index: int) -> _Slot:
+        self._generation += 1
+        cfg = self._config
+        if cfg.data_dir is not None:
+            cfg = replace(cfg, data_dir=f"{cfg.data_dir}/worker-{index}")
+        cfg = replace(cfg, index=index)
+        actor_cls = _remote_worker_class().options(
+            name=f"{ACTOR_PREFIX}{index}-{self._generation}",
+            num_cpus=self._num_cpus,
+            num_gpus=self._num_gpus,
+            max_concurrency=self._max_concurrency,
+            max_restarts=0,
+        )
+        return _Slot(index=index, handle=actor_cls.remote(cfg), generation=self._generation)
+
+    def _await_ready(self, slot: _Slot) -> None:
+        desc, actor_id = self._ray.get(
+            [slot.handle.describe.remote(), slot.handle.actor_id.remote()], timeout=self._start_timeout_s
+        )
+        slot.locations, slot.actor_id = list(desc["locations"]), actor_id
+        log.info("ray worker ready", extra={"worker": slot.index, "actor": actor_id, "flight_url": slot.locations[0]})
+
+    def _replace(self, dead: _Slot) -> None:
+        """Start a new actor for a dead one's index; it joins placement once ready."""
+        def start() -> None:
+            try:
+                slot = self._spawn(dead.index)
+                self._await_ready(slot)
+            except Exception:
+                log.exception("could not replace ray worker", extra={"worker": dead.index})
+                return
+            with self._lock:
+                if self._closed:
+                    self._ray.kill(slot.handle)
+                    return
+                self._slots = [slot if s is dead else s for s in self._slots]
+            log.info("ray worker replaced", extra={"worker": dead.index, "actor": slot.actor_id})
+
+        threading.Thread(target=start, name=f"sigmaflight-replace-{dead.index}", daemon=True).start()
+
+    def _mark_dead(self, slot: _Slot, cause: BaseException) -> None:
+        with self._lock:
+            if not slot.alive:
+                return
+            slot.alive = False
+            closed = self._closed
+        log.error("ray worker died", extra={"worker": slot.index, "actor": slot.actor_id, "cause": str(cause)})
+        if not closed:
+            self._replace(slot)
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Live workers: index, actor id, Flight locations, rollouts placed on it."""
+        with self._lock:
+            return [
+                {"index": s.index, "actor": s.actor_id, "locations": s.locations, "load": s.load}
+                for s in self._slots
+                if s.alive
+            ]
+
+    # ---- Backend protocol -------------------------------------------------------------------
+
+    def reserve(self, job_id: str) -> str:
+        for _ in range(len(self._slots) + 1):
+            with self._lock:
+                live = [s for s in self._slots if s.alive]
+                if not live:
+                    raise NoWorkers("no live ray worker to take the rollout")
+                self._rr += 1
+                best = min(live, key=lambda s: (s.load, (s.index - self._rr) % len(self._slots)))
+                best.load += 1
+                self._where[job_id] = best
+            try:
+                return str(self._ray.get(best.handle.reserve.remote(job_id), timeout=30))
+            except self._ray.exceptions.RayActorError as exc:
+                with self._lock:
+                    best.load -= 1
+                    self._where.pop(job_id, None)
+                self._mark_dead(best, exc)
+        raise NoWorkers("no live ray worker to take the rollout")
+
+    def run(
+        self, job: Job, *, on_progress: Callable[[int, int], None], should_stop: Callable[[], bool]
+    ) -> dict[str, Any]:
+        ray = self._ray
+        with self._lock:
+            slot = self._where[job.id]
+        done = 0
+
+        def report(progress: Any) -> None:
+            nonlocal done
+            if progress:
+                d, total = progress
+                for k in range(done + 1, d + 1):  # one call per step, as the local backend makes
+                    on_progress(k, total)
+                done = max(done, d)
+
+        try:
+            if not slot.alive:
+                raise WorkerDied(f"{slot.name} died before the rollout started")
+            ref = slot.handle.run_safe.remote(job.id, job.spec)
+            cancel_sent = False
+            while True:
+                ready, _ = ray.wait([ref], timeout=self._poll_s)
+                if ready:
+                    out = ray.get(ref)
+                    break
+                if should_stop() and not cancel_sent:
+                    slot.handle.cancel.remote(job.id, job.stop_reason)
+                    cancel_sent = True
+                report(ray.get(slot.handle.progress.remote(job.id)))
+        except ray.exceptions.RayActorError as exc:
+            self._mark_dead(slot, exc)
+            raise WorkerDied(f"{slot.name} died: {_cause(exc)}") from None
+        finally:
+            with self._lock:
+                slot.load -= 1
+        report(out.get("progress"))
+        if "cancelled" in out:
+            raise RolloutCancelled(out["cancelled"])
+        if "error" in out:
+            raise remote_error(*out["error"])
+        result: dict[str, Any] = out["ok"]
+        return result
+
+    def abandon(self, job_id: str, kind: str, message: str) -> None:
+        with self._lock:
+            slot = self._where.get(job_id)
+            if slot is not None:
+                slot.load -= 1  # never runs: it no longer counts against the worker
+        if slot is not None and slot.alive:
+            self._call(slot, "abandon", job_id, kind, message)
+
+    def release(self, job_id: str) -> None:
+        with self._lock:
+            slot = self._where.pop(job_id, None)
+        if slot is not None and slot.alive:
+            self._call(slot, "release", job_id)
+
+    def has_result(self, job_id: str) -> bool:
+        slot = self._where.get(job_id)
+        slots = [slot] if slot is not None else list(self._slots)
+        for s in slots:
+            if s.alive and self._call(s, "has_result", job_id):
+                with self._lock:
+                    self._where[job_id] = s
+                return True
+        return False
+
+    def locations_for(self, job_id: str) -> list[str]:
+        slot = self._where.get(job_id)
+        return list(slot.locations) if slot is not None else []
+
+    # ---- extras -----------------------------------------------------------------------------
+
+    def trajectory_ref(self, job_id: str) -> Any:
+        """An ObjectRef to the finished trajectory as a pyarrow.Table, put in the Ray object
+        store by the worker that holds it (opt-in; Flight stays the main path)."""
+        slot = self._where.get(job_id)
+        if slot is None:
+            raise KeyError(job_id)
+        return slot.handle.table.remote(job_id)
+
+    def worker_for(self, job_id: str) -> Any:
+        """The actor handle holding a rollout (tests and tools)."""
+        return self._where[job_id].handle
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            slots = list(self._slots)
+        for s in slots:
+            if s.alive:
+                try:
+                    self._ray.get(s.handle.stop.remote(), timeout=10)
+                except Exception:  # dying anyway
+                    pass
+                self._ray.kill(s.handle)
+
+    def _call(self, slot: _Slot, method: str, *args: Any) -> Any:
+        try:
+            return self._ray.get(getattr(slot.handle, method).remote(*args), timeout=30)
+        except self._ray.exceptions.RayActorError as exc:
+            self._mark_dead(slot, exc)
+            return None
+
+
+def trajectory_ref(rollout_id: str, *, namespace: str = NAMESPACE) -> Any:
+    """From any process in the cluster (`ray.init(address="auto")`): an ObjectRef to the
+    finished trajectory as a pyarrow.Table, asked of the sigmaflight worker that holds it."""
+    import ray
+
+    for info in ray.util.list_named_actors(all_namespaces=True):
+        if info["namespace"] != namespace or not info["name"].startswith(ACTOR_PREFIX):
+            continue
+        try:
+            handle = ray.get_actor(info["name"], namespace=namespace)
+            if ray.get(handle.has_result.remote(rollout_id), timeout=30):
+                return handle.table.remote(rollout_id)
+        except (ValueError, ray.exceptions.RayActorError):
+            continue  # gone meanwhile
+    raise KeyError(f"no sigmaflight worker holds a finished rollout {rollout_id!r}")
+
+
+def _cause(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
