@@ -94,7 +94,8 @@ class Client:
         _raise_for(r)
         return RolloutStatus.model_validate(r.json())
 
-    def list(self, status: str | None = None, limit: int = 100) -> list[RolloutStatus]:
+    def rollouts(self, status: str | None = None, limit: int = 100) -> list[RolloutStatus]:
+        """GET /v1/rollouts, newest first (optionally only one status)."""
         params: dict[str, Any] = {"limit": limit, **({"status": status} if status else {})}
         r = self._http.get("/v1/rollouts", params=params)
         _raise_for(r)
@@ -155,7 +156,7 @@ class Client:
             return ticket.flight.locations[0], ticket.flight.ticket
         if ticket.startswith(TICKET_PREFIX):
             # A bare Flight ticket: any rollout's status names the server's Flight locations.
-            listed = self.list(limit=1)
+            listed = self.rollouts(limit=1)
             if not listed:
                 raise ValueError("cannot find the Flight location: the server lists no rollouts")
             return listed[0].flight.locations[0], ticket
