@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, get_args
 
+from control import commands
 from control.settings import Settings
 
 log = logging.getLogger("sigmaflight")
@@ -66,7 +67,9 @@ def serve(settings: Settings) -> int:
             scheme = "https" if tls else "http"
             service = app.state.service if hasattr(app.state, "service") else None
             flight = getattr(service, "flight", None)
-            log.info(
+            # Always shown, whatever --log-level: tools wait for this line.
+            log.log(
+                max(logging.INFO, logging.getLogger().level),
                 "sigmaflight ready",
                 extra={
                     "rest_url": f"{scheme}://{settings.host}:{port}",
@@ -97,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     _settings_arguments(p_serve)
+    commands.add_client_commands(sub)
     return parser
 
 
@@ -110,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"sigmaflight serve: invalid settings:\n{exc}", file=sys.stderr)
             return 2
         return serve(settings)
+    if hasattr(args, "run"):
+        return commands.run(args)
     parser.error(f"unknown command {args.command}")
     return 2
 
