@@ -1,0 +1,280 @@
+"""Client subcommands of `sigmaflight`: submit, status, pull, inspect, plot.
+
+Each talks to a running server through `control.client.Client` (`--url`, default
+http://127.0.0.1:8000 or SIGMAFLIGHT_URL; `--token` or SIGMAFLIGHT_TOKEN), or reads an
+`.arrow` file. JSON goes to stdout, progress and errors to stderr; the exit status is 0 on
+success, 1 when the server or the data said no, 2 for bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def _client_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=os.environ.get("SIGMAFLIGHT_URL", DEFAULT_URL),
+                   help="REST URL of the server [env SIGMAFLIGHT_URL; default %(default)s]")
+    p.add_argument("--token", default=os.environ.get("SIGMAFLIGHT_TOKEN"),
+                   help="bearer token [env SIGMAFLIGHT_TOKEN; default none]")
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from control.client import Client
+
+    return Client(args.url, token=args.token)
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=False))
+
+
+# ---- submit ---------------------------------------------------------------------------------
+
+
+def request_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The RolloutRequest body: --json FILE first, then every flag given on top of it."""
+    req: dict[str, Any] = json.loads(Path(args.json).read_text()) if args.json else {}
+    top = {"model": args.model, "negative_prompt": args.negative_prompt,
+           "num_outputs_per_prompt": args.num_outputs_per_prompt, "num_inference_steps": args.steps,
+           "guidance_scale": args.guidance_scale, "height": args.height, "width": args.width,
+           "num_frames": args.num_frames, "seed": args.seed}
+    if args.prompt:
+        req["prompts"] = list(args.prompt)
+    req.update({k: v for k, v in top.items() if v is not None})
+    sampler = {"type": args.sampler, "noise_level": args.noise_level, "sde_steps": args.sde_steps,
+               "log_prob": args.log_prob}
+    if any(v is not None for v in sampler.values()):
+        req["sampler"] = {**req.get("sampler", {}), **{k: v for k, v in sampler.items() if v is not None}}
+    ret = {"steps": args.return_steps, "log_probs": args.log_probs, "latent_dtype": args.latent_dtype}
+    if any(v is not None for v in ret.values()):
+        req["return"] = {**req.get("return", {}), **{k: v for k, v in ret.items() if v is not None}}
+    return req
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    req = request_from_args(args)
+    if "prompts" not in req:
+        print("sigmaflight submit: give --prompt (repeatable) or --json FILE with prompts", file=sys.stderr)
+        return 2
+    with _client(args) as client:
+        ticket = client.submit(idempotency_key=args.idempotency_key, **req)
+        if args.wait:
+            client.wait(ticket, timeout=args.timeout, raise_on_failure=False)
+    _print_json(ticket.model_dump(mode="json", by_alias=True))
+    return 0
+
+
+# ---- status ---------------------------------------------------------------------------------
+
+
+def run_status(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        st = client.wait(args.id, timeout=args.timeout, raise_on_failure=False) if args.wait else client.status(args.id)
+    _print_json(st.model_dump(mode="json", by_alias=True))
+    return 0 if st.status not in ("failed", "cancelled", "expired") else 1
+
+
+# ---- pull -----------------------------------------------------------------------------------
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def run_pull(args: argparse.Namespace) -> int:
+    from dataplane.files import CorruptTrajectoryFile, TrajectoryFileWriter, read_trajectory
+    from dataplane.schema import KEY_ROLLOUT, KEY_STEPS, schema_metadata
+
+    out = Path(args.output)
+    with _client(args) as client:
+        location, ticket = client.locate(args.ticket)
+        reader = client.flight(location).reader(ticket)
+        meta = schema_metadata(reader.schema)
+        rollout_id = (meta.get(KEY_ROLLOUT) or {}).get("id")
+        if out.exists():
+            try:
+                schema, _, _ = read_trajectory(out)
+            except CorruptTrajectoryFile as exc:
+                print(f"{out}: incomplete or corrupt ({exc}); pulling again", file=sys.stderr)
+            else:
+                have = (schema_metadata(schema).get(KEY_ROLLOUT) or {}).get("id")
+                if have != rollout_id:
+                    print(f"{out} holds rollout {have}, not {rollout_id}; remove it or choose another -o",
+                          file=sys.stderr)
+                    return 1
+                print(f"{out}: complete and valid (rollout {have}); kept", file=sys.stderr)
+                return 0
+        steps = list(meta.get(KEY_STEPS) or [])
+        writer = TrajectoryFileWriter(out, reader.schema)  # writes <out>.partial, replacing an old one
+        tty = sys.stderr.isatty()
+        nbytes = 0
+        done_steps: set[int] = set()
+        try:
+            while True:
+                try:
+                    chunk = reader.read_chunk()
+                except StopIteration:
+                    break
+                batch = chunk.data
+                writer.write(batch)
+                nbytes += batch.nbytes
+                if batch.num_rows:
+                    done_steps.add(int(batch.column("step")[0].as_py()))
+                line = f"pull {rollout_id}: {len(done_steps)}/{len(steps)} steps, {_human(nbytes)}"
+                print(("\r" + line) if tty else line, file=sys.stderr, end="" if tty else "\n", flush=True)
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+        if tty:
+            print(file=sys.stderr)
+    read_trajectory(out)  # what was written reads back as a complete trajectory
+    print(f"wrote {out}: rollout {rollout_id}, {len(done_steps)} steps, {nbytes} bytes", file=sys.stderr)
+    return 0
+
+
+# ---- inspect / plot -------------------------------------------------------------------------
+
+
+def _load(args: argparse.Namespace) -> tuple[str, Any, list[Any]]:
+    """(label, schema, batches) of a file or a ticket / rollout id on --url."""
+    from control.inspect import read_arrow_file
+
+    src = args.source
+    if Path(src).is_file():
+        schema, batches = read_arrow_file(src)
+        return src, schema, batches
+    with _client(args) as client:
+        location, ticket = client.locate(src)
+        reader = client.flight(location).reader(ticket)
+        table = reader.read_all()
+    return f"{location} {ticket}", table.schema, table.to_batches()
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from control.inspect import build_report, render_text
+
+    label, schema, batches = _load(args)
+    rep = build_report(label, schema, batches)
+    if args.json:
+        _print_json(rep.to_json())
+    else:
+        sys.stdout.write(render_text(rep))
+    return 1 if (rep.flags and args.strict) else 0
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from control.inspect import build_report, read_arrow_file
+    from control.plot import render_png
+
+    schema, batches = read_arrow_file(args.file)
+    rep = build_report(args.file, schema, batches)
+    w, h = render_png(args.file, rep, args.output, decode=args.decode)
+    print(f"wrote {args.output}: {w}x{h} PNG", file=sys.stderr)
+    return 0
+
+
+# ---- parser ---------------------------------------------------------------------------------
+
+
+def add_client_commands(sub: Any) -> None:
+    """Add submit, status, pull, inspect and plot to `sigmaflight`'s subparsers."""
+    fmt = argparse.HelpFormatter
+    p = sub.add_parser("submit", help="Submit a rollout; print its ticket (JSON).", formatter_class=fmt,
+                       description="Submit a rollout request built from --json FILE and/or flags (flags win) "
+                       "and print the 202 ticket as JSON.")
+    _client_arguments(p)
+    p.add_argument("--json", metavar="FILE", help="a RolloutRequest JSON file (the base the flags override)")
+    p.add_argument("--prompt", "-p", action="append", help="a prompt (repeat for several)")
+    p.add_argument("--model", help="model id (default: the server's)")
+    p.add_argument("--negative-prompt")
+    p.add_argument("--num-outputs-per-prompt", "-n", type=int, help="samples per prompt (a GRPO group)")
+    p.add_argument("--steps", type=int, help="num_inference_steps T")
+    p.add_argument("--guidance-scale", type=float)
+    p.add_argument("--height", type=int)
+    p.add_argument("--width", type=int)
+    p.add_argument("--num-frames", type=int, help="video models only")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--sampler", choices=["sde", "cps", "ode"], help="sampler.type")
+    p.add_argument("--noise-level", type=float, help="sampler.noise_level")
+    p.add_argument("--sde-steps", type=_ints, metavar="I,J,...", help="sampler.sde_steps: stochastic transitions")
+    p.add_argument("--log-prob", choices=["density", "no_const"], help="sampler.log_prob")
+    p.add_argument("--return-steps", type=_ints, metavar="I,J,...", help="return.steps: latents to stream")
+    p.add_argument("--log-probs", action=argparse.BooleanOptionalAction, default=None, help="return.log_probs")
+    p.add_argument("--latent-dtype", choices=["native", "float32", "float16", "bfloat16"], help="return.latent_dtype")
+    p.add_argument("--idempotency-key", help="Idempotency-Key header")
+    p.add_argument("--wait", action="store_true", help="wait until the rollout has finished before printing")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits [default %(default)s]")
+    p.set_defaults(run=run_submit)
+
+    p = sub.add_parser("status", help="Print a rollout's status (JSON).", formatter_class=fmt,
+                       description="Print GET /v1/rollouts/ID as JSON; exit 1 if it failed, was cancelled or expired.")
+    _client_arguments(p)
+    p.add_argument("id", metavar="ID", help="rollout id")
+    p.add_argument("--wait", action="store_true", help="wait until the rollout has finished")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits [default %(default)s]")
+    p.set_defaults(run=run_status)
+
+    p = sub.add_parser("pull", help="Pull a trajectory over Flight into an .arrow file.", formatter_class=fmt,
+                       description="Stream a rollout over Arrow Flight into an Arrow IPC file, with a progress "
+                       "line (steps, bytes) on stderr. Resumable by re-running: a complete, valid file for the "
+                       "same rollout is kept; an interrupted pull's OUT.partial is replaced.")
+    _client_arguments(p)
+    p.add_argument("ticket", metavar="TICKET_OR_ID", help="Flight ticket or rollout id")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.arrow", help="file to write")
+    p.set_defaults(run=run_pull)
+
+    p = sub.add_parser("inspect", help="Show a trajectory's schema, schedule, statistics and inconsistencies.",
+                       formatter_class=fmt,
+                       description="Inspect an .arrow file or a ticket / rollout id on --url: schema, the "
+                       "sigmas/timesteps table by absolute index, per-step latent mean/std/min/max, log-prob "
+                       "summaries per step, and flags (float32(t/1000) != sigma, sigma not decreasing, "
+                       "terminal sigma != 0, steps not ascending, columns disagreeing with the metadata).")
+    _client_arguments(p)
+    p.add_argument("source", metavar="FILE_OR_TICKET", help=".arrow file, Flight ticket or rollout id")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--strict", action="store_true", help="exit 1 when there is any flag")
+    p.set_defaults(run=run_inspect)
+
+    p = sub.add_parser("plot", help="Draw a trajectory as a 1200x400 PNG.", formatter_class=fmt,
+                       description="Write a 1200x400 PNG: the sigma schedule with stochastic steps marked, "
+                       "log-prob per step per sample, and x_T decoded by the model's VAE (built-in models).")
+    p.add_argument("file", metavar="FILE.arrow", help="a trajectory file (see `sigmaflight pull`)")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.png", help="PNG to write")
+    p.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="decode x_T through the model's VAE [default: on]")
+    p.set_defaults(run=run_plot)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run a client subcommand; API and data errors become one line on stderr and exit 1."""
+    from control.client import ApiError, RolloutFailed
+
+    try:
+        return int(args.run(args))
+    except (ApiError, RolloutFailed, TimeoutError, OSError, ValueError, KeyError) as exc:
+        print(f"sigmaflight {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # pyarrow.flight errors, httpx transport errors
+        if type(exc).__module__.startswith(("pyarrow", "httpx")):
+            print(f"sigmaflight {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        raise
