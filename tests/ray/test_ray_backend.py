@@ -1,0 +1,184 @@
+"""RayBackend on a local Ray cluster started here: two CPU worker actors behind one JobManager.
+
+One `ray.init(num_cpus=2)` and one backend for the whole module (starting Ray and two
+actors costs ~10 s on the 2-core machine); the test that kills a worker runs last.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow.flight as flight
+import pytest
+import torch
+
+from control.backend import LocalBackend
+from control.jobs import JobManager
+from control.ray_backend import RayBackend, trajectory_ref
+from control.worker import WorkerConfig
+from dataplane.client import Trajectory
+from dataplane.store import ResultStore
+from pipeline.models import ModelRegistry
+from pipeline.spec import RolloutSpec, SamplerSpec
+
+ray = pytest.importorskip("ray", reason="the Ray backend needs `pip install sigmaflight[ray]`")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, namespace="sigmaflight", log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def backend(cluster):
+    b = RayBackend(WorkerConfig(index=0, torch_threads=1), workers=2, num_cpus=1)
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def jobs(backend):
+    m = JobManager(backend, workers=2)
+    m.start()
+    try:
+        yield m
+    finally:
+        m.stop()
+
+
+def spec(**kw) -> RolloutSpec:
+    base = dict(model="tiny-sd3", prompts=("a red cube", "a blue ball"), num_inference_steps=4, seed=7,
+                sampler=SamplerSpec(type="sde", noise_level=0.7), guidance_scale=4.5)
+    return RolloutSpec(**{**base, **kw})
+
+
+def long_spec() -> RolloutSpec:
+    # thousands of tiny steps, capturing only x_0: runs for seconds, holds almost nothing
+    return spec(prompts=("a slow one",), num_inference_steps=3000, return_steps=(0,))
+
+
+def wait(jobs: JobManager, job_id: str, statuses: set[str], timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while (status := jobs.get(job_id).status) not in statuses:
+        assert time.monotonic() < deadline, f"{job_id} still {status}"
+        time.sleep(0.02)
+    return status
+
+
+def wait_progress(jobs: JobManager, job_id: str, steps: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while jobs.get(job_id).steps_done < steps:
+        assert time.monotonic() < deadline, jobs.get(job_id)
+        time.sleep(0.02)
+
+
+def pull(location: str, ticket: str) -> Trajectory:
+    with flight.FlightClient(location) as fc:
+        return Trajectory.from_reader(fc.do_get(flight.Ticket(ticket.encode())))
+
+
+def test_rollouts_spread_across_workers_and_each_is_pulled_from_its_own_worker(jobs, backend):
+    submitted = [jobs.submit(spec(seed=s), {})[0] for s in range(4)]
+    where = {j.id: backend.locations_for(j.id) for j in submitted}
+    assert len({loc[0] for loc in where.values()}) == 2  # both workers got rollouts
+    for job in submitted:
+        assert wait(jobs, job.id, {"succeeded", "failed"}) == "succeeded", job.error
+        (location,) = where[job.id]
+        traj = pull(location, job.ticket)  # plain pyarrow.flight against the worker that ran it
+        assert traj.rollout_id == job.id and traj.latents.shape[:2] == (2, 5)
+        with flight.FlightClient(location) as fc:
+            info = fc.get_flight_info(flight.FlightDescriptor.for_path("rollouts", job.id))
+        assert [loc.uri.decode() for loc in info.endpoints[0].locations] == [location]
+        assert info.total_records == job.result["num_rows"] == 10
+        other = next(loc[0] for loc in where.values() if loc[0] != location)
+        with flight.FlightClient(other) as fc, pytest.raises(flight.FlightError, match="not found"):
+            fc.do_get(flight.Ticket(job.ticket.encode())).read_all()  # bytes live only where they were made
+        assert job.steps_done == job.steps_total == 4
+
+
+def test_trajectory_is_bit_identical_to_the_local_backend(jobs, backend):
+    request = spec(seed=1234, sampler=SamplerSpec(type="sde", noise_level=0.8, sde_steps=(1, 2)))
+    job, _ = jobs.submit(request, {})
+    assert wait(jobs, job.id, {"succeeded", "failed"}) == "succeeded", job.error
+    remote = pull(backend.locations_for(job.id)[0], job.ticket)
+
+    store = ResultStore(memory_budget_bytes=1 << 30)
+    local_jobs = JobManager(LocalBackend(ModelRegistry(), store, locations=lambda: []), workers=1)
+    local_jobs.start()
+    try:
+        ljob, _ = local_jobs.submit(request, {})
+        assert wait(local_jobs, ljob.id, {"succeeded", "failed"}) == "succeeded", ljob.error
+        entry = store.get(ljob.id)
+        local = Trajectory.from_batches(entry.schema, entry.iter_batches())
+    finally:
+        local_jobs.stop()
+        store.close()
+    assert torch.equal(remote.latents, local.latents)
+    assert torch.equal(remote.log_probs.nan_to_num(-1.0), local.log_probs.nan_to_num(-1.0))
+    assert torch.equal(remote.sigmas, local.sigmas) and torch.equal(remote.seeds, local.seeds)
+    assert remote.metadata["model"] == local.metadata["model"]
+    assert unordered(remote.metadata["scheduler"]) == unordered(local.metadata["scheduler"])
+
+
+def unordered(scheduler: dict) -> dict:
+    # diffusers' config `_use_default_values` is a list built from a set: its order follows the
+    # process's string hash seed, so it differs between any two processes (local ones too)
+    config = dict(scheduler["config"])
+    config["_use_default_values"] = sorted(config.get("_use_default_values", []))
+    return {**scheduler, "config": config}
+
+
+def test_object_store_path_gives_the_same_table_as_flight(jobs, backend):
+    job, _ = jobs.submit(spec(seed=5), {})
+    assert wait(jobs, job.id, {"succeeded", "failed"}) == "succeeded", job.error
+    with flight.FlightClient(backend.locations_for(job.id)[0]) as fc:
+        over_flight = fc.do_get(flight.Ticket(job.ticket.encode())).read_all()
+    assert ray.get(backend.trajectory_ref(job.id)).equals(over_flight, check_metadata=True)
+    assert ray.get(trajectory_ref(job.id)).equals(over_flight)  # by id, from any process in the cluster
+    with pytest.raises(KeyError):
+        trajectory_ref("no-such-rollout")
+
+
+def test_progress_crosses_the_actor_boundary_and_cancel_stops_the_rollout(jobs):
+    job, _ = jobs.submit(long_spec(), {})
+    wait_progress(jobs, job.id, 5)
+    assert jobs.get(job.id).status == "running"
+    jobs.cancel(job.id)
+    assert wait(jobs, job.id, {"cancelled", "failed", "succeeded"}, timeout=30) == "cancelled"
+    assert 5 <= jobs.get(job.id).steps_done < 3000
+    again, _ = jobs.submit(spec(seed=9), {})
+    assert wait(jobs, again.id, {"succeeded", "failed"}) == "succeeded", again.error
+
+
+def test_a_killed_worker_fails_its_rollout_naming_it_and_a_replacement_takes_new_ones(jobs, backend):
+    before = {w["actor"] for w in backend.workers()}
+    job, _ = jobs.submit(long_spec(), {})
+    victim = next(w for w in backend.workers() if w["locations"] == backend.locations_for(job.id))
+    wait_progress(jobs, job.id, 3)
+    ray.kill(backend.worker_for(job.id))
+    assert wait(jobs, job.id, {"failed", "succeeded", "cancelled"}, timeout=60) == "failed"
+    kind, message = job.error
+    assert kind == "WorkerDied"
+    assert message.startswith(f"worker {victim['index']} (actor {victim['actor']}) died: ")
+
+    after = [jobs.submit(spec(seed=100 + k), {})[0] for k in range(3)]  # served by the rest meanwhile
+    for j in after:
+        assert wait(jobs, j.id, {"succeeded", "failed"}) == "succeeded", j.error
+        assert pull(backend.locations_for(j.id)[0], j.ticket).num_samples == 2
+
+    deadline = time.monotonic() + 120
+    while len(backend.workers()) < 2 or victim["actor"] in {w["actor"] for w in backend.workers()}:
+        assert time.monotonic() < deadline, backend.workers()
+        time.sleep(0.1)
+    replacement = next(w for w in backend.workers() if w["actor"] not in before)
+    assert replacement["index"] == victim["index"]
+    placed = [jobs.submit(spec(seed=200 + k), {})[0] for k in range(2)]
+    assert any(backend.locations_for(j.id) == replacement["locations"] for j in placed)
+    for j in placed:
+        assert wait(jobs, j.id, {"succeeded", "failed"}) == "succeeded", j.error
