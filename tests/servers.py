@@ -1,89 +1,14 @@
-"""Start the real `sigmaflight serve` process on loopback ports for end-to-end tests."""
+"""Helpers for end-to-end tests: the real server process (control/launcher.py) and polling."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+from control.launcher import ServerProcess
 
-
-class ServerProcess:
-    """`python -m control.cli serve --port 0 --flight-port 0 ...` as a child process.
-
-    Reads its JSON log lines on a thread (kept in `.logs`), waits for the "sigmaflight ready"
-    line, and exposes the URLs it announced.
-    """
-
-    def __init__(self, *flags: str, env: dict[str, str] | None = None, timeout: float = 90.0) -> None:
-        self.flags = flags
-        self.logs: list[str] = []
-        self.rest_url = ""
-        self.flight_url = ""
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        cmd = [sys.executable, "-m", "control.cli", "serve", "--port", "0", "--flight-port", "0",
-               "--log-format", "json", *flags]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                     text=True)
-        self._ready = threading.Event()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        if not self._ready.wait(timeout) or not self.rest_url:
-            self.kill()
-            raise RuntimeError("server did not become ready:\n" + "\n".join(self.logs[-40:]))
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.logs.append(line.rstrip("\n"))
-            if '"sigmaflight ready"' in line:
-                entry = json.loads(line)
-                self.rest_url, self.flight_url = entry["rest_url"], entry["flight_url"]
-                self._ready.set()
-        self._ready.set()
-
-    @property
-    def log_text(self) -> str:
-        return "\n".join(self.logs)
-
-    def client(self, token: str | None = None) -> httpx.Client:
-        headers = {"authorization": f"Bearer {token}"} if token else {}
-        return httpx.Client(base_url=self.rest_url, headers=headers, timeout=30.0)
-
-    def terminate(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(timeout)
-        self._close_pipe()
-        return rc
-
-    def _close_pipe(self) -> None:
-        self._reader.join(5)
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-        self._close_pipe()
-
-    def __enter__(self) -> ServerProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self.terminate()
-        except subprocess.TimeoutExpired:
-            self.kill()
+__all__ = ["ServerProcess", "wait_for_status"]
 
 
 def wait_for_status(client: httpx.Client, rollout_id: str, statuses: set[str], timeout: float = 60.0) -> dict:

@@ -252,14 +252,17 @@ def test_queue_full_answers_429_with_retry_after():
 
 def test_sigterm_fails_running_rollouts_and_exits_quickly(tmp_path):
     s = ServerProcess("--data-dir", str(tmp_path), "--max-steps", "5000")
-    with s.client() as c:
-        done = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2, "seed": 1}).json()
-        wait_for_status(c, done["id"], {"succeeded"})
-        running = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2000, "seed": 1}).json()
-        wait_for_status(c, running["id"], {"running"})
-    t0 = time.monotonic()
-    assert s.terminate(timeout=30) in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown
-    assert time.monotonic() - t0 < 30
+    try:
+        with s.client() as c:
+            done = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2, "seed": 1}).json()
+            wait_for_status(c, done["id"], {"succeeded"})
+            running = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2000, "seed": 1}).json()
+            wait_for_status(c, running["id"], {"running"})
+        t0 = time.monotonic()
+        assert s.terminate(timeout=30) in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown
+        assert time.monotonic() - t0 < 30
+    finally:
+        s.kill()
     with ServerProcess("--data-dir", str(tmp_path)) as again, again.client() as c:
         assert c.get(f"/v1/rollouts/{done['id']}").json()["status"] == "succeeded"
         failed = c.get(f"/v1/rollouts/{running['id']}").json()
