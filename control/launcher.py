@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import httpx
@@ -35,6 +36,8 @@ class ServerProcess:
                "--log-format", "json", *flags]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      text=True)
+        # Never leave a server behind: killed at garbage collection or interpreter exit at the latest.
+        weakref.finalize(self, _kill_quietly, self.proc)
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -86,3 +89,9 @@ class ServerProcess:
             self.terminate()
         except subprocess.TimeoutExpired:
             self.kill()
+
+
+def _kill_quietly(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
