@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, get_args
@@ -37,6 +38,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def serve(settings: Settings) -> int:
+    # transformers announces optional backends it lacks (torchvision) on import; not our users' concern.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import uvicorn
 
     from control import logs
