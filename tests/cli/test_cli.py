@@ -1,0 +1,152 @@
+"""The CLI end to end on a real server: submit, status, pull, inspect, plot."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+from PIL import Image
+
+from control.cli import main
+from control.plot import PLOT_HEIGHT, PLOT_WIDTH
+from tests.servers import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess() as s:
+        yield s
+
+
+def read_table(path) -> pa.Table:
+    """Read into memory (not a memory map: the test truncates the file afterwards)."""
+    with open(path, "rb") as f:
+        return pa.ipc.open_file(pa.BufferReader(f.read())).read_all()
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_submit_status_pull_inspect_plot(server, tmp_path, capsys):
+    url = server.rest_url
+    req = tmp_path / "req.json"
+    req.write_text(json.dumps({"prompts": ["a red cube", "a dog"], "sampler": {"type": "sde", "sde_steps": [1, 2]},
+                               "seed": 1, "num_inference_steps": 6}))
+    # submit: the JSON file is the base, flags override it (steps 6 -> 4, seed 1 -> 9).
+    rc, out, _ = cli(capsys, "submit", "--url", url, "--json", str(req), "-n", "2", "--steps", "4", "--seed", "9")
+    assert rc == 0
+    ticket = json.loads(out)
+    assert ticket["status"] == "queued" and ticket["flight"]["descriptor_path"] == ["rollouts", ticket["id"]]
+    rc, out, _ = cli(capsys, "status", ticket["id"], "--url", url, "--wait", "--timeout", "60")
+    status = json.loads(out)
+    assert rc == 0 and status["status"] == "succeeded" and status["progress"] == {"steps_done": 4, "steps_total": 4}
+
+    # pull: an .arrow file equal to what Flight serves, with a progress line of steps and bytes.
+    out_file = tmp_path / "t.arrow"
+    rc, _, err = cli(capsys, "pull", ticket["flight"]["ticket"], "--url", url, "-o", str(out_file))
+    assert rc == 0, err
+    assert f"pull {ticket['id']}: 5/5 steps" in err and "KiB" in err
+    table = read_table(out_file)
+    with flight.FlightClient(ticket["flight"]["locations"][0]) as fc:
+        served = fc.do_get(flight.Ticket(ticket["flight"]["ticket"].encode())).read_all()
+    assert table.equals(served) and table.schema.metadata == served.schema.metadata
+    rollout = json.loads(table.schema.metadata[b"sigmaflight.rollout"])
+    assert rollout["request"]["num_inference_steps"] == 4 and rollout["request"]["seed"] == 9
+    assert rollout["request"]["num_outputs_per_prompt"] == 2 and rollout["sampler"]["sde_steps"] == [1, 2]
+
+    # Re-running keeps a complete file untouched; a truncated one and a stale .partial are replaced.
+    mtime = os.stat(out_file).st_mtime_ns
+    rc, _, err = cli(capsys, "pull", ticket["id"], "--url", url, "-o", str(out_file))
+    assert rc == 0 and "kept" in err and os.stat(out_file).st_mtime_ns == mtime
+    whole = out_file.read_bytes()
+    out_file.write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "t.arrow.partial").write_bytes(b"junk from an interrupted pull")
+    rc, _, err = cli(capsys, "pull", ticket["id"], "--url", url, "-o", str(out_file))
+    assert rc == 0 and "pulling again" in err
+    assert out_file.read_bytes() == whole and not (tmp_path / "t.arrow.partial").exists()
+
+    # inspect: schedule by absolute index, latent statistics, log-prob summaries, no flags.
+    rc, out, _ = cli(capsys, "inspect", str(out_file), "--json")
+    rep = json.loads(out)
+    sigmas = json.loads(table.schema.metadata[b"sigmaflight.sigmas"])
+    assert rc == 0 and rep["flags"] == []
+    assert [r["i"] for r in rep["schedule"]] == [0, 1, 2, 3, 4]
+    assert [r["sigma"] for r in rep["schedule"]] == [float(np.float32(s)) for s in sigmas]
+    assert [r["sde"] for r in rep["schedule"]] == [False, True, True, False, None]
+    lat = np.stack(table.filter(pa.compute.equal(table["step"], 2))["latent"].combine_chunks()
+                   .to_numpy_ndarray()).astype(np.float64)
+    step2 = next(r for r in rep["latents"] if r["step"] == 2)
+    assert step2["mean"] == pytest.approx(lat.mean(), rel=1e-9) and step2["max"] == lat.max()
+    assert step2["std"] == pytest.approx(lat.std(), rel=1e-6)
+    assert [r["step"] for r in rep["log_probs"]] == [1, 2] and all(r["count"] == 4 for r in rep["log_probs"])
+    lp1 = table.filter(pa.compute.equal(table["step"], 1))["log_prob"].to_numpy()
+    assert rep["log_probs"][0]["min"] == float(lp1.min())
+    rc, text, _ = cli(capsys, "inspect", str(out_file))
+    assert "schedule (absolute index i)" in text and "flags (0)" in text
+    # The same report straight from the server, by rollout id.
+    rc, out, _ = cli(capsys, "inspect", ticket["id"], "--url", url, "--json")
+    remote = json.loads(out)
+    assert rc == 0 and remote["schedule"] == rep["schedule"] and remote["latents"] == rep["latents"]
+
+    # plot: a PNG of the documented size, with the decoded images in the third panel.
+    png = tmp_path / "t.png"
+    rc, _, err = cli(capsys, "plot", str(out_file), "-o", str(png))
+    assert rc == 0 and f"{PLOT_WIDTH}x{PLOT_HEIGHT}" in err
+    with Image.open(png) as im:
+        assert im.format == "PNG" and im.size == (1200, 400) == (PLOT_WIDTH, PLOT_HEIGHT)
+        pixels = np.asarray(im.convert("RGB"), dtype=np.int32)
+    grid = pixels[30:390, 810:1190]
+    assert grid.std() > 5  # decoded images, not a blank panel
+    rc, _, _ = cli(capsys, "plot", str(out_file), "-o", str(tmp_path / "n.png"), "--no-decode")
+    with Image.open(tmp_path / "n.png") as im:
+        blank = np.asarray(im.convert("RGB"), dtype=np.int32)[60:390, 810:1190]
+    assert im.size == (1200, 400) and (blank == 255).mean() > 0.95
+
+
+def _rewrite(path, out, **meta_json) -> None:
+    table = read_table(path)
+    meta = dict(table.schema.metadata)
+    for key, value in meta_json.items():
+        meta[f"sigmaflight.{key}".encode()] = json.dumps(value).encode()
+    with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_file(sink, table.schema.with_metadata(meta)) as w:
+        w.write_table(table)
+
+
+def test_inspect_flags_inconsistencies(server, tmp_path, capsys):
+    rc, out, _ = cli(capsys, "submit", "--url", server.rest_url, "-p", "x", "--steps", "3", "--seed", "2", "--wait")
+    good = tmp_path / "good.arrow"
+    assert cli(capsys, "pull", json.loads(out)["id"], "--url", server.rest_url, "-o", str(good))[0] == 0
+    meta = read_table(good).schema.metadata
+    sigmas = json.loads(meta[b"sigmaflight.sigmas"])
+    timesteps = json.loads(meta[b"sigmaflight.timesteps"])
+    bad = tmp_path / "bad.arrow"
+    # sigma[2] raised above sigma[1], a non-zero terminal sigma, steps listed out of order.
+    _rewrite(good, bad, sigmas=[sigmas[0], sigmas[1], 0.99, 0.25], steps=[0, 2, 1, 3])
+    rc, out, _ = cli(capsys, "inspect", str(bad), "--json", "--strict")
+    flags = json.loads(out)["flags"]
+    assert rc == 1
+    assert any(f.startswith("i=2: sigma 0.99") and "does not decrease" in f for f in flags)
+    assert any(f.startswith("terminal sigma sigmas[3] = 0.25") for f in flags)
+    assert any("sigmaflight.steps is not ascending" in f for f in flags)
+    assert any(f.startswith("i=2: float32(timesteps[2] / 1000)") for f in flags)  # t/1000 is no longer the sigma
+    assert any(f.startswith("sigma column at step 2") for f in flags)
+    # The good file has none of these, and timesteps / 1000 equals every sigma there.
+    rc, out, _ = cli(capsys, "inspect", str(good), "--json", "--strict")
+    assert rc == 0 and json.loads(out)["flags"] == []
+    assert all(np.float32(t) / np.float32(1000) == np.float32(s) for t, s in zip(timesteps, sigmas, strict=False))
+
+
+def test_errors_are_one_line_and_exit_1(server, tmp_path, capsys):
+    rc, _, err = cli(capsys, "status", "no-such-id", "--url", server.rest_url)
+    assert rc == 1 and "404 not_found" in err and "no-such-id" in err
+    rc, _, err = cli(capsys, "submit", "--url", server.rest_url, "-p", "x", "--sde-steps", "7", "--steps", "2")
+    assert rc == 1 and "422 validation_error" in err and "sde_steps" in err
+    rc, _, err = cli(capsys, "submit", "--url", server.rest_url)
+    assert rc == 2 and "--prompt" in err
