@@ -1,0 +1,121 @@
+"""The Python API round trip and the weights endpoint, on a real server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save
+
+from control.client import ApiError, Client, RolloutFailed, replay_log_probs, rollout_spec
+from pipeline.models import ModelRegistry, weights_digest
+from sigmaflight import Client as ReExported
+from sigmaflight import Replayer, Trajectory, step_log_prob
+from tests.servers import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def model():
+    return ModelRegistry().get("tiny-sd3")  # the server's weights, bit for bit
+
+
+def test_round_trip_and_replay(server, model):
+    assert ReExported is Client and Replayer is not None
+    with Client(server.rest_url) as client:
+        ids = {m["id"]: m for m in client.models()}
+        assert ids["tiny-sd3"]["default"] and ids["tiny-sd3"]["digest"] == weights_digest(model.pipeline)
+        ticket = client.submit(prompts=["a red cube", "a dog"], num_outputs_per_prompt=2, num_inference_steps=4,
+                               seed=5, sampler={"type": "sde", "sde_steps": [1, 2]}, return_={"steps": [0, 1, 2, 3, 4]})
+        status = client.wait(ticket, timeout=60)
+        assert status.status == "succeeded" and status.result is not None and status.result.steps == [0, 1, 2, 3, 4]
+        traj = client.pull(ticket)
+        assert isinstance(traj, Trajectory) and traj.rollout_id == ticket.id
+        assert traj.latents.shape == (4, 5, 4, 16, 16) and traj.log_probs.shape == (4, 4)
+        assert traj.sde_steps == (1, 2) and traj.metadata["model"]["digest"] == ids["tiny-sd3"]["digest"]
+        # The same trajectory by rollout id and by bare Flight ticket.
+        assert torch.equal(client.pull(ticket.id).latents, traj.latents)
+        assert torch.equal(client.pull(ticket.flight.ticket).latents, traj.latents)
+        # transitions() aligned by absolute index; the recorded log-probs are step_log_prob of the pair.
+        spec = rollout_spec(traj)
+        assert spec.seed == 5 and spec.sampler.sde_steps == (1, 2) and spec.num_samples == 4
+        got = [t.i for t in traj.transitions([1, 2])]
+        assert got == [1, 2]
+        # Replay with the trainer's own model gives the recorded log-probs bit for bit, with and without grad.
+        replayed = replay_log_probs(model, traj)
+        assert torch.equal(replayed[:, [1, 2]], traj.log_probs[:, [1, 2]])
+        assert torch.isnan(replayed[:, [0, 3]]).all() and torch.isnan(traj.log_probs[:, [0, 3]]).all()
+        with_grad = replay_log_probs(model, traj, grad=True)
+        assert torch.equal(with_grad.detach()[:, [1, 2]], traj.log_probs[:, [1, 2]])
+        assert step_log_prob is not None
+        # cancel on a finished rollout releases it.
+        assert client.cancel(ticket.id).status == "expired"
+        with pytest.raises(RolloutFailed):
+            client.wait(ticket.id, timeout=5)
+        with pytest.raises(ApiError) as e:
+            client.status("nope")
+        assert e.value.status == 404 and e.value.type == "not_found"
+
+
+def _sample(client: Client, seed: int = 11) -> Trajectory:
+    t = client.submit(prompts=["a red cube"], num_outputs_per_prompt=2, num_inference_steps=3, seed=seed)
+    client.wait(t, timeout=60)
+    return client.pull(t)
+
+
+def test_weights_endpoint_changes_digest_and_trajectories(server, model):
+    original = {k: v.clone() for k, v in model.pipeline.transformer.state_dict().items()}
+    with Client(server.rest_url) as client:
+        before = _sample(client)
+        changed = {k: v.clone() for k, v in original.items()}
+        key = next(k for k in changed if k.endswith("proj_out.weight"))
+        changed[key] += 0.05
+        digest = client.push_weights("tiny-sd3", changed)
+        assert digest != before.metadata["model"]["digest"]
+        assert {m["id"]: m["digest"] for m in client.models()}["tiny-sd3"] == digest
+        after = _sample(client)
+        assert after.metadata["model"]["digest"] == digest
+        # Same seed: the same initial noise x_0, different latents once the new model has run.
+        assert torch.equal(after.latent(0), before.latent(0))
+        assert not torch.equal(after.latent(3), before.latent(3))
+
+        # Refusals name the model or the key; nothing changes.
+        with pytest.raises(ApiError) as e:
+            client.push_weights("no-such-model", original)
+        assert e.value.status == 404
+        bad_shape = {**original, key: torch.zeros(3)}
+        with pytest.raises(ApiError) as e:
+            client.push_weights("tiny-sd3", bad_shape)
+        assert e.value.status == 422 and key in e.value.message and e.value.details[0]["loc"] == ["body", key]
+        missing = {k: v for k, v in original.items() if k != key}
+        with pytest.raises(ApiError) as e:
+            client.push_weights("tiny-sd3", missing)
+        assert e.value.status == 422 and key in e.value.message and "missing" in e.value.message
+        nan = {**original, key: torch.full_like(original[key], float("nan"))}
+        with pytest.raises(ApiError) as e:
+            client.push_weights("tiny-sd3", nan)
+        assert e.value.status == 422 and key in e.value.message
+        assert {m["id"]: m["digest"] for m in client.models()}["tiny-sd3"] == digest
+
+        # The route has its own size limit: 1.5 MiB passes the body limit (422 names the extra key),
+        # while the same size on POST /v1/rollouts is refused with 413.
+        big = {**original, "extra.weight": torch.zeros(3 * 2**17)}
+        with server.client() as http:
+            r = http.put("/v1/models/tiny-sd3/weights", content=save(big),
+                         headers={"content-type": "application/octet-stream"})
+            assert r.status_code == 422 and "extra.weight" in r.json()["error"]["message"]
+            r = http.post("/v1/rollouts", content=b" " * (3 * 2**19), headers={"content-type": "application/json"})
+            assert r.status_code == 413
+            r = http.put("/v1/models/tiny-sd3/weights", content=b"not safetensors")
+            assert r.status_code == 422
+            assert "put" in http.get("/openapi.json").json()["paths"]["/v1/models/{model_id}/weights"]
+
+        # Pushing the original weights back restores the original digest and trajectories, bit for bit.
+        assert client.push_weights("tiny-sd3", original) == before.metadata["model"]["digest"]
+        again = _sample(client)
+        assert torch.equal(again.latents, before.latents) and torch.equal(again.log_probs.nan_to_num(),
+                                                                          before.log_probs.nan_to_num())
