@@ -234,7 +234,7 @@ def test_openapi_validates_and_matches_what_endpoints_return(client):
     check(client.get("/v1/rollouts").json(), "RolloutList")
     check(client.get("/v1/models").json(), "ModelList")
     check(client.post("/v1/rollouts", json={"prompts": []}).json(), "ErrorBody")
-    assert set(doc["paths"]) == {"/v1/rollouts", "/v1/rollouts/{rollout_id}", "/v1/models", "/healthz", "/readyz",
+    assert set(doc["paths"]) == {"/v1/rollouts", "/v1/rollouts/{rollout_id}", "/v1/models", "/v1/models/{model_id}/weights", "/healthz", "/readyz",
                                  "/metrics", "/openapi.json"}
 
 
