@@ -162,7 +162,7 @@ class FlightDataServer(flight.FlightServerBase):
             raise flight.FlightServerError("descriptor path is not UTF-8") from None
         if len(path) != 2 or path[0] != DESCRIPTOR_ROOT or not path[1]:
             raise flight.FlightServerError(
-                f"bad descriptor path {path[:4]!r}: expected [{DESCRIPTOR_ROOT!r}, <rollout id>]"
+                _clip(f"bad descriptor path {path[:4]!r}", 300) + f": expected [{DESCRIPTOR_ROOT!r}, <rollout id>]"
             )
         return path[1]
 
@@ -170,7 +170,7 @@ class FlightDataServer(flight.FlightServerBase):
         try:
             return self.store.get(rollout_id)
         except TicketNotFound as e:
-            raise flight.FlightServerError(str(e)) from None
+            raise flight.FlightServerError(_clip(str(e), 300)) from None
 
     def _flight_info(self, entry: Entry, partitions: int = 1) -> flight.FlightInfo:
         tickets = self.store.partition_tickets(entry.rollout_id, partitions)
@@ -275,6 +275,12 @@ class FlightDataServer(flight.FlightServerBase):
             return iter([json.dumps({"id": rid, "cancelled": done}).encode()])
         done = bool(self._on_release(rid) if self._on_release is not None else self.store.release(rid))
         return iter([json.dumps({"id": rid, "released": done}).encode()])
+
+
+def _clip(message: str, limit: int) -> str:
+    """Error messages echo client input: keep them short. A long message (some KiB) makes the
+    client lose the Flight error type (pyarrow raises a bare OSError instead)."""
+    return message if len(message) <= limit else message[:limit] + f"... ({len(message)} chars)"
 
 
 def _action_id(body: bytes) -> str:
