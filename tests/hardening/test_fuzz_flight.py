@@ -1,0 +1,104 @@
+"""Fuzz Flight tickets, descriptors and actions (hypothesis): random bytes, long strings, wrong
+descriptor types and paths get typed errors at once, never a hang or a crash; the server keeps serving."""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.servers import ServerProcess, wait_for_status
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+# KeyError: gRPC NOT_FOUND; ArrowException: pyarrow 26 loses the Flight type on get_schema
+TYPED = (flight.FlightError, KeyError, pa.ArrowException)
+
+
+@pytest.fixture(scope="module")
+def live():
+    with ServerProcess() as server, server.client() as c:
+        ticket = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2, "seed": 1}).json()
+        wait_for_status(c, ticket["id"], {"succeeded"})
+        with flight.FlightClient(server.flight_url) as client:
+            yield server, client, ticket
+
+
+def _still_serves(client: flight.FlightClient, ticket: dict) -> None:
+    assert client.do_get(flight.Ticket(ticket["flight"]["ticket"].encode())).read_all().num_rows == 3
+
+
+def _refused(call, typed: tuple[type[BaseException], ...] = TYPED) -> BaseException:
+    t0 = time.monotonic()
+    with pytest.raises(typed) as info:
+        call()
+    assert time.monotonic() - t0 < 1.0
+    return info.value
+
+
+tickets = st.one_of(
+    st.binary(max_size=256),
+    st.text(max_size=256).map(str.encode),
+    st.integers(1, 200_000).map(lambda n: b"sft1_" + b"A" * n),
+    st.sampled_from([b"", b"sft1_", b"../../etc/passwd", b"__import__('os').system('true')", b"\x00" * 64]),
+)
+
+
+@FUZZ
+@given(raw=tickets)
+def test_random_tickets_get_not_found(live, raw):
+    server, client, ticket = live
+    if raw == ticket["flight"]["ticket"].encode():
+        return
+    error = _refused(lambda: client.do_get(flight.Ticket(raw)).read_all())
+    assert "not found" in str(error)
+
+
+segments = st.one_of(st.text(max_size=64), st.binary(max_size=64), st.just("rollouts"), st.just("partitions"),
+                     st.integers(-5, 100).map(str), st.text(min_size=5000, max_size=6000))
+
+
+@FUZZ
+@given(path=st.lists(segments, max_size=6), command=st.binary(max_size=512), use_cmd=st.booleans())
+def test_random_descriptors_get_typed_errors(live, path, command, use_cmd):
+    server, client, ticket = live
+    typed = TYPED
+    if use_cmd:
+        descriptor = flight.FlightDescriptor.for_command(command)
+    else:
+        descriptor = flight.FlightDescriptor.for_path(*path)
+        as_text = [p.decode("utf-8", "replace") if isinstance(p, bytes) else p for p in path]
+        if as_text[:2] == ["rollouts", ticket["id"]]:
+            return
+        if any(isinstance(p, bytes) and p != p.decode("utf-8", "replace").encode() for p in path):
+            typed = (*TYPED, OSError)  # protobuf refuses a non-UTF-8 path before it leaves the client
+    _refused(lambda: client.get_flight_info(descriptor), typed)
+    _refused(lambda: client.get_schema(descriptor), typed)
+
+
+@FUZZ
+@given(kind=st.one_of(st.text(max_size=64), st.sampled_from(["cancel", "release"])), body=st.binary(max_size=512))
+def test_random_actions_get_typed_errors_or_answers(live, kind, body):
+    server, client, ticket = live
+    if ticket["id"].encode() in body:
+        return
+    t0 = time.monotonic()
+    try:
+        results = [r.body.to_pybytes() for r in client.do_action(flight.Action(kind, body))]
+    except TYPED:
+        pass
+    else:  # a well-formed cancel / release of an unknown id answers False
+        assert kind in ("cancel", "release") and len(results) == 1 and b"false" in results[0]
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_server_still_serves_after_fuzzing(live):
+    server, client, ticket = live
+    _still_serves(client, ticket)
+    assert {a.type for a in client.list_actions()} == {"cancel", "release"}
+    assert [i.descriptor.path[1].decode() for i in client.list_flights()] == [ticket["id"]]
+    assert server.proc.poll() is None
+    assert '"level": "critical"' not in server.log_text
