@@ -238,6 +238,62 @@ def _build_flux() -> Any:
     )
 
 
+def _build_wan() -> Any:
+    """WanPipeline with a 2-layer transformer, a 1-layer UMT5 encoder and a base_dim-3 Wan VAE.
+
+    The VAE keeps Wan's factors (spatial 8, temporal 4; latent [16, (F - 1) // 4 + 1, H / 8, W / 8]).
+    Real Wan ships UniPCMultistepScheduler; sigmaflight's rollout path wraps
+    FlowMatchEulerDiscreteScheduler only, so the tiny Wan gets that with Wan's static flow shift 5.0.
+    """
+    from diffusers import (
+        AutoencoderKLWan,
+        FlowMatchEulerDiscreteScheduler,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    t5_vocab = len(_t5_tokenizer(_T5_LEN).get_vocab())
+    text_encoder = UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=t5_vocab,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=1,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    )
+    vae = AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+    return WanPipeline(
+        tokenizer=_t5_tokenizer(_T5_LEN),
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+        transformer=transformer,
+    )
+
+
 @dataclass(frozen=True)
 class _BuiltIn:
     family: str
@@ -274,6 +330,15 @@ _BUILTINS: dict[str, _BuiltIn] = {
             call_kwargs={"max_sequence_length": _T5_LEN},
         ),
     ),
+    "tiny-wan": _BuiltIn(
+        "wan",
+        4,
+        _build_wan,
+        ModelDefaults(
+            height=32, width=32, num_inference_steps=4, guidance_scale=5.0, num_frames=9, size_multiple=16,
+            is_video=True, call_kwargs={"max_sequence_length": _T5_LEN},
+        ),
+    ),
 }
 
 
@@ -292,6 +357,9 @@ def _size_multiple(pipeline: Any) -> int:
     vae = getattr(pipeline, "vae_scale_factor", 8)
     if _family_of(pipeline) == "flux":
         return int(vae) * 2
+    if _family_of(pipeline) == "wan":  # spatial VAE factor x the transformer's (t, h, w) patch
+        patch = tuple(pipeline.transformer.config.patch_size)
+        return int(pipeline.vae_scale_factor_spatial) * int(max(patch[1], patch[2]))
     patch = getattr(getattr(pipeline, "transformer", None), "config", {}).get("patch_size", 1)
     return int(vae) * int(patch if isinstance(patch, int) else 1)
 
