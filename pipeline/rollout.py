@@ -54,7 +54,7 @@ _TRANSFORMER_BATCH_ARGS: dict[str, tuple[str, ...]] = {
     "flux": ("hidden_states", "timestep", "guidance", "pooled_projections", "encoder_hidden_states"),
     "wan": ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
 }
-# Text encoders of each family; all are called as encoder(input_ids, ...) with a batch-first input_ids.
+# Text encoders of each family; all are called as encoder(input_ids, ...) with batch-first positional tensors.
 _TEXT_ENCODERS: dict[str, tuple[str, ...]] = {
     "sd3": ("text_encoder", "text_encoder_2", "text_encoder_3"),
     "flux": ("text_encoder", "text_encoder_2"),
@@ -233,7 +233,9 @@ class _PerRow:
             n = kwargs["hidden_states"].shape[0]
         outs = []
         for r in range(n):
-            a = tuple(x[r : r + 1] if j == 0 and self._positional_batch else x for j, x in enumerate(args))
+            # Text encoders: every positional tensor is batch-first (Wan passes the mask positionally:
+            # text_encoder(input_ids, mask)).
+            a = tuple(x[r : r + 1] if self._positional_batch and isinstance(x, torch.Tensor) else x for x in args)
             kw = {
                 k: (v[r : r + 1] if k in self._batch_args and isinstance(v, torch.Tensor) else v)
                 for k, v in kwargs.items()
