@@ -13,6 +13,7 @@ Ray is imported lazily: `pip install sigmaflight[ray]`; the local backend never 
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -110,7 +111,7 @@ class RayBackend:
         workers: int,
         num_cpus: float = 1.0,
         num_gpus: float | None = None,
-        poll_s: float = 0.05,
+        poll_s: float = 0.1,
         max_concurrency: int = 16,
         start_timeout_s: float = 600.0,
     ) -> None:
@@ -144,7 +145,13 @@ class RayBackend:
         if ray.is_initialized():
             return
         target = None if address == "local" else address
+        # ray.init replaces the main thread's SIGTERM handler with sys.exit; keep the server's
+        # own (uvicorn's graceful shutdown: running rollouts end "server shutting down").
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.getsignal(signal.SIGTERM) if main else None
         ray.init(address=target, namespace=NAMESPACE, include_dashboard=False, **kwargs)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
     @classmethod
     def from_settings(cls, settings: Any) -> RayBackend:
@@ -174,19 +181,21 @@ class RayBackend:
     # ---- workers ----------------------------------------------------------------------------
 
     def _spawn(self, index: int) -> _Slot:
-        self._generation += 1
+        with self._lock:
+            self._generation += 1
+            generation = self._generation
         cfg = self._config
         if cfg.data_dir is not None:
             cfg = replace(cfg, data_dir=f"{cfg.data_dir}/worker-{index}")
         cfg = replace(cfg, index=index)
         actor_cls = _remote_worker_class().options(
-            name=f"{ACTOR_PREFIX}{index}-{self._generation}",
+            name=f"{ACTOR_PREFIX}{index}-{generation}",
             num_cpus=self._num_cpus,
             num_gpus=self._num_gpus,
             max_concurrency=self._max_concurrency,
             max_restarts=0,
         )
-        return _Slot(index=index, handle=actor_cls.remote(cfg), generation=self._generation)
+        return _Slot(index=index, handle=actor_cls.remote(cfg), generation=generation)
 
     def _await_ready(self, slot: _Slot) -> None:
         desc, actor_id = self._ray.get(

@@ -50,8 +50,9 @@ def main() -> None:
         return RolloutSpec(model=args.model, prompts=prompts, num_outputs_per_prompt=args.outputs_per_prompt,
                            num_inference_steps=args.steps, seed=seed, sampler=SamplerSpec(type="sde"))
 
-    def drive(jobs: JobManager, n: int, release: Any) -> float:
-        """Submit n rollouts at once, wait for all; wall seconds from first submit to last finish."""
+    def drive(jobs: JobManager, n: int, release: Any, latencies: list[float] | None = None) -> float:
+        """Submit n rollouts at once, wait for all; wall seconds from first submit to last finish.
+        Appends each rollout's run latency (JobManager started -> finished) to `latencies`."""
         t0 = time.perf_counter()
         submitted = [jobs.submit(spec(seed), {})[0] for seed in range(n)]
         for job in submitted:
@@ -60,6 +61,8 @@ def main() -> None:
             assert job.status == "succeeded", job.error
         wall = time.perf_counter() - t0
         for job in submitted:
+            if latencies is not None:
+                latencies.append((job.finished_at or 0.0) - (job.started_at or 0.0))
             release(job.id)
         return wall
 
@@ -73,6 +76,7 @@ def main() -> None:
     config = WorkerConfig(index=0, model=args.model, torch_threads=args.threads)
 
     results: dict[tuple[str, int], list[float]] = {}
+    latency: dict[tuple[str, int], list[float]] = {}
     startup: dict[int, float] = {}
     for k in args.workers:
         t0 = time.perf_counter()
@@ -87,7 +91,7 @@ def main() -> None:
             drive(jobs, 2 * k, release)  # warm-up: first calls, allocator, actor threads
         for _ in range(args.rounds):
             for name, (jobs, release) in setups.items():
-                wall = drive(jobs, args.rollouts, release)
+                wall = drive(jobs, args.rollouts, release, latency.setdefault((name, k), []))
                 results.setdefault((name, k), []).append(args.rollouts / wall)
         for jobs, _ in setups.values():
             jobs.stop()
@@ -103,6 +107,12 @@ def main() -> None:
         ry = statistics.median(results[("ray", k)])
         print(f"{k:>7} {loc:>10.2f} {ry:>9.2f} {ry / loc:>9.3f} {1000 / loc:>10.1f} {1000 / ry:>9.1f} "
               f"{(loc / ry - 1) * 100:>7.1f}%")
+    print("run latency per rollout (JobManager started -> finished, median over all rollouts): " + "; ".join(
+        f"{n}x{k} {statistics.median(v) * 1000:.1f} ms" for (n, k), v in latency.items()))
+    for k in args.workers:
+        extra = statistics.median(latency[("ray", k)]) - statistics.median(latency[("local", k)])
+        print(f"  {k} worker(s): Ray adds {extra * 1000:+.1f} ms per rollout "
+              f"({extra / statistics.median(latency[('local', k)]) * 100:+.1f}%)")
     print("rounds (rollouts/s): " + "; ".join(
         f"{n}x{k}: " + " ".join(f"{v:.2f}" for v in vs) for (n, k), vs in results.items()))
     store.close()
