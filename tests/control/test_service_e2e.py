@@ -208,7 +208,7 @@ def test_models_health_ready_metrics_and_list(client):
     assert [m["id"] for m in models if m["default"]] == ["tiny-sd3"]
     assert client.get("/healthz").status_code == 200
     assert client.get("/readyz").json()["status"] == "ready"
-    submit(client, num_inference_steps=2, seed=1)
+    wait_for_status(client, submit(client, num_inference_steps=2, seed=1)["id"], {"succeeded"})
     text = client.get("/metrics").text
     for name in ("sigmaflight_queue_depth", 'sigmaflight_rollouts{status="succeeded"}', "sigmaflight_steps_total",
                  "sigmaflight_flight_bytes_served_total", 'sigmaflight_store_bytes{where="memory"}'):
