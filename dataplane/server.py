@@ -116,12 +116,18 @@ class FlightDataServer(flight.FlightServerBase):
     def start(self) -> FlightDataServer:
         """Serve in a background thread (the port is bound already)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self.serve, name="flight-data-server", daemon=True)
+            # wait(), not serve(): serve() installs C++ SIGINT/SIGTERM handlers that run a blocking
+            # Flight shutdown before the process's own handler (uvicorn's) ever sees the signal.
+            self._thread = threading.Thread(target=self.wait, name="flight-data-server", daemon=True)
             self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Wake waiting live streams (they end with an error) and shut down."""
+    def stop(self, timeout: float = 5.0) -> None:
+        """Wake waiting live streams (they end with an error) and shut down.
+
+        gRPC's shutdown waits for every open call, and a consumer that stopped reading keeps
+        its call open forever (its write is blocked on flow control): after ``timeout``
+        seconds we stop waiting, so SIGTERM still exits in time."""
         self.store.stop_event.set()
         for rid in self.store.ids():
             try:
@@ -130,7 +136,13 @@ class FlightDataServer(flight.FlightServerBase):
                 continue
             with e.cond:
                 e.cond.notify_all()
-        self.shutdown()
+        closer = threading.Thread(target=self.shutdown, name="flight-shutdown", daemon=True)
+        closer.start()
+        closer.join(timeout)
+        if closer.is_alive():
+            log.warning("Flight shutdown: %d stream(s) still open after %.0f s (stalled consumers); not waiting",
+                        self.active_streams, timeout)
+            return
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
