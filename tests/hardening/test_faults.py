@@ -129,3 +129,20 @@ def test_corrupt_ipc_files_are_refused_with_a_log_line_and_never_served(tmp_path
             assert status["status"] == "expired" and status["result"] is None
             _not_served(again.flight_url, t["flight"]["ticket"])
         _same(good_table, pull(again.flight_url, good["flight"]["ticket"]))
+
+
+def test_sigterm_exits_in_time_with_a_stalled_consumer():
+    """A consumer that stops reading keeps its gRPC call open; SIGTERM must still exit quickly."""
+    body = {**BIG, "num_outputs_per_prompt": 32}  # 64 MiB: more than gRPC buffers for one stream
+    server = ServerProcess("--max-samples", "1024")
+    with server.client() as c:
+        ticket = c.post("/v1/rollouts", json=body).json()
+        wait_for_status(c, ticket["id"], {"succeeded"}, timeout=60)
+    with flight.FlightClient(server.flight_url) as fc:
+        reader = fc.do_get(flight.Ticket(ticket["flight"]["ticket"].encode()))
+        reader.read_chunk()  # then stall
+        t0 = time.monotonic()
+        assert server.terminate(timeout=30) in (0, -15)
+        took = time.monotonic() - t0
+    assert took < 15, took
+    assert "still open after" in server.log_text

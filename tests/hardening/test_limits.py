@@ -1,0 +1,112 @@
+"""Every limit answered with a clear error naming the numbers, before anything runs."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pyarrow.flight as flight
+import pytest
+
+from tests.servers import ServerProcess, wait_for_status
+
+LIMITS = ("--max-body-bytes", "4096", "--max-prompts", "3", "--max-samples", "6", "--max-steps", "10",
+          "--max-rollout-bytes", str(256 * 1024), "--max-flight-streams", "2")
+
+
+@pytest.fixture(scope="module")
+def limited():
+    with ServerProcess(*LIMITS) as server, server.client() as c:
+        yield server, c
+
+
+def _error(r, status: int, type_: str) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["type"] == type_
+    return error
+
+
+def test_body_size(limited):
+    server, c = limited
+    big = {"prompts": ["x" * 5000]}
+    error = _error(c.post("/v1/rollouts", json=big), 413, "body_too_large")
+    assert "exceeds the limit of 4096 bytes" in error["message"]
+
+    def chunks():  # no Content-Length: refused while streaming
+        for _ in range(10):
+            yield b" " * 1000
+
+    error = _error(c.post("/v1/rollouts", content=chunks(), headers={"content-type": "application/json"}),
+                   413, "body_too_large")
+    assert "4096" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "numbers"),
+    [({"prompts": ["a"] * 4}, "prompts", ("4 prompts", "limit of 3")),
+     ({"prompts": ["a", "b"], "num_outputs_per_prompt": 4}, "num_outputs_per_prompt", ("8 samples", "limit of 6")),
+     ({"prompts": ["a"], "num_inference_steps": 11}, "num_inference_steps", ("11", "limit of 10"))],
+)
+def test_prompts_samples_steps(limited, body, field, numbers):
+    server, c = limited
+    error = _error(c.post("/v1/rollouts", json=body), 422, "validation_error")
+    assert error["details"][0]["loc"] == ["body", field]
+    for n in numbers:
+        assert n in error["message"]
+
+
+def test_estimated_trajectory_bytes(limited):
+    server, c = limited
+    # 6 samples x 11 latents x 16x32x32 fp32 (64 KiB) = 4.1 MiB > 256 KiB
+    body = {"prompts": ["a", "b", "c"], "num_outputs_per_prompt": 2, "num_inference_steps": 10,
+            "height": 128, "width": 128}
+    before = c.get("/v1/rollouts").json()["rollouts"]
+    error = _error(c.post("/v1/rollouts", json=body), 413, "rollout_too_large")
+    assert error["details"] == {"estimated_bytes": 6 * 11 * 65536, "limit_bytes": 256 * 1024}
+    assert str(6 * 11 * 65536) in error["message"] and str(256 * 1024) in error["message"]
+    assert c.get("/v1/rollouts").json()["rollouts"] == before  # refused up front: nothing queued
+    # fewer samples and streamed steps fit: 1 x 2 x 64 KiB
+    ok = c.post("/v1/rollouts", json={**body, "prompts": ["a"], "num_outputs_per_prompt": 1,
+                                      "return": {"steps": [0, 10]}})
+    assert ok.status_code == 202
+
+
+def test_concurrent_flight_streams(limited):
+    server, c = limited
+    ticket = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 10,
+                                           "return": {"steps": [0, 10]}}).json()
+    wait_for_status(c, ticket["id"], {"succeeded"})
+    # two followers of a queued-behind-nothing rollout hold both slots while it runs
+    slow = c.post("/v1/rollouts", json={"prompts": ["a", "b", "c"], "num_inference_steps": 10, "seed": 1}).json()
+    readers, clients = [], []
+    for _ in range(2):
+        fc = flight.FlightClient(server.flight_url)
+        clients.append(fc)
+        readers.append(fc.do_get(flight.Ticket(slow["flight"]["ticket"].encode())))
+    held = threading.Event()
+
+    def hold() -> None:
+        for r in readers:
+            r.read_chunk()
+        held.set()
+
+    threading.Thread(target=hold, daemon=True).start()
+    assert held.wait(30)
+    with flight.FlightClient(server.flight_url) as fc:
+        try:
+            with pytest.raises(flight.FlightUnavailableError, match=r"too many concurrent streams \(2 of max_concurrent_streams=2\)"):
+                fc.do_get(flight.Ticket(ticket["flight"]["ticket"].encode())).read_all()
+        finally:
+            for r in readers:
+                r.read_all()
+            for fc2 in clients:
+                fc2.close()
+        deadline = time.monotonic() + 10
+        while True:  # slots come back
+            try:
+                assert fc.do_get(flight.Ticket(ticket["flight"]["ticket"].encode())).read_all().num_rows == 2
+                break
+            except flight.FlightUnavailableError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
