@@ -353,6 +353,16 @@ def _family_of(pipeline: Any) -> str:
     return "other"
 
 
+def max_image_size(pipeline: Any) -> int | None:
+    """Largest height/width the transformer can place (SD3's learned position embedding covers
+    pos_embed_max_size patches a side); None where positions are unbounded (RoPE: FLUX, Wan)."""
+    cfg = getattr(getattr(pipeline, "transformer", None), "config", None)
+    pos = getattr(cfg, "pos_embed_max_size", None)
+    if cfg is None or pos is None:
+        return None
+    return int(pos) * int(getattr(cfg, "patch_size", 1)) * int(getattr(pipeline, "vae_scale_factor", 8))
+
+
 def _size_multiple(pipeline: Any) -> int:
     vae = getattr(pipeline, "vae_scale_factor", 8)
     if _family_of(pipeline) == "flux":

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from pipeline.kernels import kernel_mean_std, step_log_prob, stochastic_transitions
-from pipeline.models import LoadedModel
+from pipeline.models import LoadedModel, max_image_size
 from pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
 from pipeline.spec import (
     RolloutCancelled,
@@ -150,6 +150,9 @@ def validate_spec(model: LoadedModel, spec: RolloutSpec) -> None:
             continue
         if not isinstance(value, int) or value <= 0 or value % d.size_multiple:
             raise RolloutInputError(name, f"must be a positive multiple of {d.size_multiple} for {model.id}")
+        limit = max_image_size(model.pipeline)
+        if limit is not None and value > limit:
+            raise RolloutInputError(name, f"{value} exceeds {limit}, the largest size {model.id}'s position embedding covers")
     if spec.num_frames is not None:
         if not d.is_video:
             raise RolloutInputError("num_frames", f"{model.id} is an image model")

@@ -163,6 +163,7 @@ BAD = [
     ({"return_steps": (1, 1)}, "return.steps"),
     ({"height": 30}, "height"),
     ({"width": 18}, "width"),
+    ({"height": 132}, "height"),  # beyond tiny-sd3's position embedding (128)
     ({"seeds": (1, 2, 3)}, "seeds"),
     ({"num_frames": 5}, "num_frames"),
     ({"guidance_scale": float("inf")}, "guidance_scale"),
@@ -218,3 +219,9 @@ def test_zero_std_transitions_are_deterministic_not_nan(registry):
     assert quiet.snapshot.sde_steps == ()
     assert torch.isnan(quiet.log_probs).all()
     assert torch.equal(quiet.final_latents, ode.final_latents)
+
+
+def test_largest_size_the_position_embedding_covers_still_runs(registry):
+    model = registry.get("tiny-sd3")
+    res = run_rollout(model, RolloutSpec(model="tiny-sd3", prompts=("a",), num_inference_steps=1, height=128, width=16))
+    assert res.final_latents.shape[-2:] == (64, 8)  # vae factor 2
