@@ -66,9 +66,9 @@ class BearerAuthMiddleware:
         self.open_paths = set(open_paths)
 
     def _ok(self, header: bytes | None) -> bool:
-        if header is None or not header.startswith(b"Bearer "):
+        if header is None or header[:7].lower() != b"bearer ":  # the scheme is case-insensitive (RFC 6750)
             return False
-        given = header[len(b"Bearer ") :].strip()
+        given = header[7:].strip()
         ok = False
         for token in self.tokens:  # no early exit: the time does not tell which token nearly matched
             ok |= hmac.compare_digest(given, token)

@@ -44,6 +44,12 @@ def test_rest_refuses_other_schemes(secured, header):
         assert c.get("/v1/models", headers={"authorization": header}).status_code == 401
 
 
+def test_rest_scheme_is_case_insensitive_like_flight(secured):
+    with secured.client() as c:
+        assert c.get("/v1/models", headers={"authorization": f"bearer {TOKEN}"}).status_code == 200
+        assert c.get("/v1/models", headers={"authorization": f"BEARER {WRONG_TOKEN}"}).status_code == 401
+
+
 def test_healthz_is_open(secured):
     with secured.client() as c:
         r = c.get("/healthz")
