@@ -156,6 +156,15 @@ def test_progress_crosses_the_actor_boundary_and_cancel_stops_the_rollout(jobs):
     assert wait(jobs, again.id, {"succeeded", "failed"}) == "succeeded", again.error
 
 
+def test_flight_cancel_action_on_the_worker_cancels_its_rollout(jobs, backend):
+    job, _ = jobs.submit(long_spec(), {})
+    wait_progress(jobs, job.id, 3)
+    with flight.FlightClient(backend.locations_for(job.id)[0]) as fc:
+        (answer,) = fc.do_action(flight.Action("cancel", job.id.encode()))
+    assert b'"cancelled": true' in answer.body.to_pybytes()
+    assert wait(jobs, job.id, {"cancelled", "failed", "succeeded"}, timeout=30) == "cancelled"
+
+
 def test_a_killed_worker_fails_its_rollout_naming_it_and_a_replacement_takes_new_ones(jobs, backend):
     before = {w["actor"] for w in backend.workers()}
     job, _ = jobs.submit(long_spec(), {})
