@@ -59,7 +59,8 @@ def layout(size: int) -> tuple[int, int, int]:
 
 
 class RssSampler:
-    """Peak RSS of this process, sampled every 2 ms by a thread."""
+    """Peak RSS of this process, sampled every 10 ms by a thread (RSS moves over hundreds of
+    ms here; a faster sampler steals measurable CPU from the 2-core box it measures)."""
 
     def __init__(self) -> None:
         import psutil
@@ -78,7 +79,7 @@ class RssSampler:
         return self.peak
 
     def _run(self) -> None:
-        while not self._stop.wait(0.002):
+        while not self._stop.wait(0.01):
             self.peak = max(self.peak, self.now())
 
     def stop(self) -> int:
@@ -98,7 +99,7 @@ def make_latents(size: int) -> Any:
 # -- servers (subprocess) --------------------------------------------------------------------
 
 
-def serve(kind: str, size: int) -> None:
+def serve(kind: str, size: int, batch_bytes: int = 8 * MiB) -> None:
     """Build the payload, print the port, serve until stdin closes, print RSS JSON."""
     import torch
 
@@ -116,7 +117,7 @@ def serve(kind: str, size: int) -> None:
             sde_steps=tuple(range(K - 1)), seeds=tuple(range(B)), num_outputs_per_prompt=1,
             latent_shape=tuple(lat.shape[2:]), latent_dtype=torch.float32, log_probs=False, rollout={},
         )
-        store = ResultStore(memory_budget_bytes=4 << 30)
+        store = ResultStore(memory_budget_bytes=4 << 30, max_batch_bytes=batch_bytes)
         w = store.create(header)
         for k in range(K):
             w.append(StepBatch(step=k, latent=lat[k], log_prob=None))
@@ -256,12 +257,14 @@ def make_latents_shape_numel(size: int) -> int:
 # -- orchestration ---------------------------------------------------------------------------
 
 
-def run_path(path: str, size: int, repeats: int) -> dict[str, Any]:
+def run_path(path: str, size: int, repeats: int, batch_bytes: int = 8 * MiB) -> dict[str, Any]:
     kind = path if path in ("flight", "flight-steps") else "flight" if path.startswith("flight-") else path
     streams = int(path.split("-")[1]) if path.startswith("flight-") and path[7:].isdigit() else 1
     me = [sys.executable, str(Path(__file__).resolve())]
     srv = subprocess.Popen(
-        [*me, "--_serve", "flight" if kind.startswith("flight") else kind, "--_size", str(size)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+        [*me, "--_serve", "flight" if kind.startswith("flight") else kind, "--_size", str(size),
+         "--batch-mib", str(batch_bytes / MiB)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
     )
     assert srv.stdout is not None and srv.stdin is not None
     port = json.loads(srv.stdout.readline())["port"]
@@ -292,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paths", default="tcp,flight,flight-steps,flight-2,msgpack,json", help="which transports, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="pulls per path (median reported)")
     p.add_argument("--json-max", default="256M", help="skip the JSON+base64 path above this size (it needs ~5x RSS)")
+    p.add_argument("--batch-mib", type=float, default=8.0, help="Flight record batch size in MiB (default 8)")
     p.add_argument("--_serve", help=argparse.SUPPRESS)
     p.add_argument("--_pull", help=argparse.SUPPRESS)
     p.add_argument("--_port", type=int, help=argparse.SUPPRESS)
@@ -299,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--_streams", type=int, default=1, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a._serve:
-        serve(a._serve, a._size)
+        serve(a._serve, a._size, int(a.batch_mib * MiB))
         return 0
     if a._pull:
         pull(a._pull, a._port, a._size, a.repeats, a._streams)
@@ -313,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             if path == "json" and size > json_max:
                 print(f"  {path:10s} skipped (size > --json-max {a.json_max})", flush=True)
                 continue
-            r = run_path(path, size, a.repeats)
+            r = run_path(path, size, a.repeats, int(a.batch_mib * MiB))
             rows.append(r)
             print(
                 f"  {path:10s} {r['gbps']:6.2f} GB/s (best {r['best_gbps']:.2f})  "
