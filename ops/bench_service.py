@@ -94,6 +94,8 @@ def main() -> None:
     ap.add_argument("--rollouts", type=int, default=64, help="rollouts in all")
     ap.add_argument("--steps", type=int, default=8, help="num_inference_steps per rollout")
     ap.add_argument("--samples", type=int, default=2, help="num_outputs_per_prompt (one prompt)")
+    ap.add_argument("--workers", type=int, default=1, help="server rollout worker threads")
+    ap.add_argument("--server-threads", type=int, default=0, help="OMP_NUM_THREADS for the server (0 = default)")
     args = ap.parse_args()
 
     bodies = [
@@ -109,8 +111,9 @@ def main() -> None:
     if url is None:
         from control.launcher import ServerProcess
 
-        server = ServerProcess("--workers", "1", "--queue-size", str(args.rollouts + 8), "--model", args.model,
-                               "--log-level", "warning")
+        env = {"OMP_NUM_THREADS": str(args.server_threads)} if args.server_threads else None
+        server = ServerProcess("--workers", str(args.workers), "--queue-size", str(args.rollouts + 8),
+                               "--model", args.model, "--log-level", "warning", env=env)
         url = server.rest_url
     try:
         # warm-up rollout through the service
