@@ -448,7 +448,8 @@ def _json_config(config: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(v, (str, int, float, bool)) or v is None:
             out[k] = v
         elif isinstance(v, (list, tuple)):
-            out[k] = list(v)
+            # diffusers builds _use_default_values from a set: sort it so metadata is the same in every process
+            out[k] = sorted(v) if k == "_use_default_values" else list(v)
         else:
             out[k] = str(v)
     return out

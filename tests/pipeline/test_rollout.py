@@ -148,6 +148,9 @@ def test_metadata_is_json(registry):
     assert meta["scheduler"]["config"]["use_dynamic_shifting"] is True
     assert "mu" in meta["scheduler"]["set_timesteps"]
     assert meta["seeds"] == list(res.seeds) and meta["num_samples"] == 1
+    # diffusers keeps this list in set order, which differs between processes: it is sorted.
+    defaults = meta["scheduler"]["config"]["_use_default_values"]
+    assert defaults == sorted(defaults) and len(defaults) > 1
 
 
 BAD = [
