@@ -74,6 +74,10 @@ def invalid(loc: list[str | int], msg: str, type_: str = "value_error") -> ApiEr
     ])
 
 
+def unknown_rollout(rollout_id: str) -> ApiError:
+    return ApiError(404, "not_found", f"no rollout {rollout_id!r}")
+
+
 def _model(model: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(model.model_dump(mode="json", by_alias=True), status_code=status, headers=headers)
 
@@ -180,7 +184,7 @@ async def get_rollout(request: Request) -> Response:
     service = _service(request)
     job = service.jobs.get(request.path_params["rollout_id"])
     if job is None:
-        raise ApiError(404, "not_found", f"no rollout {request.path_params['rollout_id']!r}")
+        raise unknown_rollout(request.path_params["rollout_id"])
     return _model(status_of(service, job))
 
 
@@ -200,7 +204,7 @@ async def delete_rollout(request: Request) -> Response:
     service = _service(request)
     job = service.jobs.cancel(request.path_params["rollout_id"])
     if job is None:
-        raise ApiError(404, "not_found", f"no rollout {request.path_params['rollout_id']!r}")
+        raise unknown_rollout(request.path_params["rollout_id"])
     return _model(status_of(service, job))
 
 
