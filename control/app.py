@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from control import metrics
+from control.errors import ApiError, error_response, invalid
 from control.jobs import IdempotencyConflict, Job, NotAccepting, QueueFull, iso
 from control.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from control.openapi import openapi_document
@@ -50,28 +51,6 @@ from pipeline.spec import RolloutInputError
 log = logging.getLogger("sigmaflight.http")
 
 STATES = ("queued", "running", "succeeded", "failed", "cancelled", "expired")
-
-
-class ApiError(Exception):
-    def __init__(
-        self, status: int, type_: str, message: str, details: Any = None, headers: dict[str, str] | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.type, self.message, self.details, self.headers = status, type_, message, details, headers
-
-
-def error_response(
-    status: int, type_: str, message: str, details: Any = None, headers: dict[str, str] | None = None
-) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"type": type_, "message": message, "details": details}}, status_code=status, headers=headers
-    )
-
-
-def invalid(loc: list[str | int], msg: str, type_: str = "value_error") -> ApiError:
-    return ApiError(422, "validation_error", f"{'.'.join(map(str, loc[1:])) or loc[0]}: {msg}", [
-        {"loc": loc, "msg": msg, "type": type_}
-    ])
 
 
 def unknown_rollout(rollout_id: str) -> ApiError:

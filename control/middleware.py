@@ -12,13 +12,15 @@ from collections.abc import Collection, Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from control.errors import error_body
+
 log = logging.getLogger("sigmaflight.http")
 
 
 async def send_error(
     send: Send, status: int, type_: str, message: str, headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
-    body = json.dumps({"error": {"type": type_, "message": message, "details": None}}).encode()
+    body = json.dumps(error_body(type_, message)).encode()
     await send(
         {
             "type": "http.response.start",

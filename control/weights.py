@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from control.errors import error_response
 from pipeline.spec import RolloutInputError
 
 WEIGHTS_PATH = "/v1/models/{model_id}/weights"
@@ -25,12 +26,8 @@ WEIGHTS_PATH_REGEX = r"/v1/models/[^/]+/weights"
 """For BodyLimitMiddleware's per-route limit."""
 
 
-def _error(status: int, type_: str, message: str, details: Any = None) -> JSONResponse:
-    return JSONResponse({"error": {"type": type_, "message": message, "details": details}}, status_code=status)
-
-
 def _bad(key: str, msg: str) -> JSONResponse:
-    return _error(422, "validation_error", f"{key}: {msg}", [{"loc": ["body", key], "msg": msg, "type": "value_error"}])
+    return error_response(422, "validation_error", f"{key}: {msg}", [{"loc": ["body", key], "msg": msg, "type": "value_error"}])
 
 
 def check_state_dict(current: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> tuple[str, str] | None:
@@ -58,11 +55,11 @@ def _load(service: Any, model_id: str, body: bytes) -> JSONResponse:
     try:
         model = service.registry.get(model_id)
     except RolloutInputError:
-        return _error(404, "not_found", f"no model {model_id!r}; known: {service.registry.ids()}")
+        return error_response(404, "not_found", f"no model {model_id!r}; known: {service.registry.ids()}")
     try:
         state = load(body)
     except (SafetensorError, ValueError, RuntimeError) as exc:
-        return _error(422, "validation_error", f"body: not a safetensors file ({exc})",
+        return error_response(422, "validation_error", f"body: not a safetensors file ({exc})",
                       [{"loc": ["body"], "msg": f"not a safetensors file ({exc})", "type": "value_error"}])
     pipeline, _ = model.snapshot()
     current = pipeline.transformer.state_dict()
