@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ops/setup.sh test,ray  # ray: tests/ray start a local 2-CPU Ray cluster (~30 s)
 echo "== ruff" >&2
-.venv/bin/ruff check control dataplane pipeline tests ops
+.venv/bin/ruff check control dataplane pipeline sigmaflight tests ops
 echo "== mypy" >&2
 .venv/bin/mypy
 echo "== pytest" >&2
