@@ -7,7 +7,10 @@ import logging
 import sys
 from datetime import UTC, datetime
 
-_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "taskName"}
+# Record attributes that are not extra fields (uvicorn adds an ANSI-coloured copy of its message).
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {
+    "message", "asctime", "taskName", "color_message"
+}
 
 
 def _extras(record: logging.LogRecord) -> dict[str, object]:
