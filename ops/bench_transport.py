@@ -186,7 +186,8 @@ def serve(kind: str, size: int, batch_bytes: int = 8 * MiB) -> None:
 # -- clients (subprocess) --------------------------------------------------------------------
 
 
-def pull(kind: str, port: int, size: int, repeats: int, streams: int) -> None:
+def pull(kind: str, port: int, size: int, repeats: int, streams: int, warmup: int = 0) -> None:
+    """`warmup` extra pulls run first and are not timed (their memory still counts in RSS)."""
     import httpx
     import numpy as np
     import torch
@@ -200,7 +201,7 @@ def pull(kind: str, port: int, size: int, repeats: int, streams: int) -> None:
         client = TrajectoryClient(f"grpc+tcp://127.0.0.1:{port}")
         ticket = client.info("bench")["ticket"]
         base = rss.reset()
-        for _ in range(repeats):
+        for _ in range(warmup + repeats):
             t0 = time.perf_counter()
             if streams == 1:
                 it = client.iter_steps(ticket) if kind == "flight-steps" else client.iter_chunks(ticket)
@@ -216,7 +217,7 @@ def pull(kind: str, port: int, size: int, repeats: int, streams: int) -> None:
         view = memoryview(out.numpy()).cast("B")
         out.numpy()[:] = 0  # allocate and fault in outside the clock
         base = rss.reset()
-        for _ in range(repeats):
+        for _ in range(warmup + repeats):
             t0 = time.perf_counter()
             with socket.create_connection(("127.0.0.1", port)) as s:
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * MiB)
@@ -233,7 +234,7 @@ def pull(kind: str, port: int, size: int, repeats: int, streams: int) -> None:
 
         http = httpx.Client(timeout=600)
         base = rss.reset()
-        for _ in range(repeats):
+        for _ in range(warmup + repeats):
             t0 = time.perf_counter()
             r = http.get(f"http://127.0.0.1:{port}/rollout")
             if kind == "msgpack":
@@ -246,7 +247,7 @@ def pull(kind: str, port: int, size: int, repeats: int, streams: int) -> None:
             assert lat.numel() * 4 == nbytes
             del r, obj, lat
     peak = rss.stop()
-    print(json.dumps({"times": times, "bytes": nbytes, "rss_base": base, "rss_peak": peak}), flush=True)
+    print(json.dumps({"times": times[warmup:], "bytes": nbytes, "rss_base": base, "rss_peak": peak}), flush=True)
 
 
 def make_latents_shape_numel(size: int) -> int:
@@ -257,7 +258,7 @@ def make_latents_shape_numel(size: int) -> int:
 # -- orchestration ---------------------------------------------------------------------------
 
 
-def run_path(path: str, size: int, repeats: int, batch_bytes: int = 8 * MiB) -> dict[str, Any]:
+def run_path(path: str, size: int, repeats: int, batch_bytes: int = 8 * MiB, warmup: int = 0) -> dict[str, Any]:
     kind = path if path in ("flight", "flight-steps") else "flight" if path.startswith("flight-") else path
     streams = int(path.split("-")[1]) if path.startswith("flight-") and path[7:].isdigit() else 1
     me = [sys.executable, str(Path(__file__).resolve())]
@@ -270,7 +271,7 @@ def run_path(path: str, size: int, repeats: int, batch_bytes: int = 8 * MiB) -> 
     port = json.loads(srv.stdout.readline())["port"]
     try:
         cli = subprocess.run(
-            [*me, "--_pull", kind, "--_port", str(port), "--_size", str(size), "--repeats", str(repeats),
+            [*me, "--_pull", kind, "--_port", str(port), "--_size", str(size), "--repeats", str(repeats), "--warmup", str(warmup),
              "--_streams", str(streams)],
             capture_output=True, text=True, cwd=ROOT, timeout=1800,
         )
@@ -294,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default="64M,1G", help="comma-separated payload sizes (default: 64M,1G)")
     p.add_argument("--paths", default="tcp,flight,flight-steps,flight-2,msgpack,json", help="which transports, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="pulls per path (median reported)")
+    p.add_argument("--warmup", type=int, default=0,
+                   help="untimed pulls first, in the same client process (steady state: allocator warm, as in a "
+                        "trainer that pulls many rollouts); raw TCP's buffer is always faulted in outside the clock")
     p.add_argument("--json-max", default="256M", help="skip the JSON+base64 path above this size (it needs ~5x RSS)")
     p.add_argument("--batch-mib", type=float, default=8.0, help="Flight record batch size in MiB (default 8)")
     p.add_argument("--_serve", help=argparse.SUPPRESS)
@@ -306,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         serve(a._serve, a._size, int(a.batch_mib * MiB))
         return 0
     if a._pull:
-        pull(a._pull, a._port, a._size, a.repeats, a._streams)
+        pull(a._pull, a._port, a._size, a.repeats, a._streams, a.warmup)
         return 0
     json_max = parse_size(a.json_max)
     rows = []
@@ -317,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             if path == "json" and size > json_max:
                 print(f"  {path:10s} skipped (size > --json-max {a.json_max})", flush=True)
                 continue
-            r = run_path(path, size, a.repeats, int(a.batch_mib * MiB))
+            r = run_path(path, size, a.repeats, int(a.batch_mib * MiB), a.warmup)
             rows.append(r)
             print(
                 f"  {path:10s} {r['gbps']:6.2f} GB/s (best {r['best_gbps']:.2f})  "
