@@ -268,3 +268,19 @@ def test_sigterm_fails_running_rollouts_and_exits_quickly(tmp_path):
         failed = c.get(f"/v1/rollouts/{running['id']}").json()
         assert failed["status"] == "failed" and "shutting down" in failed["error"]["message"]
         assert pull(done, again.flight_url).num_rows == 3
+
+
+def test_flight_actions_cancel_and_release_drive_the_rest_status(client, server):
+    running = submit(client, num_inference_steps=400, seed=12)
+    wait_for_status(client, running["id"], {"running"})
+    done = submit(client, num_inference_steps=2, seed=13)
+    with flight.FlightClient(server.flight_url) as fc:
+        (answer,) = fc.do_action(flight.Action("cancel", running["id"].encode()))
+        assert json.loads(answer.body.to_pybytes())["cancelled"] is True
+        assert wait_for_status(client, running["id"], {"cancelled", "succeeded", "failed"})["status"] == "cancelled"
+        wait_for_status(client, done["id"], {"succeeded"})
+        (answer,) = fc.do_action(flight.Action("release", json.dumps({"id": done["id"]}).encode()))
+        assert json.loads(answer.body.to_pybytes())["released"] is True
+    assert client.get(f"/v1/rollouts/{done['id']}").json()["status"] == "expired"
+    with pytest.raises(flight.FlightError, match="released"):
+        pull(done)
