@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 from control import metrics
 from control.errors import ApiError, error_response, invalid
-from control.jobs import IdempotencyConflict, Job, NotAccepting, QueueFull, iso
+from control.jobs import STATES, IdempotencyConflict, Job, NotAccepting, QueueFull, iso
 from control.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from control.openapi import openapi_document
 from control.service import Service
@@ -50,7 +50,6 @@ from pipeline.spec import RolloutInputError
 
 log = logging.getLogger("sigmaflight.http")
 
-STATES = ("queued", "running", "succeeded", "failed", "cancelled", "expired")
 
 
 def unknown_rollout(rollout_id: str) -> ApiError:

@@ -22,7 +22,8 @@ from typing import Any
 import httpx
 import torch
 
-from control.wire import TERMINAL_STATES, RolloutStatus, Ticket
+from control.jobs import TERMINAL
+from control.wire import RolloutStatus, Ticket
 from dataplane.client import Trajectory, TrajectoryClient
 from dataplane.store import TICKET_PREFIX
 from pipeline.spec import RolloutSpec, SamplerSpec
@@ -110,7 +111,7 @@ class Client:
         deadline = time.monotonic() + timeout
         while True:
             st = self.status(ticket)
-            if st.status in TERMINAL_STATES:
+            if st.status in TERMINAL:
                 if raise_on_failure and st.status != "succeeded":
                     raise RolloutFailed(st)
                 return st

@@ -25,7 +25,9 @@ from pipeline.spec import RolloutCancelled, RolloutSpec
 
 log = logging.getLogger("sigmaflight.jobs")
 
-TERMINAL = frozenset({"succeeded", "failed", "cancelled", "expired"})
+STATES = ("queued", "running", "succeeded", "failed", "cancelled", "expired")
+"""Every status a rollout can have, in lifecycle order."""
+TERMINAL = frozenset(STATES[2:])
 
 
 class QueueFull(Exception):

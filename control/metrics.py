@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from control.jobs import STATES
+
 if TYPE_CHECKING:
     from control.service import Service
-
-STATES = ("queued", "running", "succeeded", "failed", "cancelled", "expired")
 
 
 def _line(name: str, value: float, labels: dict[str, str] | None = None) -> str:

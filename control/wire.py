@@ -14,7 +14,6 @@ from pipeline.spec import RolloutSpec, SamplerSpec
 
 INT64_MAX = (1 << 63) - 1
 RolloutState = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired"]
-TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled", "expired"})
 
 
 class _Wire(BaseModel):

@@ -87,3 +87,13 @@ def test_serve_help_explains_every_setting(capsys):
 def test_invalid_setting_is_refused_with_its_name():
     with pytest.raises(ValidationError, match="workers"):
         Settings(workers=0)
+
+
+def test_wire_status_names_are_the_job_states():
+    from typing import get_args
+
+    from control.jobs import STATES, TERMINAL
+    from control.wire import RolloutState
+
+    assert get_args(RolloutState) == STATES
+    assert TERMINAL == {"succeeded", "failed", "cancelled", "expired"}
