@@ -7,6 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dataplane.client import Trajectory
+from dataplane.codec import encode_step
 from dataplane.schema import (
     COLUMNS,
     FORMAT,
@@ -15,7 +17,7 @@ from dataplane.schema import (
     header_from_schema,
     trajectory_schema,
 )
-from tests.dataplane.helpers import build_header
+from tests.dataplane.helpers import build_header, make_steps
 
 
 @pytest.mark.parametrize(
@@ -94,3 +96,18 @@ def test_invalid_headers_rejected(kw):
 def test_not_a_trajectory_schema():
     with pytest.raises(ValueError, match="trajectory/v1"):
         header_from_schema(pa.schema([("a", pa.int32())]))
+
+
+def test_v1_readers_ignore_columns_and_keys_they_do_not_know():
+    """Contract evolution: adding a column or a metadata key keeps "trajectory/v1" readable."""
+
+    h = build_header(T=2, B=2)
+    steps = make_steps(h)
+    batches = [b for i in h.steps for b in encode_step(h, steps[i])]
+    table = pa.Table.from_batches(batches)
+    table = table.append_column("reward", pa.array([0.5] * table.num_rows, pa.float32()))
+    table = table.replace_schema_metadata({**table.schema.metadata, b"sigmaflight.future_key": b'{"x": 1}'})
+    traj = Trajectory.from_table(table)
+    assert torch.equal(traj.sigmas, h.sigmas) and traj.steps.tolist() == [0, 1, 2]
+    assert torch.equal(traj.latent(1), steps[1].latent)
+    assert header_from_schema(table.schema).sde_steps == h.sde_steps
