@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import re
@@ -13,6 +12,7 @@ from collections.abc import Collection, Sequence
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from control.errors import error_body
+from dataplane.auth import TokenSet
 
 log = logging.getLogger("sigmaflight.http")
 
@@ -64,24 +64,15 @@ class BearerAuthMiddleware:
 
     def __init__(self, app: ASGIApp, tokens: Collection[str], open_paths: Collection[str] = ("/healthz",)) -> None:
         self.app = app
-        self.tokens = [t.encode() for t in tokens]
+        self.tokens = TokenSet(tokens)
         self.open_paths = set(open_paths)
-
-    def _ok(self, header: bytes | None) -> bool:
-        if header is None or header[:7].lower() != b"bearer ":  # the scheme is case-insensitive (RFC 6750)
-            return False
-        given = header[7:].strip()
-        ok = False
-        for token in self.tokens:  # no early exit: the time does not tell which token nearly matched
-            ok |= hmac.compare_digest(given, token)
-        return ok
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.tokens or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-        if not self._ok(header):
+        if not self.tokens.matches(header):
             reason = "missing bearer token" if header is None else "invalid bearer token"
             await send_error(send, 401, "unauthorized", reason, [(b"www-authenticate", b'Bearer realm="sigmaflight"')])
             return

@@ -14,7 +14,6 @@ Errors (all FlightError subclasses, with a message naming what was wrong):
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import threading
@@ -25,6 +24,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from dataplane.auth import TokenSet
 from dataplane.store import Entry, ResultStore, RolloutEnded, TicketNotFound
 
 log = logging.getLogger(__name__)
@@ -46,18 +46,13 @@ class BearerTokenMiddlewareFactory(flight.ServerMiddlewareFactory):
 
     def __init__(self, tokens: Collection[str]) -> None:
         super().__init__()
-        self._tokens = [t.encode() for t in tokens if t]
+        self._tokens = TokenSet(tokens)
         if not self._tokens:
             raise ValueError("tokens must hold at least one non-empty token")
 
     def start_call(self, info: flight.CallInfo, headers: dict[str, list[str]]) -> None:
         values = headers.get("authorization") or headers.get("Authorization") or []
-        presented = values[0] if values else ""
-        scheme, _, token = presented.partition(" ")
-        candidate = token.strip().encode() if scheme.lower() == "bearer" else b""
-        ok = False
-        for t in self._tokens:
-            ok |= hmac.compare_digest(candidate, t)
+        ok = self._tokens.matches(values[0] if values else None)
         if not ok:
             raise flight.FlightUnauthenticatedError(
                 "missing or wrong bearer token (send the header 'authorization: Bearer <token>')"
