@@ -9,17 +9,24 @@ Notation (one transition i, x_i -> x_{i+1}; all math in float32):
     a      = SamplerSpec.noise_level                                   (code: `a`)
 
 "sde" -- Flow-GRPO (Liu et al. 2025, "Flow-GRPO: Training Flow Matching Models via
-Online RL", arXiv:2505.05470: the reverse-time SDE of the rectified flow discretised with Euler-Maruyama):
+Online RL", arXiv:2505.05470: the reverse-time SDE of the rectified flow discretised with
+Euler-Maruyama). Follows the "sde" branch of Flow-GRPO's `sde_step_with_logprob`
+(yifan123/flow_grpo, flow_grpo/diffusers_patch/sd3_sde_with_logprob.py) and of SGLang's
+`flow_sde_sampling` (sgl-project/sglang, .../post_training/scheduler_rl_mixin.py):
 
-    s       = sigmas[1] if sigma == 1 else sigma
-    std_t   = sqrt(s / (1 - s)) * a
+    d       = sigmas[1] if sigma == 1 else sigma        (the denominator only)
+    std_t   = sqrt(sigma / (1 - d)) * a
     mean    = x * (1 + std_t^2 / (2 sigma) * dt) + v * (1 + std_t^2 (1 - sigma) / (2 sigma)) * dt
     std     = std_t * sqrt(-dt)
     x'      = mean + std * eps,   eps ~ N(0, I)
 
+sigma == 1 is compared exactly, as Flow-GRPO does (SGLang uses `torch.isclose`); the two
+agree on every schedule whose first sigma is exactly 1.0 (stock static and dynamic shift,
+a custom list starting at 1.0) and differ only for a sigma within 1e-5 of 1 but not 1.
+
 "cps" -- coefficients-preserving sampling (Wang & Yu 2025, "Coefficients-Preserving
-Sampling for Reinforcement Learning with Flow Matching"): predicted x0 = x - sigma v,
-predicted noise = x + (1 - sigma) v, and
+Sampling for Reinforcement Learning with Flow Matching"); the "cps"
+branch of the same two functions. a in [0, 1] (validation refuses more):
 
     std     = sigma' * sin(a * pi / 2)
     mean    = (x - sigma v) (1 - sigma') + (x + (1 - sigma) v) * sqrt(sigma'^2 - std^2)
@@ -32,15 +39,16 @@ Deterministic transitions of "sde"/"cps" (those not in `sde_steps`) take the sam
 
 Log-prob of x' under N(mean, std^2 I), averaged (not summed) over the non-batch elements:
 
-    "density":  -(x' - mean)^2 / (2 std^2) - log(std) - log(sqrt(2 pi))
-    "no_const": -(x' - mean)^2 / (2 std^2)
+    "density":  -(x' - mean)^2 / (2 std^2) - log(std) - log(sqrt(2 pi))   (Flow-GRPO "sde")
+    "no_const": -(x' - mean)^2            (SGLang `rollout_log_prob_no_const`; Flow-GRPO "cps")
 
 `step_log_prob` is the one function that scores a transition; the rollout calls it on the
 stored x_i and x_{i+1}, so a trainer that calls it with the same tensors gets the same bits.
 A transition whose std is exactly 0 (noise_level 0, or cps into sigma' = 0, i.e. the last
 step) has no density: `stochastic_transitions` drops it from the stochastic set, so the
 rollout takes the Euler step there (the kernels' own mean at std = 0) and records no
-log-prob; called directly on such a transition, `step_log_prob` gives NaN or -inf.
+log-prob (a null; SGLang writes 0 there, on purpose not followed); called directly on such a
+transition, `step_log_prob` gives NaN or -inf for "density".
 """
 
 from __future__ import annotations
@@ -58,8 +66,14 @@ _LOG_SQRT_2PI = math.log(math.sqrt(2.0 * math.pi))
 
 
 def _sde_std_t(sig: torch.Tensor, sigma: torch.Tensor, a: float) -> torch.Tensor:
-    s = sig[1].to(sigma.device) if bool(sigma == 1) else sigma
-    return torch.sqrt(s / (1 - s)) * a
+    """std_t = sqrt(sigma / (1 - d)) * a, d = sigmas[1] at sigma == 1 (exact compare), else sigma.
+
+    Only the denominator is substituted: Flow-GRPO `sde_step_with_logprob`
+    (`torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma)))`) and SGLang
+    `flow_sde_sampling` (the same with `torch.isclose`).
+    """
+    d = sig[1].to(sigma.device) if bool(sigma == 1) else sigma
+    return torch.sqrt(sigma / (1 - d)) * a
 
 
 def transition_std(sigmas: torch.Tensor, step_index: int, *, sampler: SamplerSpec) -> torch.Tensor:
@@ -118,10 +132,12 @@ def kernel_mean_std(
 def gaussian_log_prob(x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor, kind: str) -> torch.Tensor:
     """log N(x_next; mean, std^2), mean over non-batch elements -> float32 [B]."""
     x_next = x_next.to(torch.float32)
-    lp = -((x_next - mean) ** 2) / (2 * std**2)
+    sq = (x_next - mean) ** 2
     if kind == "density":
-        lp = lp - torch.log(std) - _LOG_SQRT_2PI
-    elif kind != "no_const":
+        lp = -sq / (2 * std**2) - torch.log(std) - _LOG_SQRT_2PI
+    elif kind == "no_const":
+        lp = -sq  # SGLang `rollout_log_prob_no_const`, Flow-GRPO's cps log-prob: no 1 / (2 std^2)
+    else:
         raise ValueError(f"unknown log_prob kind {kind!r}")
     return lp.mean(dim=tuple(range(1, lp.ndim)))
 
