@@ -26,8 +26,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from pipeline.calls import call_kwargs
     from pipeline.models import ModelRegistry
-    from pipeline.rollout import _call_kwargs, run_rollout, sample_seeds
+    from pipeline.rollout import run_rollout, sample_seeds
     from pipeline.spec import RolloutSpec, SamplerSpec
 
     model = ModelRegistry().get(args.model)
@@ -38,7 +39,7 @@ def main() -> None:
 
     def plain() -> None:
         with torch.inference_mode():
-            model.pipeline(**_call_kwargs(model, spec, seeds))
+            model.pipeline(**call_kwargs(model, spec, seeds))
 
     def rollout() -> None:
         res = run_rollout(model, spec)

@@ -17,11 +17,13 @@ from typing import Any
 
 import torch
 
-from pipeline.kernels import kernel_mean_std, step_log_prob, stochastic_transitions
+from pipeline.calls import call_kwargs, call_overrides
+from pipeline.kernels import step_log_prob, stochastic_transitions
 from pipeline.models import LoadedModel
-from pipeline.rollout import _call_kwargs, _call_overrides, _draw_noise, _sde_steps_of, validate_spec
 from pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
 from pipeline.spec import RolloutSpec
+from pipeline.stepping import advance
+from pipeline.validation import requested_sde_steps, validate_spec
 
 __all__ = ["Replayer", "step_log_prob"]
 
@@ -43,7 +45,7 @@ class _ReplayDriver:
         self.sigmas = sigmas
         self.timesteps = timesteps
         self.seeds = seeds
-        self.sde_steps = stochastic_transitions(_sde_steps_of(spec), sigmas, sampler=spec.sampler)
+        self.sde_steps = stochastic_transitions(requested_sde_steps(spec), sigmas, sampler=spec.sampler)
         self.log_probs = torch.full((len(seeds), self.T), float("nan"), dtype=torch.float32)
 
     def on_set_timesteps(self, scheduler: RolloutScheduler) -> None:
@@ -57,12 +59,9 @@ class _ReplayDriver:
         x_next = self.latents.get(i + 1)
         if x_next is not None:
             x_next = x_next.to(device=sample.device)
-        elif stochastic:
-            mean, std = kernel_mean_std(sample, velocity, self.sigmas, i, sampler=self.spec.sampler)
-            eps = _draw_noise(self.seeds, i, tuple(sample.shape[1:])).to(mean.device)
-            x_next = (mean + std * eps).to(velocity.dtype)
-        else:
-            x_next = scheduler.euler_step(i, sample, velocity)
+        else:  # a gap in the capture: the rollout's own step (same function, same noise)
+            x_next = advance(scheduler, i, sample, velocity, self.sigmas, sampler=self.spec.sampler, seeds=self.seeds,
+                             stochastic=stochastic)
         if self.grad:
             x_next = x_next.detach()  # x_{i+1} is data: gradients flow only through this step's velocity
         if stochastic and i in self.latents and (i + 1) in self.latents:
@@ -111,9 +110,9 @@ class Replayer:
         by_step = {int(s): latents[:, k].to(device) for k, s in enumerate(steps)}
         driver = _ReplayDriver(spec, by_step, sigmas, timesteps, seeds_t, grad=grad)
         scheduler = make_rollout_scheduler(pipeline.scheduler, driver)
-        overrides = _call_overrides(self.model, pipeline, per_sample_model_calls)
+        overrides = call_overrides(self.model, pipeline, per_sample_model_calls)
         pipe = per_call_pipeline(pipeline, scheduler, overrides)
-        kwargs: dict[str, Any] = _call_kwargs(self.model, spec, seeds_t)
+        kwargs: dict[str, Any] = call_kwargs(self.model, spec, seeds_t)
         if 0 in by_step:
             kwargs["latents"] = by_step[0].to(self.model.dtype)
         if grad:

@@ -1,36 +1,44 @@
 """The rollout loop: run a diffusers flow-match pipeline and capture its trajectory.
 
 The pipeline's own `__call__` runs (encoding, CFG, latent preparation); a per-call
-`RolloutScheduler` hands every step to `_Driver`, which applies the kernel, captures x_i
-and scores log p(x_{i+1} | x_i) with `kernels.step_log_prob`.
+`RolloutScheduler` hands every step to `_Driver`, which advances the step with
+`stepping.advance` (the function the replay uses too), captures x_i, scores
+log p(x_{i+1} | x_i) with `kernels.step_log_prob` and fails the rollout (`RolloutNonFinite`)
+at the first non-finite latent or log-prob. `rollout_metadata` is the contract's
+`sigmaflight.rollout` object for the run.
 
-Seeds: `derive_seeds(seed, n)[k]` = first 8 bytes (big-endian) of
-sha256(b"sigmaflight/sample/<seed>/<k>") masked to 63 bits. Initial latents: the pipeline
-gets one CPU `torch.Generator` per sample seeded with that sample's seed (diffusers draws
-each sample separately). SDE noise of sample k at transition i: float32, drawn on CPU from a
-generator seeded with `noise_seed(seed_k, i)` (same construction with b"sigmaflight/noise/"),
-so it depends on neither the batch nor on which other transitions are stochastic.
+Seeds and noise: see pipeline/seeds.py; validation and sizes: pipeline/validation.py; the
+pipeline call: pipeline/calls.py. Their public names are re-exported here, as before the split.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from pipeline.kernels import kernel_mean_std, step_log_prob, stochastic_transitions
-from pipeline.models import LoadedModel, max_image_size
+from pipeline.calls import call_kwargs, call_overrides
+from pipeline.kernels import step_log_prob, stochastic_transitions
+from pipeline.models import LoadedModel
 from pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
+from pipeline.seeds import derive_seeds, noise_seed, sample_seeds
 from pipeline.spec import (
     RolloutCancelled,
-    RolloutInputError,
+    RolloutNonFinite,
     RolloutSpec,
     ScheduleSnapshot,
     StepCapture,
+)
+from pipeline.stepping import advance
+from pipeline.validation import (
+    capture_dtype,
+    captured_steps,
+    estimate_latent_bytes,
+    latent_shape,
+    requested_sde_steps,
+    validate_spec,
 )
 
 __all__ = [
@@ -45,255 +53,6 @@ __all__ = [
     "rollout_metadata",
 ]
 
-_SEED_MASK = (1 << 63) - 1
-_LATENT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-# Batch arguments of each family's transformer call (sliced row by row with per_sample_model_calls).
-_TRANSFORMER_BATCH_ARGS: dict[str, tuple[str, ...]] = {
-    "sd3": ("hidden_states", "timestep", "encoder_hidden_states", "pooled_projections"),
-    "flux": ("hidden_states", "timestep", "guidance", "pooled_projections", "encoder_hidden_states"),
-    "wan": ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
-}
-# Text encoders of each family; all are called as encoder(input_ids, ...) with batch-first positional tensors.
-_TEXT_ENCODERS: dict[str, tuple[str, ...]] = {
-    "sd3": ("text_encoder", "text_encoder_2", "text_encoder_3"),
-    "flux": ("text_encoder", "text_encoder_2"),
-    "wan": ("text_encoder",),
-}
-
-
-def _hash63(tag: str, *parts: int) -> int:
-    digest = hashlib.sha256(("sigmaflight/" + tag + "/" + "/".join(str(p) for p in parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "big") & _SEED_MASK
-
-
-def derive_seeds(seed: int, n: int) -> tuple[int, ...]:
-    """Per-sample seeds from one request seed: sha256(b"sigmaflight/sample/<seed>/<k>")[:8] & (2**63-1)."""
-    return tuple(_hash63("sample", seed, k) for k in range(n))
-
-
-def noise_seed(sample_seed: int, transition: int) -> int:
-    """Seed of the CPU generator that draws sample `sample_seed`'s noise at transition i."""
-    return _hash63("noise", sample_seed, transition)
-
-
-def sample_seeds(spec: RolloutSpec) -> tuple[int, ...]:
-    """`spec.seeds` if given, else `derive_seeds(spec.seed or 0, B)`."""
-    if spec.seeds is not None:
-        return tuple(int(s) for s in spec.seeds)
-    return derive_seeds(0 if spec.seed is None else int(spec.seed), spec.num_samples)
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def _steps_of(spec: RolloutSpec) -> tuple[int, ...]:
-    t = spec.num_inference_steps
-    return tuple(range(t + 1)) if spec.return_steps is None else tuple(spec.return_steps)
-
-
-def _sde_steps_of(spec: RolloutSpec) -> tuple[int, ...]:
-    if spec.sampler.type == "ode":
-        return ()
-    t = spec.num_inference_steps
-    return tuple(range(t)) if spec.sampler.sde_steps is None else tuple(sorted(spec.sampler.sde_steps))
-
-
-def _indices_ok(values: Sequence[int], hi: int) -> str | None:
-    if any(not isinstance(v, int) or isinstance(v, bool) for v in values):
-        return "must be integers"
-    if any(v < 0 or v > hi for v in values):
-        return f"each must be in 0..{hi}"
-    if len(set(values)) != len(values):
-        return "each index at most once"
-    return None
-
-
-def validate_spec(model: LoadedModel, spec: RolloutSpec) -> None:
-    """Raise RolloutInputError naming the first bad field; None when the request can run.
-
-    `return_steps` must be ascending and unique (the stream holds them ascending);
-    `sampler.sde_steps` must be unique, any order.
-    """
-    d = model.defaults
-    if not spec.prompts:
-        raise RolloutInputError("prompts", "at least one prompt is required")
-    if not all(isinstance(p, str) for p in spec.prompts):
-        raise RolloutInputError("prompts", "prompts must be strings")
-    if spec.num_outputs_per_prompt < 1:
-        raise RolloutInputError("num_outputs_per_prompt", "must be >= 1")
-    t = spec.num_inference_steps
-    if not isinstance(t, int) or t < 1:
-        raise RolloutInputError("num_inference_steps", "must be an integer >= 1")
-    s = spec.sampler
-    if s.type not in ("sde", "cps", "ode"):
-        raise RolloutInputError("sampler.type", f"unknown kernel {s.type!r}; use 'sde', 'cps' or 'ode'")
-    if not isinstance(s.noise_level, (int, float)) or not math.isfinite(s.noise_level) or s.noise_level < 0:
-        raise RolloutInputError("sampler.noise_level", "must be a finite number >= 0")
-    if s.log_prob not in ("density", "no_const"):
-        raise RolloutInputError("sampler.log_prob", f"unknown log_prob {s.log_prob!r}; use 'density' or 'no_const'")
-    if s.sde_steps is not None:
-        why = _indices_ok(s.sde_steps, t - 1)
-        if why:
-            raise RolloutInputError("sampler.sde_steps", f"{why} (absolute transition indices, T={t})")
-    if spec.return_steps is not None:
-        why = _indices_ok(spec.return_steps, t)
-        if why:
-            raise RolloutInputError("return.steps", f"{why} (absolute latent indices, T={t})")
-        if list(spec.return_steps) != sorted(spec.return_steps):
-            raise RolloutInputError("return.steps", "must be ascending")
-    if spec.latent_dtype not in ("native", *_LATENT_DTYPES):
-        raise RolloutInputError("latent_dtype", f"unknown latent dtype {spec.latent_dtype!r}")
-    for name in ("height", "width"):
-        value = getattr(spec, name)
-        if value is None:
-            continue
-        if not isinstance(value, int) or value <= 0 or value % d.size_multiple:
-            raise RolloutInputError(name, f"must be a positive multiple of {d.size_multiple} for {model.id}")
-        limit = max_image_size(model.pipeline)
-        if limit is not None and value > limit:
-            raise RolloutInputError(name, f"{value} exceeds {limit}, the largest size {model.id}'s position embedding covers")
-    if spec.num_frames is not None:
-        if not d.is_video:
-            raise RolloutInputError("num_frames", f"{model.id} is an image model")
-        if spec.num_frames < 1 or (spec.num_frames - 1) % 4:
-            raise RolloutInputError("num_frames", "must be 4k + 1")
-    if spec.guidance_scale is not None and (
-        not isinstance(spec.guidance_scale, (int, float)) or not math.isfinite(spec.guidance_scale)
-    ):
-        raise RolloutInputError("guidance_scale", "must be a finite number")
-    if spec.seeds is not None:
-        if len(spec.seeds) != spec.num_samples:
-            raise RolloutInputError("seeds", f"need exactly one seed per sample ({spec.num_samples}), got {len(spec.seeds)}")
-        if any(not isinstance(x, int) or x < 0 or x > _SEED_MASK for x in spec.seeds):
-            raise RolloutInputError("seeds", "each seed must be an integer in 0..2**63-1")
-    if spec.seed is not None and not isinstance(spec.seed, int):
-        raise RolloutInputError("seed", "must be an integer")
-
-
-def latent_shape(model: LoadedModel, spec: RolloutSpec) -> tuple[int, ...]:
-    """Per-sample latent shape as the model consumes it, computed from the request."""
-    pipe = model.pipeline
-    d = model.defaults
-    h = spec.height or d.height
-    w = spec.width or d.width
-    vae = int(getattr(pipe, "vae_scale_factor", 8))
-    cin = int(pipe.transformer.config.in_channels)
-    if model.family == "flux":
-        lh, lw = 2 * (h // (vae * 2)), 2 * (w // (vae * 2))
-        return ((lh // 2) * (lw // 2), cin)
-    if model.family == "wan":
-        frames = spec.num_frames or d.num_frames or 1
-        sv = int(getattr(pipe, "vae_scale_factor_spatial", 8))
-        st = int(getattr(pipe, "vae_scale_factor_temporal", 4))
-        return (cin, (frames - 1) // st + 1, h // sv, w // sv)
-    return (cin, h // vae, w // vae)
-
-
-def _capture_dtype(model: LoadedModel, spec: RolloutSpec) -> torch.dtype:
-    return model.dtype if spec.latent_dtype == "native" else _LATENT_DTYPES[spec.latent_dtype]
-
-
-def estimate_latent_bytes(model: LoadedModel, spec: RolloutSpec) -> int:
-    """Bytes of the captured latents (all requested steps, all samples), before running."""
-    if not spec.capture:
-        return 0
-    per = math.prod(latent_shape(model, spec)) * _capture_dtype(model, spec).itemsize
-    return len(_steps_of(spec)) * spec.num_samples * per
-
-
-# --------------------------------------------------------------------------- per-row model calls
-
-
-def _cat_outputs(outs: list[Any]) -> Any:
-    first = outs[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(outs, dim=0)
-    if isinstance(first, tuple) and not hasattr(first, "keys"):
-        return tuple(_cat_outputs([o[j] for o in outs]) for j in range(len(first)))
-    if hasattr(first, "keys"):  # transformers / diffusers ModelOutput
-        return type(first)(**{k: _cat_outputs([o[k] for o in outs]) for k in first.keys()})
-    if first is None:
-        return None
-    raise TypeError(f"cannot concatenate outputs of type {type(first).__name__}")
-
-
-class _PerRow:
-    """Calls a module one batch row at a time (named batch arguments only) and concatenates."""
-
-    def __init__(self, module: torch.nn.Module, batch_args: tuple[str, ...], positional_batch: bool) -> None:
-        self._module = module
-        self._batch_args = batch_args
-        self._positional_batch = positional_batch
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._positional_batch:
-            n = args[0].shape[0]
-        else:
-            n = kwargs["hidden_states"].shape[0]
-        outs = []
-        for r in range(n):
-            # Text encoders: every positional tensor is batch-first (Wan passes the mask positionally:
-            # text_encoder(input_ids, mask)).
-            a = tuple(x[r : r + 1] if self._positional_batch and isinstance(x, torch.Tensor) else x for x in args)
-            kw = {
-                k: (v[r : r + 1] if k in self._batch_args and isinstance(v, torch.Tensor) else v)
-                for k, v in kwargs.items()
-            }
-            outs.append(self._module(*a, **kw))
-        return _cat_outputs(outs)
-
-
-class _Locked:
-    """A tokenizer whose calls hold the model's tokenizer lock (shared across worker threads)."""
-
-    def __init__(self, tokenizer: Any, lock: Any) -> None:
-        self._tokenizer = tokenizer
-        self._lock = lock
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._tokenizer, name)
-        if not callable(attr):
-            return attr
-
-        def locked(*args: Any, **kwargs: Any) -> Any:
-            with self._lock:
-                return attr(*args, **kwargs)
-
-        return locked
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            return self._tokenizer(*args, **kwargs)
-
-
-def _call_overrides(model: LoadedModel, pipeline: Any, per_sample_model_calls: bool) -> dict[str, Any]:
-    out = {
-        name: _Locked(comp, model.tokenizer_lock)
-        for name, comp in pipeline.components.items()
-        if name.startswith("tokenizer") and comp is not None
-    }
-    if per_sample_model_calls:
-        out.update(_per_row_overrides(model, pipeline))
-    return out
-
-
-def _per_row_overrides(model: LoadedModel, pipeline: Any) -> dict[str, Any]:
-    if model.family not in _TRANSFORMER_BATCH_ARGS:
-        raise RolloutInputError("model", f"per-sample model calls are not available for family {model.family!r}")
-    out: dict[str, Any] = {"transformer": _PerRow(pipeline.transformer, _TRANSFORMER_BATCH_ARGS[model.family], False)}
-    for name in _TEXT_ENCODERS[model.family]:
-        enc = getattr(pipeline, name, None)
-        if enc is not None:
-            out[name] = _PerRow(enc, ("attention_mask",), True)
-    return out
-
-
-# --------------------------------------------------------------------------- the loop
-
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutResult:
@@ -307,35 +66,6 @@ class RolloutResult:
     """x_T [B, *latent_shape] in the model's dtype, on the model's device."""
     digest: str
     """Weights digest of the model that ran."""
-
-
-def _call_kwargs(model: LoadedModel, spec: RolloutSpec, seeds: Sequence[int]) -> dict[str, Any]:
-    d = model.defaults
-    kw: dict[str, Any] = {
-        "prompt": list(spec.prompts),
-        "num_inference_steps": spec.num_inference_steps,
-        "height": spec.height or d.height,
-        "width": spec.width or d.width,
-        "guidance_scale": d.guidance_scale if spec.guidance_scale is None else float(spec.guidance_scale),
-        "generator": [torch.Generator("cpu").manual_seed(int(s)) for s in seeds],
-        "output_type": "latent",
-        **d.call_kwargs,
-    }
-    kw["num_videos_per_prompt" if d.is_video else "num_images_per_prompt"] = spec.num_outputs_per_prompt
-    if d.is_video:
-        kw["num_frames"] = spec.num_frames or d.num_frames
-    if spec.negative_prompt is not None:
-        kw["negative_prompt"] = spec.negative_prompt
-    return kw
-
-
-def _draw_noise(seeds: Sequence[int], transition: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """float32 [B, *shape] on CPU, one generator per (sample seed, transition)."""
-    out = torch.empty((len(seeds), *shape), dtype=torch.float32)
-    for k, s in enumerate(seeds):
-        g = torch.Generator("cpu").manual_seed(noise_seed(s, transition))
-        out[k] = torch.randn(shape, generator=g, dtype=torch.float32)
-    return out
 
 
 class _Driver:
@@ -361,20 +91,19 @@ class _Driver:
         self.seeds = seeds
         self.digest = digest
         self.T = spec.num_inference_steps
-        self.steps = frozenset(_steps_of(spec)) if spec.capture else frozenset()
-        self.sde_steps = frozenset(_sde_steps_of(spec))
+        self.steps = frozenset(captured_steps(spec)) if spec.capture else frozenset()
+        self.sde_steps = frozenset(requested_sde_steps(spec))
         self.on_schedule = on_schedule
         self.on_step = on_step
         self.on_progress = on_progress
         self.should_stop = should_stop
         self.keep = keep
         self.original_scheduler = original_scheduler
-        self.capture_dtype = _capture_dtype(model, spec)
+        self.capture_dtype = capture_dtype(model, spec)
         self.captures: list[StepCapture] = []
         self.log_probs = torch.full((len(seeds), self.T), float("nan"), dtype=torch.float32)
         self.snapshot: ScheduleSnapshot | None = None
         self.sigmas: torch.Tensor | None = None
-        self._pending: torch.Tensor | None = None  # captured x_i awaiting its log-prob
 
     def on_set_timesteps(self, scheduler: RolloutScheduler) -> None:
         self.snapshot = None  # the last schedule wins; reported at the first step
@@ -420,17 +149,18 @@ class _Driver:
             self._report_schedule(scheduler, sample)
         assert self.sigmas is not None
         stored_i = self._store(sample) if i in self.steps else None  # [B, ...]
-        if i in self.sde_steps:
-            mean, std = kernel_mean_std(sample, velocity, self.sigmas, i, sampler=self.sampler)
-            eps = _draw_noise(self.seeds, i, tuple(sample.shape[1:])).to(mean.device)  # [B, ...] float32
-            x_next = (mean + std * eps).to(velocity.dtype)  # cast back to the model dtype, as the scheduler
-        else:
-            x_next = scheduler.euler_step(i, sample, velocity)
+        stochastic = i in self.sde_steps
+        x_next = advance(scheduler, i, sample, velocity, self.sigmas, sampler=self.sampler, seeds=self.seeds,
+                         stochastic=stochastic)
         lp: torch.Tensor | None = None
-        if i in self.sde_steps and self.spec.return_log_probs:
+        if stochastic and self.spec.return_log_probs:
             # Score the stored values with the public replay function (same code path as replay).
-            lp = step_log_prob(sample, x_next, velocity, self.sigmas, i, sampler=self.sampler).to("cpu")
+            lp = step_log_prob(sample, x_next, velocity, self.sigmas, i, sampler=self.sampler).to("cpu")  # [B]
+            if not bool(torch.isfinite(lp).all()):
+                raise RolloutNonFinite(i, "log_prob")
             self.log_probs[:, i] = lp
+        if not bool(torch.isfinite(x_next).all()):
+            raise RolloutNonFinite(i + 1, "latent")
         if stored_i is not None:
             self._emit(i, stored_i, lp)
         if i == self.T - 1 and self.T in self.steps:
@@ -488,10 +218,10 @@ def run_rollout(
         original_scheduler=pipeline.scheduler,
     )
     scheduler = make_rollout_scheduler(pipeline.scheduler, driver)
-    overrides = _call_overrides(model, pipeline, per_sample_model_calls)
+    overrides = call_overrides(model, pipeline, per_sample_model_calls)
     pipe = per_call_pipeline(pipeline, scheduler, overrides)
     with torch.inference_mode():
-        out = pipe(**_call_kwargs(model, spec, seeds))
+        out = pipe(**call_kwargs(model, spec, seeds))
     final = out.frames if model.defaults.is_video else out.images
     assert driver.snapshot is not None
     return RolloutResult(

@@ -35,6 +35,22 @@ class RolloutCancelled(Exception):
     """Raised by the loop between steps when `should_stop()` answered True."""
 
 
+class RolloutNonFinite(RuntimeError):
+    """A latent or log-prob of the rollout became NaN or Inf; the rollout fails, never succeeds.
+
+    `step` is the first absolute step with a non-finite value: the latent index k of x_k, or the
+    transition index i of log p(x_{i+1} | x_i) (the row that would hold it); `what` says which
+    ("latent" or "log_prob"). control/ reports it as `error.type` `error_type`.
+    """
+
+    error_type = "non_finite"
+
+    def __init__(self, step: int, what: str) -> None:
+        super().__init__(f"non-finite {what} at absolute step {step} (NaN or Inf; the model or the request overflowed)")
+        self.step = step
+        self.what = what
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplerSpec:
     type: SamplerType = "sde"

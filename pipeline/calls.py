@@ -1,0 +1,143 @@
+"""How sigmaflight calls the stock diffusers pipeline: its `__call__` arguments and the
+per-call attribute overrides (tokenizer locks; per-row model calls).
+
+`call_kwargs` is also what a benchmark or a test passes to the stock pipeline to compare
+a rollout with a plain `__call__`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pipeline.models import LoadedModel
+from pipeline.seeds import sample_generators
+from pipeline.spec import RolloutInputError, RolloutSpec
+
+__all__ = ["call_kwargs", "call_overrides"]
+
+# Batch arguments of each family's transformer call (sliced row by row with per_sample_model_calls).
+_TRANSFORMER_BATCH_ARGS: dict[str, tuple[str, ...]] = {
+    "sd3": ("hidden_states", "timestep", "encoder_hidden_states", "pooled_projections"),
+    "flux": ("hidden_states", "timestep", "guidance", "pooled_projections", "encoder_hidden_states"),
+    "wan": ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
+}
+# Text encoders of each family; all are called as encoder(input_ids, ...) with batch-first positional tensors.
+_TEXT_ENCODERS: dict[str, tuple[str, ...]] = {
+    "sd3": ("text_encoder", "text_encoder_2", "text_encoder_3"),
+    "flux": ("text_encoder", "text_encoder_2"),
+    "wan": ("text_encoder",),
+}
+
+
+def call_kwargs(model: LoadedModel, spec: RolloutSpec, seeds: Sequence[int]) -> dict[str, Any]:
+    """Keyword arguments of the stock pipeline `__call__` for `spec` (x_0 drawn by the pipeline
+    from one CPU generator per sample seed; `output_type="latent"`)."""
+    d = model.defaults
+    kw: dict[str, Any] = {
+        "prompt": list(spec.prompts),
+        "num_inference_steps": spec.num_inference_steps,
+        "height": spec.height or d.height,
+        "width": spec.width or d.width,
+        "guidance_scale": d.guidance_scale if spec.guidance_scale is None else float(spec.guidance_scale),
+        "generator": sample_generators(seeds),
+        "output_type": "latent",
+        **d.call_kwargs,
+    }
+    kw["num_videos_per_prompt" if d.is_video else "num_images_per_prompt"] = spec.num_outputs_per_prompt
+    if d.is_video:
+        kw["num_frames"] = spec.num_frames or d.num_frames
+    if spec.negative_prompt is not None:
+        kw["negative_prompt"] = spec.negative_prompt
+    return kw
+
+
+def _cat_outputs(outs: list[Any]) -> Any:
+    first = outs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outs, dim=0)
+    if isinstance(first, tuple) and not hasattr(first, "keys"):
+        return tuple(_cat_outputs([o[j] for o in outs]) for j in range(len(first)))
+    if hasattr(first, "keys"):  # transformers / diffusers ModelOutput
+        return type(first)(**{k: _cat_outputs([o[k] for o in outs]) for k in first.keys()})
+    if first is None:
+        return None
+    raise TypeError(f"cannot concatenate outputs of type {type(first).__name__}")
+
+
+class _PerRow:
+    """Calls a module one batch row at a time (named batch arguments only) and concatenates."""
+
+    def __init__(self, module: torch.nn.Module, batch_args: tuple[str, ...], positional_batch: bool) -> None:
+        self._module = module
+        self._batch_args = batch_args
+        self._positional_batch = positional_batch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._positional_batch:
+            n = args[0].shape[0]
+        else:
+            n = kwargs["hidden_states"].shape[0]
+        outs = []
+        for r in range(n):
+            # Text encoders: every positional tensor is batch-first (Wan passes the mask positionally:
+            # text_encoder(input_ids, mask)).
+            a = tuple(x[r : r + 1] if self._positional_batch and isinstance(x, torch.Tensor) else x for x in args)
+            kw = {
+                k: (v[r : r + 1] if k in self._batch_args and isinstance(v, torch.Tensor) else v)
+                for k, v in kwargs.items()
+            }
+            outs.append(self._module(*a, **kw))
+        return _cat_outputs(outs)
+
+
+class _Locked:
+    """A tokenizer whose calls hold the model's tokenizer lock (shared across worker threads)."""
+
+    def __init__(self, tokenizer: Any, lock: Any) -> None:
+        self._tokenizer = tokenizer
+        self._lock = lock
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._tokenizer, name)
+        if not callable(attr):
+            return attr
+
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                return attr(*args, **kwargs)
+
+        return locked
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._tokenizer(*args, **kwargs)
+
+
+def call_overrides(model: LoadedModel, pipeline: Any, per_sample_model_calls: bool) -> dict[str, Any]:
+    """Pipeline attributes replaced for one call: tokenizers behind the model's lock, and with
+    `per_sample_model_calls` the transformer and text encoders called one batch row at a time."""
+    out = {
+        name: _Locked(comp, model.tokenizer_lock)
+        for name, comp in pipeline.components.items()
+        if name.startswith("tokenizer") and comp is not None
+    }
+    if per_sample_model_calls:
+        out.update(_per_row_overrides(model, pipeline))
+    return out
+
+
+def _per_row_overrides(model: LoadedModel, pipeline: Any) -> dict[str, Any]:
+    if model.family not in _TRANSFORMER_BATCH_ARGS:
+        raise RolloutInputError("model", f"per-sample model calls are not available for family {model.family!r}")
+    out: dict[str, Any] = {"transformer": _PerRow(pipeline.transformer, _TRANSFORMER_BATCH_ARGS[model.family], False)}
+    for name in _TEXT_ENCODERS[model.family]:
+        enc = getattr(pipeline, name, None)
+        if enc is not None:
+            out[name] = _PerRow(enc, ("attention_mask",), True)
+    return out

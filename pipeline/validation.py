@@ -1,0 +1,170 @@
+"""Request validation and size estimates: what `run_rollout` refuses, and what it will hold.
+
+`validate_spec` raises `RolloutInputError(field, reason)` naming the first bad field with the
+request path control/ reports as `details[].loc` ("sampler.noise_level", "guidance_scale",
+...). `latent_shape` / `estimate_latent_bytes` size a rollout from the request alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from pipeline.models import LoadedModel, max_image_size
+from pipeline.seeds import SEED_MASK
+from pipeline.spec import RolloutInputError, RolloutSpec
+
+__all__ = [
+    "GUIDANCE_SCALE_MAX",
+    "LATENT_DTYPES",
+    "validate_spec",
+    "captured_steps",
+    "requested_sde_steps",
+    "capture_dtype",
+    "latent_shape",
+    "estimate_latent_bytes",
+]
+
+LATENT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+GUIDANCE_SCALE_MAX = 100.0
+"""Largest accepted CFG scale. Practical scales are 1-20; far larger ones only overflow the
+combined velocity (1e308 made NaN latents) and are refused up front."""
+
+
+def captured_steps(spec: RolloutSpec) -> tuple[int, ...]:
+    """Absolute latent indices the rollout captures: `return_steps`, or all 0..T."""
+    t = spec.num_inference_steps
+    return tuple(range(t + 1)) if spec.return_steps is None else tuple(spec.return_steps)
+
+
+def requested_sde_steps(spec: RolloutSpec) -> tuple[int, ...]:
+    """Requested stochastic transitions, ascending (before dropping std-0 ones; "ode": none)."""
+    if spec.sampler.type == "ode":
+        return ()
+    t = spec.num_inference_steps
+    return tuple(range(t)) if spec.sampler.sde_steps is None else tuple(sorted(spec.sampler.sde_steps))
+
+
+def _indices_ok(values: Sequence[int], hi: int) -> str | None:
+    if any(not isinstance(v, int) or isinstance(v, bool) for v in values):
+        return "must be integers"
+    if any(v < 0 or v > hi for v in values):
+        return f"each must be in 0..{hi}"
+    if len(set(values)) != len(values):
+        return "each index at most once"
+    return None
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _validate_sampler(spec: RolloutSpec) -> None:
+    s, t = spec.sampler, spec.num_inference_steps
+    if s.type not in ("sde", "cps", "ode"):
+        raise RolloutInputError("sampler.type", f"unknown kernel {s.type!r}; use 'sde', 'cps' or 'ode'")
+    if not _is_number(s.noise_level) or s.noise_level < 0:
+        raise RolloutInputError("sampler.noise_level", "must be a finite number >= 0")
+    if s.type == "cps" and s.noise_level > 1:
+        # std = sigma' sin(a pi / 2): a in [0, 1] spans std 0..sigma'; beyond 2 it turns negative.
+        raise RolloutInputError("sampler.noise_level", f"{s.noise_level} is outside [0, 1], the range of the cps kernel")
+    if s.log_prob not in ("density", "no_const"):
+        raise RolloutInputError("sampler.log_prob", f"unknown log_prob {s.log_prob!r}; use 'density' or 'no_const'")
+    if s.sde_steps is not None:
+        why = _indices_ok(s.sde_steps, t - 1)
+        if why:
+            raise RolloutInputError("sampler.sde_steps", f"{why} (absolute transition indices, T={t})")
+
+
+def _validate_size(model: LoadedModel, spec: RolloutSpec) -> None:
+    d = model.defaults
+    for name in ("height", "width"):
+        value = getattr(spec, name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or value <= 0 or value % d.size_multiple:
+            raise RolloutInputError(name, f"must be a positive multiple of {d.size_multiple} for {model.id}")
+        limit = max_image_size(model.pipeline)
+        if limit is not None and value > limit:
+            raise RolloutInputError(name, f"{value} exceeds {limit}, the largest size {model.id}'s position embedding covers")
+    if spec.num_frames is not None:
+        if not d.is_video:
+            raise RolloutInputError("num_frames", f"{model.id} is an image model")
+        if spec.num_frames < 1 or (spec.num_frames - 1) % 4:
+            raise RolloutInputError("num_frames", "must be 4k + 1")
+
+
+def _validate_seeds(spec: RolloutSpec) -> None:
+    if spec.seeds is not None:
+        if len(spec.seeds) != spec.num_samples:
+            raise RolloutInputError("seeds", f"need exactly one seed per sample ({spec.num_samples}), got {len(spec.seeds)}")
+        if any(not isinstance(x, int) or x < 0 or x > SEED_MASK for x in spec.seeds):
+            raise RolloutInputError("seeds", "each seed must be an integer in 0..2**63-1")
+    if spec.seed is not None and not isinstance(spec.seed, int):
+        raise RolloutInputError("seed", "must be an integer")
+
+
+def validate_spec(model: LoadedModel, spec: RolloutSpec) -> None:
+    """Raise RolloutInputError naming the first bad field; None when the request can run.
+
+    `return_steps` must be ascending and unique (the stream holds them ascending);
+    `sampler.sde_steps` must be unique, any order; cps `noise_level` in [0, 1];
+    `guidance_scale` finite in [0, GUIDANCE_SCALE_MAX].
+    """
+    if not spec.prompts:
+        raise RolloutInputError("prompts", "at least one prompt is required")
+    if not all(isinstance(p, str) for p in spec.prompts):
+        raise RolloutInputError("prompts", "prompts must be strings")
+    if spec.num_outputs_per_prompt < 1:
+        raise RolloutInputError("num_outputs_per_prompt", "must be >= 1")
+    t = spec.num_inference_steps
+    if not isinstance(t, int) or t < 1:
+        raise RolloutInputError("num_inference_steps", "must be an integer >= 1")
+    _validate_sampler(spec)
+    if spec.return_steps is not None:
+        why = _indices_ok(spec.return_steps, t)
+        if why:
+            raise RolloutInputError("return.steps", f"{why} (absolute latent indices, T={t})")
+        if list(spec.return_steps) != sorted(spec.return_steps):
+            raise RolloutInputError("return.steps", "must be ascending")
+    if spec.latent_dtype not in ("native", *LATENT_DTYPES):
+        raise RolloutInputError("latent_dtype", f"unknown latent dtype {spec.latent_dtype!r}")
+    _validate_size(model, spec)
+    g = spec.guidance_scale
+    if g is not None and (not _is_number(g) or not 0 <= g <= GUIDANCE_SCALE_MAX):
+        raise RolloutInputError("guidance_scale", f"must be a finite number in [0, {GUIDANCE_SCALE_MAX:g}]")
+    _validate_seeds(spec)
+
+
+def capture_dtype(model: LoadedModel, spec: RolloutSpec) -> torch.dtype:
+    """dtype of the stored latents: the model's ("native") or the requested lossy one."""
+    return model.dtype if spec.latent_dtype == "native" else LATENT_DTYPES[spec.latent_dtype]
+
+
+def latent_shape(model: LoadedModel, spec: RolloutSpec) -> tuple[int, ...]:
+    """Per-sample latent shape as the model consumes it, computed from the request."""
+    pipe = model.pipeline
+    d = model.defaults
+    h = spec.height or d.height
+    w = spec.width or d.width
+    vae = int(getattr(pipe, "vae_scale_factor", 8))
+    cin = int(pipe.transformer.config.in_channels)
+    if model.family == "flux":
+        lh, lw = 2 * (h // (vae * 2)), 2 * (w // (vae * 2))
+        return ((lh // 2) * (lw // 2), cin)
+    if model.family == "wan":
+        frames = spec.num_frames or d.num_frames or 1
+        sv = int(getattr(pipe, "vae_scale_factor_spatial", 8))
+        st = int(getattr(pipe, "vae_scale_factor_temporal", 4))
+        return (cin, (frames - 1) // st + 1, h // sv, w // sv)
+    return (cin, h // vae, w // vae)
+
+
+def estimate_latent_bytes(model: LoadedModel, spec: RolloutSpec) -> int:
+    """Bytes of the captured latents (all requested steps, all samples), before running."""
+    if not spec.capture:
+        return 0
+    per = math.prod(latent_shape(model, spec)) * capture_dtype(model, spec).itemsize
+    return len(captured_steps(spec)) * spec.num_samples * per
