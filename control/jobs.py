@@ -346,7 +346,7 @@ class JobManager:
             return
         except Exception as exc:  # a failing rollout must never take the server down
             with self._lock:
-                self._finish(job, "failed", error=(type(exc).__name__, str(exc) or repr(exc)))
+                self._finish(job, "failed", error=(getattr(exc, "error_type", type(exc).__name__), str(exc) or repr(exc)))
             log.exception("rollout failed", extra={"rollout": job.id})
             return
         with self._lock:

@@ -63,7 +63,7 @@ class _ActorWorker(RolloutWorker):
         except RolloutCancelled as exc:
             return {"cancelled": str(exc), "progress": self.progress(job_id)}
         except Exception as exc:
-            return {"error": [type(exc).__name__, str(exc) or repr(exc)], "progress": self.progress(job_id)}
+            return {"error": [getattr(exc, "error_type", type(exc).__name__), str(exc) or repr(exc)], "progress": self.progress(job_id)}
         finally:
             self.forget(job_id)
 

@@ -10,7 +10,7 @@ from pipeline.rollout import (
     run_rollout,
     validate_spec,
 )
-from pipeline.spec import RolloutCancelled, RolloutInputError, RolloutSpec, SamplerSpec
+from pipeline.spec import RolloutCancelled, RolloutInputError, RolloutNonFinite, RolloutSpec, SamplerSpec
 
 
 def _latents(res):
@@ -170,6 +170,10 @@ BAD = [
     ({"seeds": (1, 2, 3)}, "seeds"),
     ({"num_frames": 5}, "num_frames"),
     ({"guidance_scale": float("inf")}, "guidance_scale"),
+    ({"guidance_scale": 1e308}, "guidance_scale"),
+    ({"guidance_scale": -1.0}, "guidance_scale"),
+    ({"sampler": SamplerSpec(type="cps", noise_level=1.5)}, "sampler.noise_level"),
+    ({"sampler": SamplerSpec(type="cps", noise_level=2.5)}, "sampler.noise_level"),
     ({"prompts": ()}, "prompts"),
     ({"latent_dtype": "int8"}, "latent_dtype"),
 ]
@@ -228,3 +232,26 @@ def test_largest_size_the_position_embedding_covers_still_runs(registry):
     model = registry.get("tiny-sd3")
     res = run_rollout(model, RolloutSpec(model="tiny-sd3", prompts=("a",), num_inference_steps=1, height=128, width=16))
     assert res.final_latents.shape[-2:] == (64, 8)  # vae factor 2
+
+
+def test_bounds_are_inclusive(registry):
+    model = registry.get("tiny-sd3")
+    for change in ({"sampler": SamplerSpec(type="cps", noise_level=1.0)}, {"guidance_scale": 100.0}, {"guidance_scale": 0.0}):
+        validate_spec(model, RolloutSpec(**{"model": "tiny-sd3", "prompts": ("a cat",), "num_inference_steps": 3, **change}))
+
+
+@pytest.mark.parametrize("log_probs", [True, False])
+def test_non_finite_rollout_fails_naming_the_first_step(registry, log_probs):
+    """sde noise_level 1e20 is a valid request whose std_t^2 overflows float32: it must fail, not succeed."""
+    model = registry.get("tiny-sd3")
+    spec = RolloutSpec(model="tiny-sd3", prompts=("a cat",), num_inference_steps=3, seed=1, return_log_probs=log_probs,
+                       sampler=SamplerSpec(type="sde", noise_level=1e20, sde_steps=(1, 2)))
+    seen = []
+    with pytest.raises(RolloutNonFinite) as err:
+        run_rollout(model, spec, on_step=seen.append)
+    # Transition 0 is deterministic and finite; transition 1 is the first to overflow: its log-prob row
+    # (step 1) when log-probs are scored, else the latent x_2 it produces.
+    assert (err.value.step, err.value.what) == ((1, "log_prob") if log_probs else (2, "latent"))
+    assert f"absolute step {err.value.step}" in str(err.value) and err.value.error_type == "non_finite"
+    assert [c.step for c in seen] == [0]  # nothing non-finite was handed out
+    assert all(torch.isfinite(c.latent).all() for c in seen)
