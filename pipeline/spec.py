@@ -56,11 +56,13 @@ class SamplerSpec:
     type: SamplerType = "sde"
     """Step kernel: Flow-GRPO "sde", "cps" (coefficients-preserving), or deterministic "ode"."""
     noise_level: float = 0.7
-    """The kernel's `a`: scales the SDE standard deviation; 0 makes sde/cps deterministic in value."""
+    """The kernel's `a`: scales the SDE standard deviation; 0 makes sde/cps deterministic in value.
+    "cps" needs it in [0, 1] (std = sigma' sin(a pi / 2)); "sde" has no upper bound."""
     sde_steps: tuple[int, ...] | None = None
     """Absolute transition indices (0..T-1) that are stochastic; None = all of them."""
     log_prob: LogProbKind = "density"
-    """"density": full Gaussian log-density; "no_const": only the -(x' - mean)^2 / (2 std^2) term."""
+    """"density": full Gaussian log-density; "no_const": -(x' - mean)^2 (no 1 / (2 std^2), no constants),
+    as SGLang's `rollout_log_prob_no_const` and Flow-GRPO's cps log-prob. Both averaged over elements."""
 
 
 @dataclass(frozen=True, kw_only=True)
