@@ -28,6 +28,7 @@ from pipeline.spec import RolloutSpec, SamplerSpec  # noqa: E402
 from tests.pipeline.test_kernels import flow_grpo_step, sglang_step  # noqa: E402
 
 A = 0.7
+EPS32 = torch.finfo(torch.float32).eps
 
 
 def _recorded_rollout(model, spec):
@@ -61,7 +62,7 @@ def _old_density(sig, i, x, v, x_next):
 
 def main() -> None:
     registry = ModelRegistry()
-    print("model      kernel log_prob  | vs Flow-GRPO | vs SGLang  | old formula vs Flow-GRPO")
+    print("model      kernel log_prob  | vs Flow-GRPO | vs SGLang (ULPs of max(|lp|, 1)) | old formula vs Flow-GRPO")
     for model_id in ("tiny-sd3", "tiny-flux"):
         model = registry.get(model_id)
         for kernel in ("sde", "cps"):
@@ -70,13 +71,15 @@ def main() -> None:
                                    num_inference_steps=5, seed=17, sampler=SamplerSpec(type=kernel, noise_level=A, log_prob=kind))
                 res, rec = _recorded_rollout(model, spec)
                 sig = res.snapshot.sigmas
-                fg = sg = old = 0.0
+                fg = sg = old = sg_ulps = 0.0
                 for i in res.snapshot.sde_steps:
                     x, v, x_next = rec[i]
                     got = res.log_probs[:, i].double()
                     eps = draw_noise(res.seeds, i, tuple(x.shape[1:]))
                     _, sg_lp, _, _ = sglang_step(sig, i, x, v, A, kernel, no_const=kind == "no_const", noise=eps)
-                    sg = max(sg, (got - sg_lp.double()).abs().max().item())
+                    d = (got - sg_lp.double()).abs()
+                    sg = max(sg, d.max().item())
+                    sg_ulps = max(sg_ulps, (d / sg_lp.double().abs().clamp(min=1.0)).max().item() / EPS32)
                     if (kernel, kind) in (("sde", "density"), ("cps", "no_const")):
                         _, fg_lp, _, _, _ = flow_grpo_step(sig, i, x, v, A, kernel, prev_sample=x_next)
                         fg = max(fg, (got - fg_lp.double()).abs().max().item())
@@ -84,7 +87,7 @@ def main() -> None:
                             old = max(old, (_old_density(sig, i, x, v, x_next).double() - fg_lp.double()).abs().max().item())
                 fg_s = f"{fg:.3e}" if (kernel, kind) in (("sde", "density"), ("cps", "no_const")) else "n/a"
                 old_s = f"{old:.3e}" if (kernel, kind) == ("sde", "density") else ""
-                print(f"{model_id:10} {kernel:6} {kind:9} | {fg_s:>12} | {sg:.3e}  | {old_s}")
+                print(f"{model_id:10} {kernel:6} {kind:9} | {fg_s:>12} | {sg:.3e} ({sg_ulps:.2f})       | {old_s}")
 
 
 if __name__ == "__main__":
