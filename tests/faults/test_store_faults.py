@@ -89,11 +89,13 @@ def test_failed_rename_ends_the_stream_as_failed(tmp_path) -> None:
 
 
 def _corrupt_middle(path, n: int = 4096) -> None:
-    size = path.stat().st_size
+    """Flip 4 KiB in the middle of the first batch's latent bytes (BIG is two ~4 MiB batches,
+    so the file's midpoint is the second batch's metadata: Arrow itself notices that)."""
+    at = path.stat().st_size // 4
     with open(path, "r+b") as f:
-        f.seek(size // 2)
+        f.seek(at)
         old = f.read(n)
-        f.seek(size // 2)
+        f.seek(at)
         f.write(bytes((b ^ 0x5A) for b in old))  # every byte differs from what was there
 
 
