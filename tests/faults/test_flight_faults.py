@@ -71,7 +71,7 @@ def test_flight_cancel_of_a_finished_rollout_keeps_it(server: ServerProcess) -> 
 @pytest.mark.xfail(strict=True, reason="issue 12 item 10: Flight release of a running rollout cancels it")
 @pytest.mark.timeout(120)
 def test_flight_release_of_a_running_rollout_is_refused(server: ServerProcess) -> None:
-    mid = {"prompts": ["mid"], "num_inference_steps": 300, "seed": 52, "return": {"steps": [0, 300]}}
+    mid = {"prompts": ["mid"], "num_inference_steps": 1500, "seed": 52, "return": {"steps": [0, 1500]}}
     with server.client() as c:
         running = c.post("/v1/rollouts", json=mid).json()
         wait_running(c, running["id"], steps=2)
@@ -89,7 +89,7 @@ def test_flight_release_of_a_running_rollout_is_refused(server: ServerProcess) -
 def test_pull_by_id_of_a_queued_rollout_waits_for_it(server: ServerProcess) -> None:
     from dataplane.client import TrajectoryClient
 
-    mid = {"prompts": ["mid"], "num_inference_steps": 200, "seed": 53, "return": {"steps": [0, 200]}}
+    mid = {"prompts": ["mid"], "num_inference_steps": 1500, "seed": 53, "return": {"steps": [0, 1500]}}
     with server.client() as c:
         blocker = c.post("/v1/rollouts", json=mid).json()
         wait_running(c, blocker["id"], steps=1)

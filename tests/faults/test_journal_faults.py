@@ -14,12 +14,12 @@ import time
 import pyarrow.flight as flight
 import pytest
 
-from tests.faults.conftest import LONG, LONG_FLAGS, SMALL, pull, wait_running
+from tests.faults.conftest import LONG_FLAGS, SMALL, pull, wait_running
 from tests.servers import ServerProcess, wait_for_status
 
 # Short rollouts that still write a journal row at each state change.
 QUICK = {**SMALL, "num_inference_steps": 2}
-MID = {"prompts": ["mid"], "num_inference_steps": 400, "seed": 31, "return": {"steps": [0, 400]}}
+MID = {"prompts": ["mid"], "num_inference_steps": 1500, "seed": 31, "return": {"steps": [0, 1500]}}
 
 
 def _readyz(server: ServerProcess) -> int:
