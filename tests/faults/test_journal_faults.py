@@ -44,7 +44,7 @@ def test_worker_survives_a_full_data_dir(tmpfs) -> None:
         data.free()  # space returns: the server must run rollouts again
         after = c.post("/v1/rollouts", json=QUICK)
         assert after.status_code == 202, after.text
-        status = wait_for_status(c, after.json()["id"], {"succeeded", "failed"}, timeout=15)
+        status = wait_for_status(c, after.json()["id"], {"succeeded", "failed"}, timeout=10)
         assert status["status"] == "succeeded", status
         assert "Exception in thread" not in server.log_text
 
@@ -61,7 +61,7 @@ def test_readyz_503_while_journal_unwritable_then_recovers(tmpfs) -> None:
         done = wait_for_status(c, running["id"], {"succeeded", "failed"}, timeout=60)
         if done["status"] == "failed":
             assert done["error"]["message"]
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 5
         while _readyz(server) != 503:
             assert time.monotonic() < deadline, "/readyz still 200 while the journal cannot be written"
             time.sleep(0.1)
