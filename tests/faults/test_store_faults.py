@@ -1,0 +1,192 @@
+"""Issue 12, items 6, 11, 13, 14: the result store when file operations fail or files change.
+
+Read-only data dir: `<data_dir>/trajectories` is its own small tmpfs, remounted read-only
+(we run as root: chmod would not stop a write; the journal stays on a writable directory).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pyarrow.flight as flight
+import pytest
+
+from tests.faults.conftest import BIG, BIG_FLAGS, LONG_FLAGS, SMALL, Pull, alive, latent_bytes, options, pull
+from tests.servers import ServerProcess, wait_for_status
+
+MID = {"prompts": ["mid"], "num_inference_steps": 600, "seed": 41, "return": {"steps": [0, 600]}}
+
+
+def _listed(location: str) -> set[str]:
+    with flight.FlightClient(location) as c:
+        return {bytes(f.descriptor.path[1]).decode() for f in c.list_flights(options=options(10))}
+
+
+def _assert_fails_fast(location: str, ticket: str, what: str) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(flight.FlightError) as info:
+        pull(location, ticket, timeout=5)
+    assert not isinstance(info.value, flight.FlightTimedOutError), f"{what}: do_get hung until its deadline"
+    assert time.monotonic() - t0 < 3, what
+    assert "failed" in str(info.value), (what, str(info.value))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 12 item 6: trajectory file open fails, store entry stays running")
+@pytest.mark.timeout(120)
+def test_read_only_trajectory_dir_ends_the_stream_as_failed(tmpfs) -> None:
+    data = tmpfs("data", "8m")
+    traj = tmpfs("trajectories", "8m", under=data.path)
+    with ServerProcess("--data-dir", str(data.path), "--workers", "1") as server, server.client() as c:
+        traj.read_only()
+        ticket = c.post("/v1/rollouts", json=SMALL).json()
+        live = Pull(server.flight_url, ticket["flight"]["ticket"], timeout=5)
+        live.start()  # a consumer already waiting on the ticket
+        status = wait_for_status(c, ticket["id"], {"succeeded", "failed"}, timeout=30)
+        assert status["status"] == "failed", status
+        assert "Read-only" in status["error"]["message"], status
+        live.join(15)
+        assert live.error is not None, "the waiting consumer got a table from a failed rollout"
+        assert not isinstance(live.error, flight.FlightTimedOutError), "the live consumer waited forever"
+        assert "failed" in str(live.error)
+        _assert_fails_fast(server.flight_url, ticket["flight"]["ticket"], "a new do_get")
+        assert ticket["id"] not in _listed(server.flight_url)
+        traj.read_write()
+        again = c.post("/v1/rollouts", json=SMALL).json()
+        assert wait_for_status(c, again["id"], {"succeeded", "failed"})["status"] == "succeeded"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 12 item 6: writer.finish() (rename) fails outside the try")
+@pytest.mark.timeout(120)
+def test_failed_rename_ends_the_stream_as_failed(tmp_path) -> None:
+    """The final rename fails: a directory stands at `<id>.arrow` (put there from outside
+    while the rollout runs), so os.replace raises IsADirectoryError."""
+    data = tmp_path / "data"
+    flags = ("--data-dir", str(data), "--workers", "1", "--max-flight-streams", "4", *LONG_FLAGS)
+    with ServerProcess(*flags) as server, server.client() as c:
+        ticket = c.post("/v1/rollouts", json=MID).json()
+        blocker = data / "trajectories" / f"{ticket['id']}.arrow"
+        blocker.mkdir(parents=True)
+        (blocker / "keep").write_text("in the way")
+        live = Pull(server.flight_url, ticket["flight"]["ticket"], timeout=8)
+        live.start()
+        status = wait_for_status(c, ticket["id"], {"succeeded", "failed"}, timeout=60)
+        assert status["status"] == "failed", status
+        live.join(25)
+        assert live.error is not None
+        assert not isinstance(live.error, flight.FlightTimedOutError), "the live consumer waited forever"
+        _assert_fails_fast(server.flight_url, ticket["flight"]["ticket"], "a new do_get")
+        assert ticket["id"] not in _listed(server.flight_url)
+        # No stream slot stays held: 4 pulls of a fresh rollout at once all succeed.
+        fresh = c.post("/v1/rollouts", json=SMALL).json()
+        assert wait_for_status(c, fresh["id"], {"succeeded"})
+        pulls = [Pull(server.flight_url, fresh["flight"]["ticket"], timeout=10) for _ in range(4)]
+        for p in pulls:
+            p.start()
+        for p in pulls:
+            p.join(15)
+            assert p.error is None, p.error
+
+
+def _corrupt_middle(path, n: int = 4096) -> None:
+    """Flip 4 KiB in the middle of the first batch's latent bytes (BIG is two ~4 MiB batches,
+    so the file's midpoint is the second batch's metadata: Arrow itself notices that)."""
+    at = path.stat().st_size // 4
+    with open(path, "r+b") as f:
+        f.seek(at)
+        old = f.read(n)
+        f.seek(at)
+        f.write(bytes((b ^ 0x5A) for b in old))  # every byte differs from what was there
+
+
+@pytest.mark.xfail(strict=True, reason="issue 12 item 13: a corrupted spilled file is served silently")
+@pytest.mark.timeout(120)
+def test_corrupted_spilled_file_is_not_served_silently(tmp_path) -> None:
+    data = tmp_path / "data"
+    with ServerProcess("--data-dir", str(data), *BIG_FLAGS) as server, server.client() as c:
+        big = c.post("/v1/rollouts", json=BIG).json()
+        assert wait_for_status(c, big["id"], {"succeeded"}, timeout=60)
+        before = latent_bytes(pull(server.flight_url, big["flight"]["ticket"]))
+        assert f"spilled rollout {big['id']}" in server.log_text  # served from its file now
+        _corrupt_middle(data / "trajectories" / f"{big['id']}.arrow")
+        try:
+            after = latent_bytes(pull(server.flight_url, big["flight"]["ticket"]))
+        except flight.FlightError as exc:
+            assert "corrupt" in str(exc).lower() or "checksum" in str(exc).lower(), str(exc)
+        else:
+            assert after == before, "the pull returned other bytes than the rollout produced, with no error"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 12 item 13: a corrupted file is served again after restart")
+@pytest.mark.timeout(180)
+def test_corrupted_file_is_not_restored_after_restart(tmp_path) -> None:
+    data = tmp_path / "data"
+    flags = ("--data-dir", str(data), *BIG_FLAGS)
+    with ServerProcess(*flags) as server, server.client() as c:
+        big = c.post("/v1/rollouts", json=BIG).json()
+        assert wait_for_status(c, big["id"], {"succeeded"}, timeout=60)
+        before = latent_bytes(pull(server.flight_url, big["flight"]["ticket"]))
+    _corrupt_middle(data / "trajectories" / f"{big['id']}.arrow")
+    with ServerProcess(*flags) as again, again.client() as c:
+        try:
+            after = latent_bytes(pull(again.flight_url, big["flight"]["ticket"]))
+        except flight.FlightError:
+            assert c.get(f"/v1/rollouts/{big['id']}").json()["status"] != "succeeded"
+        else:
+            assert after == before, "the restarted server served other bytes than the rollout produced"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 12 item 14: a truncated served file stays listed as succeeded")
+@pytest.mark.timeout(120)
+def test_truncated_spilled_file_makes_the_rollout_unavailable(tmp_path) -> None:
+    data = tmp_path / "data"
+    with ServerProcess("--data-dir", str(data), *BIG_FLAGS) as server, server.client() as c:
+        big = c.post("/v1/rollouts", json=BIG).json()
+        assert wait_for_status(c, big["id"], {"succeeded"}, timeout=60)
+        assert f"spilled rollout {big['id']}" in server.log_text
+        path = data / "trajectories" / f"{big['id']}.arrow"
+        os.truncate(path, path.stat().st_size // 3)
+        with pytest.raises(flight.FlightError) as info:
+            pull(server.flight_url, big["flight"]["ticket"], timeout=10)
+        assert not isinstance(info.value, flight.FlightTimedOutError)
+        assert alive(server.proc.pid), "the server died serving a truncated file"
+        assert c.get("/healthz").status_code == 200
+        status = c.get(f"/v1/rollouts/{big['id']}").json()
+        assert status["status"] != "succeeded", status
+        assert status["error"] and status["error"]["message"], status
+        assert big["id"] not in _listed(server.flight_url)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 12 item 11: FlightDataServer.stop() sets the store's stop event for good")
+@pytest.mark.timeout(60)
+def test_a_second_flight_server_on_the_same_store_serves_live_streams() -> None:
+    """Not reachable from outside (one Flight server per process): uses dataplane.server and
+    dataplane.store directly, with the data-plane test helpers for a header and its steps."""
+    from dataplane.server import FlightDataServer
+    from dataplane.store import ResultStore
+    from tests.dataplane.helpers import build_header, make_steps
+
+    store = ResultStore(memory_budget_bytes=1 << 30)
+    try:
+        first = FlightDataServer(store).start()
+        first.stop()
+        second = FlightDataServer(store).start()
+        try:
+            header = build_header("after-restart", T=3, B=2)
+            steps = make_steps(header)
+            ticket = store.reserve(header.rollout_id)
+            consumer = Pull(second.locations[0], ticket, timeout=15)
+            consumer.start()
+            time.sleep(0.3)  # the consumer waits on the reserved ticket
+            writer = store.create(header)
+            for i in header.steps:
+                writer.append(steps[i])
+                time.sleep(0.05)
+            writer.finish()
+            consumer.join(20)
+            assert consumer.error is None, consumer.error
+            assert consumer.table is not None and consumer.table.num_rows == header.num_samples * len(header.steps)
+        finally:
+            second.stop()
+    finally:
+        store.close()
