@@ -1,91 +1,19 @@
-"""`sigmaflight` command line. `sigmaflight serve --help` explains every flag."""
+"""`sigmaflight` command line: the client commands, and `serve`.
+
+The client commands (submit, status, pull, inspect, plot; sigmaflight/commands.py) load no
+server code; `serve` imports control/serve.py only when it runs (`sigmaflight serve --help`
+explains every flag).
+"""
 
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
 from collections.abc import Sequence
-from typing import Any, get_args
 
-from control import commands
-from control.settings import Settings
+from sigmaflight import commands
 
-log = logging.getLogger("sigmaflight")
-
-
-def _settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per Settings field; defaults stay unset so env vars and defaults apply underneath."""
-    for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        env = f"SIGMAFLIGHT_{name.upper()}"
-        default = field.default
-        shown = "none" if default is None else ("<secret>" if name == "token" else default)
-        help_ = f"{field.description} [env {env}; default {shown}]"
-        choices = get_args(field.annotation) if "Literal" in str(field.annotation) else None
-        if field.annotation is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
-        else:
-            parser.add_argument(
-                flag, dest=name, default=argparse.SUPPRESS, choices=choices or None, help=help_, metavar=None if choices else name.upper()
-            )
-
-
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    given: dict[str, Any] = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
-    return Settings(**given)
-
-
-def serve(settings: Settings) -> int:
-    # transformers announces optional backends it lacks (torchvision) on import; not our users' concern.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import uvicorn
-
-    from control import logs
-    from control.app import create_app
-
-    logs.configure(settings.log_level, settings.log_format)
-    app = create_app(settings)
-    tls = {}
-    if settings.tls_cert is not None and settings.tls_key is not None:
-        tls = {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)}
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        lifespan="on",
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=10,
-        **tls,  # type: ignore[arg-type]
-    )
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets: Any = None) -> None:
-            await super().startup(sockets)
-            if self.should_exit:
-                return
-            port = self.servers[0].sockets[0].getsockname()[1] if self.servers else settings.port
-            scheme = "https" if tls else "http"
-            service = app.state.service if hasattr(app.state, "service") else None
-            flight = getattr(service, "flight", None)
-            # Always shown, whatever --log-level: tools wait for this line.
-            log.log(
-                max(logging.INFO, logging.getLogger().level),
-                "sigmaflight ready",
-                extra={
-                    "rest_url": f"{scheme}://{settings.host}:{port}",
-                    "flight_url": flight.locations[0] if flight else None,
-                    "model": settings.model,
-                    "auth": bool(settings.tokens()),
-                    "data_dir": str(settings.data_dir) if settings.data_dir else None,
-                },
-            )
-
-    server = Server(config)
-    server.run()
-    return 0 if server.started else 1
+SERVE_HELP = "Start the REST and Flight servers (see `sigmaflight serve --help`)."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,31 +23,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    p_serve = sub.add_parser(
-        "serve",
-        help="Start the REST and Flight servers with the built-in default model.",
-        description="Start both planes in one process: REST (uvicorn) on --port and Arrow Flight on --flight-port. "
-        "Every flag is also an environment variable SIGMAFLIGHT_<NAME>; flags win.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    _settings_arguments(p_serve)
+    sub.add_parser("serve", help=SERVE_HELP, add_help=False)  # its flags live in control/serve.py
     commands.add_client_commands(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "serve":
-        try:
-            settings = settings_from_args(args)
-        except Exception as exc:  # pydantic ValidationError: name the flag and the reason
-            print(f"sigmaflight serve: invalid settings:\n{exc}", file=sys.stderr)
-            return 2
-        return serve(settings)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        from control.serve import main as serve_main
+
+        return serve_main(argv[1:])
+    args = build_parser().parse_args(argv)
     if hasattr(args, "run"):
         return commands.run(args)
-    parser.error(f"unknown command {args.command}")
     return 2
 
 

@@ -21,31 +21,17 @@ from typing import Any
 
 import httpx
 import torch
+from pyarrow import flight
 
-from control.jobs import TERMINAL
-from control.wire import RolloutStatus, Ticket
 from dataplane.client import Trajectory, TrajectoryClient
-from dataplane.store import TICKET_PREFIX
 from pipeline.spec import RolloutSpec, SamplerSpec
+from sigmaflight.errors import ApiError, NotFound, RolloutCancelled, RolloutFailed, Unauthorized
+from sigmaflight.wire import TERMINAL, RolloutStatus, Ticket
 
-__all__ = ["ApiError", "Client", "RolloutFailed", "replay_log_probs", "rollout_spec"]
-
-
-class ApiError(RuntimeError):
-    """A 4xx/5xx answer: `status`, and the contract's error body's `type`, `message`, `details`."""
-
-    def __init__(self, status: int, type_: str, message: str, details: Any = None) -> None:
-        super().__init__(f"{status} {type_}: {message}")
-        self.status, self.type, self.message, self.details = status, type_, message, details
-
-
-class RolloutFailed(RuntimeError):
-    """`wait` ended on failed, cancelled or expired; `.status` is the last RolloutStatus."""
-
-    def __init__(self, status: RolloutStatus) -> None:
-        why = f": {status.error.type}: {status.error.message}" if status.error else ""
-        super().__init__(f"rollout {status.id} {status.status}{why}")
-        self.status = status
+__all__ = [
+    "ApiError", "Client", "NotFound", "RolloutCancelled", "RolloutFailed", "Unauthorized",
+    "replay_log_probs", "rollout_spec",
+]
 
 
 def _raise_for(r: httpx.Response) -> None:
@@ -53,9 +39,22 @@ def _raise_for(r: httpx.Response) -> None:
         return
     try:
         err = r.json()["error"]
-        raise ApiError(r.status_code, err["type"], err["message"], err.get("details"))
+        type_, message, details = str(err["type"]), str(err["message"]), err.get("details")
     except (ValueError, KeyError, TypeError):
-        raise ApiError(r.status_code, "http_error", r.text[:500]) from None
+        type_, message, details = "http_error", r.text[:500], None
+    kind = {404: NotFound, 401: Unauthorized}.get(r.status_code, ApiError)
+    raise kind(r.status_code, type_, message, details)
+
+
+def _flight_message(exc: Exception) -> str:
+    """The server's own message out of a pyarrow Flight error (no gRPC debug context)."""
+    text = str(exc)
+    for cut in (". gRPC client debug context", "gRPC client debug context", ". Client context:", "Client context:"):
+        text = text.split(cut, 1)[0]
+    for prefix in ("Flight returned internal error, with message: ", "with message: "):
+        if prefix in text:
+            text = text.split(prefix, 1)[1]
+    return text.strip()
 
 
 class Client:
@@ -107,13 +106,14 @@ class Client:
     ) -> RolloutStatus:
         """Poll until the rollout is finished; TimeoutError after `timeout` seconds.
 
-        Raises RolloutFailed when it ended other than succeeded (unless `raise_on_failure=False`)."""
+        Raises RolloutFailed (RolloutCancelled when cancelled) when it ended other than succeeded,
+        unless `raise_on_failure=False`."""
         deadline = time.monotonic() + timeout
         while True:
             st = self.status(ticket)
             if st.status in TERMINAL:
                 if raise_on_failure and st.status != "succeeded":
-                    raise RolloutFailed(st)
+                    raise RolloutFailed.from_status(st)
                 return st
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rollout {st.id} still {st.status} after {timeout} s")
@@ -152,22 +152,48 @@ class Client:
         return self._flight[location]
 
     def locate(self, ticket: str | Ticket) -> tuple[str, str]:
-        """(Flight location, Flight ticket) of a Ticket, a rollout id or a Flight ticket string."""
+        """(Flight location, Flight ticket) of a Ticket, a rollout id or a Flight ticket string.
+
+        Tickets are opaque here: a string is looked up as a rollout id first; one the server
+        does not know as an id is taken for a Flight ticket on the server's Flight location."""
         if isinstance(ticket, Ticket):
             return ticket.flight.locations[0], ticket.flight.ticket
-        if ticket.startswith(TICKET_PREFIX):
-            # A bare Flight ticket: any rollout's status names the server's Flight locations.
-            listed = self.rollouts(limit=1)
+        try:
+            st = self.status(ticket)
+        except NotFound:
+            listed = self.rollouts(limit=1)  # any rollout's status names the server's Flight locations
             if not listed:
-                raise ValueError("cannot find the Flight location: the server lists no rollouts")
+                raise NotFound(404, "not_found", f"no rollout or ticket {ticket!r} on {self.url}") from None
             return listed[0].flight.locations[0], ticket
-        st = self.status(ticket)
         return st.flight.locations[0], st.flight.ticket
 
     def pull(self, ticket: str | Ticket) -> Trajectory:
-        """The whole trajectory as torch tensors (waits for a running rollout; see dataplane.client)."""
+        """The whole trajectory as torch tensors (waits for a running rollout; see dataplane.client).
+
+        A rollout that ended failed raises RolloutFailed, a cancelled one RolloutCancelled, an
+        unknown ticket NotFound, a refused token Unauthorized: each with the server's message."""
         location, flight_ticket = self.locate(ticket)
-        return self.flight(location).pull(flight_ticket)
+        try:
+            return self.flight(location).pull(flight_ticket)
+        except flight.FlightUnauthenticatedError as exc:
+            raise Unauthorized(401, "unauthorized", _flight_message(exc)) from None
+        except flight.FlightError as exc:
+            raise self._pull_error(ticket, exc) from None
+
+    def _pull_error(self, ticket: str | Ticket, exc: Exception) -> ApiError:
+        """The typed error for a failed pull: from the rollout's REST status when there is one."""
+        message = _flight_message(exc)
+        try:
+            st = self.status(ticket)
+        except ApiError:
+            st = None
+        if st is not None and st.status in TERMINAL and st.status != "succeeded":
+            return RolloutFailed.from_status(st)
+        if isinstance(exc, flight.FlightInternalError):
+            return RolloutFailed(message)
+        if st is None and "not found" in message.lower():
+            return NotFound(None, "not_found", message)
+        return ApiError(None, "flight_error", message)
 
 
 def _id(ticket: str | Ticket) -> str:

@@ -1,6 +1,6 @@
 """Client subcommands of `sigmaflight`: submit, status, pull, inspect, plot.
 
-Each talks to a running server through `control.client.Client` (`--url`, default
+Each talks to a running server through `sigmaflight.client.Client` (`--url`, default
 http://127.0.0.1:8000 or SIGMAFLIGHT_URL; `--token` or SIGMAFLIGHT_TOKEN), or reads an
 `.arrow` file. JSON goes to stdout, progress and errors to stderr; the exit status is 0 on
 success, 1 when the server or the data said no, 2 for bad usage.
@@ -33,7 +33,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from control.client import Client
+    from sigmaflight.client import Client
 
     return Client(args.url, token=args.token)
 
@@ -156,7 +156,7 @@ def run_pull(args: argparse.Namespace) -> int:
 
 def _load(args: argparse.Namespace) -> tuple[str, Any, list[Any]]:
     """(label, schema, batches) of a file or a ticket / rollout id on --url."""
-    from control.inspect import read_arrow_file
+    from sigmaflight.report import read_arrow_file
 
     src = args.source
     if Path(src).is_file():
@@ -170,7 +170,7 @@ def _load(args: argparse.Namespace) -> tuple[str, Any, list[Any]]:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from control.inspect import build_report, render_text
+    from sigmaflight.report import build_report, render_text
 
     label, schema, batches = _load(args)
     rep = build_report(label, schema, batches)
@@ -182,8 +182,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_plot(args: argparse.Namespace) -> int:
-    from control.inspect import build_report, read_arrow_file
     from control.plot import render_png
+    from sigmaflight.report import build_report, read_arrow_file
 
     schema, batches = read_arrow_file(args.file)
     rep = build_report(args.file, schema, batches)
@@ -266,11 +266,11 @@ def add_client_commands(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run a client subcommand; API and data errors become one line on stderr and exit 1."""
-    from control.client import ApiError, RolloutFailed
+    from sigmaflight.errors import ApiError
 
     try:
         return int(args.run(args))
-    except (ApiError, RolloutFailed, TimeoutError, OSError, ValueError, KeyError) as exc:
+    except (ApiError, TimeoutError, OSError, ValueError, KeyError) as exc:
         print(f"sigmaflight {args.command}: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # pyarrow.flight errors, httpx transport errors

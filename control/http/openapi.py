@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from control.wire import ErrorBody, Health, ModelList, RolloutList, RolloutRequest, RolloutStatus, Ticket
+from sigmaflight.wire import ErrorBody, Health, ModelList, RolloutList, RolloutRequest, RolloutStatus, Ticket
 
 _REF = "#/components/schemas/{model}"
 

@@ -20,14 +20,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from control.journal import Journal
+from control.jobs.journal import Journal
 from pipeline.spec import RolloutCancelled, RolloutSpec
+from sigmaflight.wire import TERMINAL
 
 log = logging.getLogger("sigmaflight.jobs")
 
-STATES = ("queued", "running", "succeeded", "failed", "cancelled", "expired")
-"""Every status a rollout can have, in lifecycle order."""
-TERMINAL = frozenset(STATES[2:])
 
 
 class QueueFull(Exception):

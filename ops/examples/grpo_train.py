@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from control.client import Client, replay_log_probs
 from pipeline.decode import decode_latents
 from pipeline.models import ModelRegistry, weights_digest
+from sigmaflight.client import Client, replay_log_probs
 
 MODEL = "tiny-sd3"
 

@@ -11,8 +11,8 @@ import pyarrow.flight as flight
 import pytest
 from PIL import Image
 
-from control.cli import main
 from control.plot import PLOT_HEIGHT, PLOT_WIDTH
+from sigmaflight.cli import main
 from tests.servers import ServerProcess
 
 

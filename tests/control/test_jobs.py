@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from control.backend import LocalBackend
-from control.jobs import IdempotencyConflict, JobManager, QueueFull
+from control.backends.local import LocalBackend
+from control.jobs.manager import IdempotencyConflict, JobManager, QueueFull
 from dataplane.store import ResultStore
 from pipeline.models import ModelRegistry
 from pipeline.spec import RolloutSpec

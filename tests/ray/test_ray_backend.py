@@ -12,10 +12,10 @@ import pyarrow.flight as flight
 import pytest
 import torch
 
-from control.backend import LocalBackend
-from control.jobs import JobManager
-from control.ray_backend import RayBackend, trajectory_ref
-from control.worker import WorkerConfig
+from control.backends.local import LocalBackend
+from control.backends.ray import RayBackend, trajectory_ref
+from control.backends.worker import WorkerConfig
+from control.jobs.manager import JobManager
 from dataplane.client import Trajectory
 from dataplane.store import ResultStore
 from pipeline.models import ModelRegistry

@@ -1,0 +1,151 @@
+"""What `sigmaflight serve` runs: flags from Settings, a preflight check, then uvicorn.
+
+Imported only by the `serve` command (sigmaflight/cli.py), so the users' side never loads
+the server. Startup mistakes (unknown --model, a missing --model-dir, a pipeline directory
+diffusers cannot load) end in one line on stderr and exit status 2, before uvicorn starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, get_args
+
+from control.settings import Settings
+
+log = logging.getLogger("sigmaflight")
+
+
+SERVE_DESCRIPTION = (
+    "Start both planes in one process: REST (uvicorn) on --port and Arrow Flight on --flight-port. "
+    "Every flag is also an environment variable SIGMAFLIGHT_<NAME>; flags win."
+)
+
+
+class StartupError(Exception):
+    """A setting the server cannot start with; its message is the one line the user sees."""
+
+
+def _settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per Settings field; defaults stay unset so env vars and defaults apply underneath."""
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = f"SIGMAFLIGHT_{name.upper()}"
+        default = field.default
+        shown = "none" if default is None else ("<secret>" if name == "token" else default)
+        help_ = f"{field.description} [env {env}; default {shown}]"
+        choices = get_args(field.annotation) if "Literal" in str(field.annotation) else None
+        if field.annotation is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
+        else:
+            parser.add_argument(
+                flag, dest=name, default=argparse.SUPPRESS, choices=choices or None, help=help_, metavar=None if choices else name.upper()
+            )
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    given: dict[str, Any] = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    return Settings(**given)
+
+
+def serve(settings: Settings) -> int:
+    # transformers announces optional backends it lacks (torchvision) on import; not our users' concern.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import uvicorn
+
+    from control import logs
+    from control.http.app import create_app
+
+    logs.configure(settings.log_level, settings.log_format)
+    app = create_app(settings)
+    tls = {}
+    if settings.tls_cert is not None and settings.tls_key is not None:
+        tls = {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)}
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        lifespan="on",
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+        **tls,  # type: ignore[arg-type]
+    )
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.should_exit:
+                return
+            port = self.servers[0].sockets[0].getsockname()[1] if self.servers else settings.port
+            scheme = "https" if tls else "http"
+            service = app.state.service if hasattr(app.state, "service") else None
+            flight = getattr(service, "flight", None)
+            # Always shown, whatever --log-level: tools wait for this line.
+            log.log(
+                max(logging.INFO, logging.getLogger().level),
+                "sigmaflight ready",
+                extra={
+                    "rest_url": f"{scheme}://{settings.host}:{port}",
+                    "flight_url": flight.locations[0] if flight else None,
+                    "model": settings.model,
+                    "auth": bool(settings.tokens()),
+                    "data_dir": str(settings.data_dir) if settings.data_dir else None,
+                },
+            )
+
+    server = Server(config)
+    server.run()
+    return 0 if server.started else 1
+
+
+def preflight(settings: Settings) -> None:
+    """Refuse settings the server cannot start with, naming the flag and the reason (StartupError)."""
+    from control.node import local_model_dirs
+    from pipeline.models import ModelRegistry
+
+    local: list[str] = []
+    if settings.model_dir is not None:
+        root = settings.model_dir
+        if not root.is_dir():
+            raise StartupError(f"--model-dir {root}: {'not a directory' if root.exists() else 'no such directory'}")
+        dirs = local_model_dirs(root)
+        if not dirs:
+            raise StartupError(f"--model-dir {root}: no pipeline in it (no subdirectory holds a model_index.json)")
+        for sub in dirs:
+            if not (sub / "scheduler" / "scheduler_config.json").is_file():
+                raise StartupError(
+                    f"--model-dir {root}: {sub.name}/scheduler/scheduler_config.json is missing "
+                    "(save the whole pipeline with save_pretrained)"
+                )
+        local = [sub.name for sub in dirs]
+    known = sorted(set(ModelRegistry().ids()) | set(local))
+    if settings.model not in known:
+        raise StartupError(f"--model {settings.model!r}: unknown model; known: {', '.join(known)}")
+
+
+def build_parser(prog: str = "sigmaflight serve") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=SERVE_DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    _settings_arguments(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`sigmaflight serve [flags]`: 2 on a startup mistake, 1 if the server did not start, else 0."""
+    args = build_parser().parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except Exception as exc:  # pydantic ValidationError: name the flag and the reason
+        print(f"sigmaflight serve: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    try:
+        preflight(settings)
+    except StartupError as exc:
+        print(f"sigmaflight serve: {exc}", file=sys.stderr)
+        return 2
+    return serve(settings)
