@@ -50,20 +50,28 @@ def local_model_dirs(model_dir: str | Path) -> list[Path]:
     return [sub for sub in sorted(Path(model_dir).iterdir()) if (sub / "model_index.json").is_file()]
 
 
+def quiet_library_progress_bars() -> None:
+    """Turn off diffusers' and transformers' own loading bars: they are not log lines (JSON logs)."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+
+
 def load_registry(config: NodeConfig) -> ModelRegistry:
     """A registry on the node's device and dtype, with every pipeline under `model_dir` loaded.
 
     Loading local pipelines can take long: a tqdm bar shows it on a terminal (off when stderr is
-    not one, so a JSON log stays JSON), diffusers' own bars are off, and each model logs one
-    "model loaded" line."""
+    not one, so a JSON log stays JSON), diffusers' and transformers' own bars are off, and each
+    model logs one "model loaded" line."""
     dtype = DTYPES[config.dtype]
     registry = ModelRegistry(device=config.device, dtype=dtype)
     if config.model_dir is None:
         return registry
-    from diffusers.utils import logging as diffusers_logging
     from tqdm import tqdm
 
-    diffusers_logging.disable_progress_bar()
+    quiet_library_progress_bars()
     for sub in tqdm(local_model_dirs(config.model_dir), desc="loading models", unit="model", disable=None):
         model = registry.register_local(sub.name, str(sub), device=config.device, dtype=dtype)
         log.info("model loaded", extra={"model": model.id, "path": str(sub), "family": model.family,

@@ -16,6 +16,7 @@ raises `ApiError` with the contract's error body. docs/trainers.md has the whole
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +26,14 @@ from pyarrow import flight
 
 from dataplane.client import Trajectory, TrajectoryClient
 from pipeline.spec import RolloutSpec, SamplerSpec
-from sigmaflight.errors import ApiError, NotFound, RolloutCancelled, RolloutFailed, Unauthorized
+from sigmaflight.errors import (
+    ApiError,
+    NotFound,
+    RolloutCancelled,
+    RolloutFailed,
+    Unauthorized,
+    WeightsMismatch,
+)
 from sigmaflight.wire import TERMINAL, RolloutStatus, Ticket
 
 __all__ = [
@@ -49,7 +57,7 @@ def _raise_for(r: httpx.Response) -> None:
 def _flight_message(exc: Exception) -> str:
     """The server's own message out of a pyarrow Flight error (no gRPC debug context)."""
     text = str(exc)
-    for cut in (". gRPC client debug context", "gRPC client debug context", ". Client context:", "Client context:"):
+    for cut in (". Detail:", ". gRPC client debug context", "gRPC client debug context", ". Client context:"):
         text = text.split(cut, 1)[0]
     for prefix in ("Flight returned internal error, with message: ", "with message: "):
         if prefix in text:
@@ -175,22 +183,25 @@ class Client:
         location, flight_ticket = self.locate(ticket)
         try:
             return self.flight(location).pull(flight_ticket)
-        except flight.FlightUnauthenticatedError as exc:
-            raise Unauthorized(401, "unauthorized", _flight_message(exc)) from None
         except flight.FlightError as exc:
-            raise self._pull_error(ticket, exc) from None
+            raise self.flight_error(ticket, exc) from None
 
-    def _pull_error(self, ticket: str | Ticket, exc: Exception) -> ApiError:
-        """The typed error for a failed pull: from the rollout's REST status when there is one."""
+    def flight_error(self, ticket: str | Ticket, exc: Exception) -> ApiError:
+        """The typed error for a Flight error on `ticket`: from the rollout's REST status when there
+        is one (RolloutCancelled, RolloutFailed), else from the Flight error's kind and message."""
+        if isinstance(exc, flight.FlightUnauthenticatedError):
+            return Unauthorized(401, "unauthorized", _flight_message(exc))
         message = _flight_message(exc)
         try:
             st = self.status(ticket)
         except ApiError:
             st = None
         if st is not None and st.status in TERMINAL and st.status != "succeeded":
-            return RolloutFailed.from_status(st)
+            return RolloutFailed.from_status(st, message)
         if isinstance(exc, flight.FlightInternalError):
             return RolloutFailed(message)
+        if " cancelled" in message:  # the Flight server's "rollout <id> cancelled: <reason>"
+            return RolloutCancelled(message)
         if st is None and "not found" in message.lower():
             return NotFound(None, "not_found", message)
         return ApiError(None, "flight_error", message)
@@ -213,13 +224,28 @@ def rollout_spec(traj: Trajectory) -> RolloutSpec:
     return RolloutSpec(sampler=SamplerSpec(**sampler), **{k: v for k, v in req.items() if k in known})
 
 
-def replay_log_probs(model: Any, traj: Trajectory, *, grad: bool = False, per_sample_model_calls: bool = False) -> torch.Tensor:
+def replay_log_probs(
+    model: Any,
+    traj: Trajectory,
+    *,
+    grad: bool = False,
+    per_sample_model_calls: bool = False,
+    strict: bool = False,
+    check_weights: bool = True,
+) -> torch.Tensor:
     """log p(x_{i+1} | x_i) [B, T] recomputed with `model` (a pipeline.models.LoadedModel) on `traj`.
 
     With the server's weights this gives the trajectory's own `log_probs` bit for bit; with
-    `grad=True` the result carries a graph to the model's trainable parameters."""
+    `grad=True` the result carries a graph to the model's trainable parameters.
+
+    The trajectory's `model.digest` is compared with the digest of `model`'s current weights:
+    when they differ (the trajectory was made with other weights, e.g. before a weights push, or
+    this is an off-policy inner step) it warns `WeightsMismatch`, or raises ValueError with
+    `strict=True`. `check_weights=False` skips the check (an off-policy step on purpose)."""
     from pipeline.replay import Replayer
 
+    if check_weights:
+        _check_weights(model, traj, strict=strict)
     return Replayer(model).log_probs(
         rollout_spec(traj),
         latents=traj.latents,
@@ -230,3 +256,44 @@ def replay_log_probs(model: Any, traj: Trajectory, *, grad: bool = False, per_sa
         per_sample_model_calls=per_sample_model_calls,
         grad=grad,
     )
+
+
+_digest_cache: dict[int, tuple[tuple[tuple[int, int], ...], str]] = {}
+
+
+def current_digest(model: Any) -> str:
+    """The weights digest of `model.pipeline` as it is now (pipeline.models.weights_digest).
+
+    Cached per pipeline on the identities and in-place version counters of its tensors, so a
+    replay loop pays the hash only after the weights changed (an optimizer step, a load)."""
+    from pipeline.models import weights_digest
+
+    pipeline = model.pipeline
+    key = tuple(
+        (id(t), t._version)
+        for m in pipeline.components.values() if isinstance(m, torch.nn.Module)
+        for t in m.state_dict(keep_vars=True).values()
+    )
+    cached = _digest_cache.get(id(pipeline))
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    digest = weights_digest(pipeline)
+    _digest_cache[id(pipeline)] = (key, digest)
+    return digest
+
+
+def _check_weights(model: Any, traj: Trajectory, *, strict: bool) -> None:
+    made_with = (traj.metadata.get("model") or {}).get("digest")
+    if made_with is None:
+        return
+    have = current_digest(model)
+    if have == made_with:
+        return
+    message = (
+        f"trajectory {traj.header.rollout_id} was made with weights {made_with[:12]}, but the model "
+        f"replaying it has weights {have[:12]}: the log-probs are not the rollout's own "
+        "(pass check_weights=False for an intended off-policy replay)"
+    )
+    if strict:
+        raise ValueError(message)
+    warnings.warn(WeightsMismatch(message), stacklevel=3)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sigmaflight.wire import RolloutStatus
 
-__all__ = ["ApiError", "NotFound", "RolloutCancelled", "RolloutFailed", "Unauthorized"]
+__all__ = ["ApiError", "NotFound", "RolloutCancelled", "RolloutFailed", "Unauthorized", "WeightsMismatch"]
 
 
 class ApiError(RuntimeError):
@@ -48,11 +48,15 @@ class RolloutFailed(ApiError):
         return self.message
 
     @classmethod
-    def from_status(cls, status: RolloutStatus) -> RolloutFailed:
-        """The right class (RolloutCancelled for a cancelled rollout) with the server's reason."""
-        why = f": {status.error.type}: {status.error.message}" if status.error else ""
+    def from_status(cls, status: RolloutStatus, server_message: str | None = None) -> RolloutFailed:
+        """The right class (RolloutCancelled for a cancelled rollout) with the server's reason: the
+        status's error, else `server_message` (what the Flight server said), else the status alone."""
         kind = RolloutCancelled if status.status == "cancelled" else RolloutFailed
-        return kind(f"rollout {status.id} {status.status}{why}", rollout=status)
+        if status.error:
+            message = f"rollout {status.id} {status.status}: {status.error.type}: {status.error.message}"
+        else:
+            message = server_message or f"rollout {status.id} {status.status}"
+        return kind(message, rollout=status)
 
 
 class RolloutCancelled(RolloutFailed):
@@ -60,3 +64,7 @@ class RolloutCancelled(RolloutFailed):
 
     def __init__(self, message: str, rollout: RolloutStatus | None = None, type_: str = "rollout_cancelled") -> None:
         super().__init__(message, rollout, type_)
+
+
+class WeightsMismatch(UserWarning):
+    """`replay_log_probs` on a trajectory made with other weights than the replaying model's."""

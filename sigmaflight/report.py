@@ -35,14 +35,23 @@ from dataplane.schema import (
 
 def read_arrow_file(path: str | Path) -> tuple[pa.Schema, list[pa.RecordBatch]]:
     """An Arrow IPC file (or stream) as (schema, batches); no trajectory validation."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such file")
     source = pa.memory_map(str(path), "r")
     try:
         reader: Any = pa.ipc.open_file(source)
         batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
     except pa.ArrowInvalid:
         source.seek(0)
-        reader = pa.ipc.open_stream(source)
-        batches = list(reader)
+        try:
+            reader = pa.ipc.open_stream(source)
+            batches = list(reader)
+        except (pa.ArrowInvalid, OSError) as exc:
+            size = Path(path).stat().st_size
+            raise ValueError(
+                f"{path}: not a complete Arrow IPC file ({size} bytes; truncated or corrupt: {exc}); "
+                "pull it again (`sigmaflight pull` replaces an incomplete file)"
+            ) from None
     return reader.schema, batches
 
 
