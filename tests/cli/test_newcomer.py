@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import socket
 import subprocess
@@ -154,8 +155,8 @@ def test_connection_refused_names_the_url(capsys):
 
 def test_submit_help_has_text_for_every_flag():
     parser = build_parser()
-    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
-    submit = sub.choices["submit"]  # type: ignore[attr-defined]
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    submit = sub.choices["submit"]
     missing = [a.option_strings for a in submit._actions if a.option_strings and not a.help]
     assert missing == []
 
