@@ -102,7 +102,12 @@ class _Slot:
 
 
 class RayBackend:
-    """Backend protocol (control/jobs/manager.py) over N `RolloutWorker` actors."""
+    """Backend protocol (control/jobs/manager.py) over N `RolloutWorker` actors.
+
+    Long (~265 lines) for a reason: it owns the worker slots and their generations under one
+    lock; placement (`reserve`), the run-and-poll loop, and replacing a dead worker all read and
+    change those slots together. The worker itself (worker.py) and its node (control/node.py)
+    live outside."""
 
     def __init__(
         self,

@@ -93,6 +93,8 @@ def status_of(service: Service, job: Job) -> RolloutStatus:
 
 
 async def create_rollout(request: Request) -> Response:
+    """POST /v1/rollouts. A little over 60 lines for a reason: the contract's checks in its order
+    (body, validation, limits, idempotency, queue), each answering its own status."""
     service = _service(request)
     settings = service.settings
     body = await request.body()
