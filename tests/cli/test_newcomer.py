@@ -192,3 +192,41 @@ def test_model_dir_logs_are_all_json_with_a_model_loaded_line(tmp_path):
     records = [json.loads(line) for line in logs if line.strip()]  # every line parses as JSON
     loaded = [r for r in records if r["msg"] == "model loaded" and r.get("model") == "mine"]
     assert loaded and loaded[0]["path"].endswith("mine")
+
+
+def test_pull_of_a_failed_rollout_raises_rollout_failed_not_cancelled(tmp_path, capsys):
+    data = tmp_path / "data"
+    with ServerProcess("--workers", "1", "--data-dir", str(data)) as first:
+        with Client(first.rest_url) as c:
+            _blocker(c)
+            lost = c.submit(prompts=["lost"], num_inference_steps=2, seed=8)
+        first.kill()  # the process dies with `lost` still queued
+    with ServerProcess("--data-dir", str(data)) as second, Client(second.rest_url) as c:
+        st = c.status(lost.id)
+        assert st.status == "failed" and st.error is not None and st.error.type == "server_restarted"
+        with pytest.raises(RolloutFailed) as e:
+            c.pull(lost.id)
+        assert not isinstance(e.value, RolloutCancelled)
+        assert str(e.value) == f"rollout {lost.id} failed: server_restarted: {st.error.message}"
+        assert e.value.rollout is not None and e.value.rollout.status == "failed"
+        rc, _, err = cli(capsys, "pull", lost.id, "--url", second.rest_url, "-o", str(tmp_path / "f.arrow"))
+    assert rc == 1 and err == f"sigmaflight pull: {e.value}\n"
+
+
+def test_refused_token_and_unknown_rollout_are_typed(tmp_path):
+    from sigmaflight import Unauthorized
+
+    with ServerProcess("--token", "s3cret") as s:
+        with Client(s.rest_url) as anonymous, pytest.raises(Unauthorized) as e:
+            anonymous.models()
+        assert e.value.status == 401 and "token" in e.value.message
+        with Client(s.rest_url, token="s3cret") as c:
+            with pytest.raises(NotFound) as nf:
+                c.status("no-such-rollout")
+            assert nf.value.status == 404 and "no-such-rollout" in nf.value.message
+            ticket = c.submit(prompts=["a"], num_inference_steps=2, seed=1)
+            c.wait(ticket)
+            with Client(s.rest_url, token="wrong") as bad:  # the Flight plane refuses it too
+                with pytest.raises(Unauthorized) as fe:
+                    bad.pull(ticket)  # a Ticket names its Flight location: no REST call
+    assert "debug context" not in str(fe.value)
