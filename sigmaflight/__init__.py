@@ -7,7 +7,14 @@ control/; `sigmaflight serve` imports it only when it runs).
 from dataplane.client import Trajectory, Transition
 from pipeline.replay import Replayer, step_log_prob
 from sigmaflight.client import Client, replay_log_probs, rollout_spec
-from sigmaflight.errors import ApiError, NotFound, RolloutCancelled, RolloutFailed, Unauthorized
+from sigmaflight.errors import (
+    ApiError,
+    NotFound,
+    RolloutCancelled,
+    RolloutFailed,
+    Unauthorized,
+    WeightsMismatch,
+)
 
 __all__ = [
     "ApiError",
@@ -19,6 +26,7 @@ __all__ = [
     "Trajectory",
     "Transition",
     "Unauthorized",
+    "WeightsMismatch",
     "replay_log_probs",
     "rollout_spec",
     "step_log_prob",

@@ -3,14 +3,15 @@
     from sigmaflight import Client
     client = Client("http://127.0.0.1:8000", token=None)
     ticket = client.submit(prompts=["a red cube"], num_outputs_per_prompt=4, num_inference_steps=8, seed=7)
-    status = client.wait(ticket, timeout=60)          # raises RolloutFailed unless it succeeded
+    status = client.wait(ticket, timeout=60)          # RolloutFailed (RolloutCancelled) unless it succeeded
     traj = client.pull(ticket)                        # dataplane.client.Trajectory (torch)
     for i, x, x_next, sigma, sigma_next, log_prob in traj.transitions():
         ...
 
 `submit` takes the RolloutRequest fields as keyword arguments (`return_=` or
 `**{"return": ...}` for the `return` object); the server validates them and a refusal
-raises `ApiError` with the contract's error body. docs/trainers.md has the whole tour.
+raises `ApiError` (NotFound, Unauthorized) with the contract's error body; sigmaflight/errors.py
+has the typed errors. docs/trainers.md has the whole tour.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from sigmaflight.errors import (
 from sigmaflight.wire import TERMINAL, RolloutStatus, Ticket
 
 __all__ = [
-    "ApiError", "Client", "NotFound", "RolloutCancelled", "RolloutFailed", "Unauthorized",
-    "replay_log_probs", "rollout_spec",
+    "ApiError", "Client", "NotFound", "RolloutCancelled", "RolloutFailed", "Unauthorized", "WeightsMismatch",
+    "current_digest", "replay_log_probs", "rollout_spec",
 ]
 
 
