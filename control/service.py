@@ -1,74 +1,59 @@
-"""One process, both planes: model registry, result store, Flight server and job queue.
+"""One process, both planes: a node (models, store, Flight server) and the job queue.
 
-`Service` is built and started by the Starlette lifespan (control/app.py) and handed to
-the routes as state; nothing here is a module-level global.
+`Service` is built and started by the Starlette lifespan (control/http/app.py) and handed to
+the routes as state; nothing here is a module-level global. The node is built by
+control/node.py, the same wiring each Ray worker uses.
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
-import torch
-
-from control.backend import LocalBackend
-from control.jobs import Backend, JobManager
+from control.jobs.manager import Backend, JobManager
+from control.node import Node, NodeConfig
 from control.settings import Settings
-from dataplane.server import FlightDataServer
-from dataplane.store import ResultStore
-from pipeline.models import ModelRegistry
 
 log = logging.getLogger("sigmaflight.service")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+def node_config(settings: Settings) -> NodeConfig:
+    """The service's own node. With --backend ray the models run in the worker actors; here
+    they only validate requests, so they stay on the CPU."""
+    return NodeConfig(
+        device=settings.device if settings.backend == "local" else "cpu",
+        dtype=settings.dtype,
+        model_dir=str(settings.model_dir) if settings.model_dir is not None else None,
+        data_dir=str(settings.data_dir) if settings.data_dir is not None else None,
+        store_budget_bytes=settings.store_budget_bytes,
+        host=settings.host,
+        port=settings.flight_port,
+        advertise_host=settings.advertise_host,
+        tokens=tuple(settings.tokens()),
+        tls_certificates=settings.tls_certificates(),
+        max_flight_streams=settings.max_flight_streams,
+        batch_invariant=settings.batch_invariant,
+    )
 
 
 class Service:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        tokens = settings.tokens()
-        self.auth_enabled = bool(tokens)
-        dtype = DTYPES[settings.dtype]
-        # With --backend ray the models run in the worker actors; here they only validate requests.
-        device = settings.device if settings.backend == "local" else "cpu"
-        self.registry = ModelRegistry(device=device, dtype=dtype)
-        if settings.model_dir is not None:
-            for sub in sorted(Path(settings.model_dir).iterdir()):
-                if (sub / "model_index.json").is_file():
-                    self.registry.register_local(sub.name, str(sub), device=device, dtype=dtype)
-        self.store = ResultStore(
-            memory_budget_bytes=settings.store_budget_bytes, data_dir=settings.data_dir, ttl_s=None
-        )
+        self.auth_enabled = bool(settings.tokens())
+        self.node = Node(node_config(settings), on_cancel=self._cancel_from_flight, on_release=self._cancel_from_flight)
+        self.registry, self.store, self.flight = self.node.registry, self.node.store, self.node.flight
         self.backend: Backend
         if settings.backend == "ray":
-            from control.ray_backend import RayBackend
+            from control.backends.ray import RayBackend
 
             self.backend = RayBackend.from_settings(settings)
         else:
-            self.backend = LocalBackend(
-                self.registry, self.store, locations=lambda: self.flight.locations,
-                batch_invariant=settings.batch_invariant,
-            )
+            self.backend = self.node.backend
         self.jobs = JobManager(
             self.backend,
             workers=settings.workers,
             queue_size=settings.queue_size,
             ttl_s=settings.ttl_s,
             data_dir=settings.data_dir,
-        )
-        tls = None
-        if settings.tls_cert is not None and settings.tls_key is not None:
-            tls = [(Path(settings.tls_cert).read_bytes(), Path(settings.tls_key).read_bytes())]
-        self.flight = FlightDataServer(
-            self.store,
-            host=settings.host,
-            port=settings.flight_port,
-            advertise_host=settings.advertise_host,
-            tokens=tokens or None,
-            tls_certificates=tls,
-            on_cancel=self._cancel_from_flight,
-            on_release=self._cancel_from_flight,
-            max_concurrent_streams=settings.max_flight_streams,
         )
         self.ready = False
 
@@ -87,6 +72,5 @@ class Service:
         self.jobs.stop("server shutting down")
         if hasattr(self.backend, "close"):
             self.backend.close()
-        self.flight.stop()
-        self.store.close()
+        self.node.stop()
         log.info("stopped")

@@ -96,6 +96,15 @@ class Settings(BaseSettings):
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value
 
+    def tls_certificates(self) -> tuple[tuple[bytes, bytes], ...]:
+        """The (certificate, key) PEM pair read from --tls-cert/--tls-key, or () without TLS.
+
+        The one place the PEM files are read: the local node's Flight server and every Ray
+        worker's get these bytes."""
+        if self.tls_cert is None or self.tls_key is None:
+            return ()
+        return ((Path(self.tls_cert).read_bytes(), Path(self.tls_key).read_bytes()),)
+
     def tokens(self) -> list[str]:
         """All configured bearer tokens (file and variable); empty = no auth."""
         found: list[str] = []

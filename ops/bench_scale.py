@@ -35,10 +35,10 @@ def main() -> None:
 
     import ray
 
-    from control.backend import LocalBackend
-    from control.jobs import JobManager
-    from control.ray_backend import RayBackend
-    from control.worker import WorkerConfig
+    from control.backends.local import LocalBackend
+    from control.backends.ray import RayBackend
+    from control.backends.worker import WorkerConfig
+    from control.jobs.manager import JobManager
     from dataplane.store import ResultStore
     from pipeline.models import ModelRegistry
     from pipeline.spec import RolloutSpec, SamplerSpec

@@ -109,7 +109,7 @@ def main() -> None:
     server = None
     url = args.url
     if url is None:
-        from control.launcher import ServerProcess
+        from sigmaflight.launcher import ServerProcess
 
         env = {"OMP_NUM_THREADS": str(args.server_threads)} if args.server_threads else None
         server = ServerProcess("--workers", str(args.workers), "--queue-size", str(args.rollouts + 8),

@@ -28,7 +28,7 @@ import pyarrow.flight as flight
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from control.launcher import ServerProcess  # noqa: E402
+from sigmaflight.launcher import ServerProcess  # noqa: E402
 
 MiB = 1 << 20
 

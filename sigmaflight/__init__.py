@@ -1,16 +1,32 @@
-"""sigmaflight: the user-facing API in one import (the code lives in control/, dataplane/, pipeline/)."""
+"""sigmaflight: the users' side in one import (client, wire models, typed errors, replay).
 
-from control.client import ApiError, Client, RolloutFailed, replay_log_probs, rollout_spec
+Nothing here loads server code: no Starlette, uvicorn, job journal or Ray (the server lives in
+control/; `sigmaflight serve` imports it only when it runs).
+"""
+
 from dataplane.client import Trajectory, Transition
 from pipeline.replay import Replayer, step_log_prob
+from sigmaflight.client import Client, replay_log_probs, rollout_spec
+from sigmaflight.errors import (
+    ApiError,
+    NotFound,
+    RolloutCancelled,
+    RolloutFailed,
+    Unauthorized,
+    WeightsMismatch,
+)
 
 __all__ = [
     "ApiError",
     "Client",
+    "NotFound",
     "Replayer",
+    "RolloutCancelled",
     "RolloutFailed",
     "Trajectory",
     "Transition",
+    "Unauthorized",
+    "WeightsMismatch",
     "replay_log_probs",
     "rollout_spec",
     "step_log_prob",

@@ -1,4 +1,4 @@
-"""Helpers for end-to-end tests: the real server process (control/launcher.py) and polling."""
+"""Helpers for end-to-end tests: the real server process (sigmaflight/launcher.py) and polling."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 
 import httpx
 
-from control.launcher import ServerProcess
+from sigmaflight.launcher import ServerProcess
 
 __all__ = ["ServerProcess", "wait_for_status"]
 

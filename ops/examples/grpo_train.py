@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from control.client import Client, replay_log_probs
 from pipeline.decode import decode_latents
 from pipeline.models import ModelRegistry, weights_digest
+from sigmaflight.client import Client, replay_log_probs
 
 MODEL = "tiny-sd3"
 
@@ -118,7 +118,8 @@ def train(
             loss_v = 0.0
             ratio = torch.ones_like(logp_old)
             for k in range(inner_steps):
-                logp_new = replay_log_probs(model, traj, grad=True)[:, sde]  # [B, S], graph to the transformer
+                # [B, S], graph to the transformer; the steps after the first are off-policy on purpose.
+                logp_new = replay_log_probs(model, traj, grad=True, strict=k == 0, check_weights=k == 0)[:, sde]
                 loss, ratio = policy_loss(logp_new, logp_old, adv, clip)
                 if k == 0:
                     on_policy_one = torch.equal(ratio.detach(), torch.ones_like(ratio))

@@ -11,8 +11,8 @@ import pyarrow.flight as flight
 import pytest
 from PIL import Image
 
-from control.cli import main
 from control.plot import PLOT_HEIGHT, PLOT_WIDTH
+from sigmaflight.cli import main
 from tests.servers import ServerProcess
 
 
@@ -52,7 +52,9 @@ def test_submit_status_pull_inspect_plot(server, tmp_path, capsys):
     out_file = tmp_path / "t.arrow"
     rc, _, err = cli(capsys, "pull", ticket["flight"]["ticket"], "--url", url, "-o", str(out_file))
     assert rc == 0, err
-    assert f"pull {ticket['id']}: 5/5 steps" in err and "KiB" in err
+    assert f"pull {ticket['id']}: 100%" in err and "5/5" in err and "KiB" in err  # the tqdm bar
+    # The summary's byte count is the file's own size (it used to be the batches' in-memory bytes).
+    assert f"5 steps, {os.path.getsize(out_file)} bytes" in err.splitlines()[-1]
     table = read_table(out_file)
     with flight.FlightClient(ticket["flight"]["locations"][0]) as fc:
         served = fc.do_get(flight.Ticket(ticket["flight"]["ticket"].encode())).read_all()

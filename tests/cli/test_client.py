@@ -6,10 +6,10 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from control.client import ApiError, Client, RolloutFailed, replay_log_probs, rollout_spec
 from pipeline.models import ModelRegistry, weights_digest
 from sigmaflight import Client as ReExported
 from sigmaflight import Replayer, Trajectory, step_log_prob
+from sigmaflight.client import ApiError, Client, RolloutFailed, replay_log_probs, rollout_spec
 from tests.servers import ServerProcess
 
 

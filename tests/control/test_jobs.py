@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from control.backend import LocalBackend
-from control.jobs import IdempotencyConflict, JobManager, QueueFull
+from control.backends.local import LocalBackend
+from control.jobs.manager import IdempotencyConflict, Job, JobManager, QueueFull
 from dataplane.store import ResultStore
 from pipeline.models import ModelRegistry
 from pipeline.spec import RolloutSpec
@@ -29,9 +29,14 @@ def spec(**kw) -> RolloutSpec:
     return RolloutSpec(**{**base, **kw})
 
 
+def known(job: Job | None) -> Job:
+    assert job is not None
+    return job
+
+
 def wait(jobs: JobManager, job_id: str, statuses: set[str], timeout: float = 60) -> str:
     deadline = time.monotonic() + timeout
-    while (status := jobs.get(job_id).status) not in statuses:
+    while (status := known(jobs.get(job_id)).status) not in statuses:
         assert time.monotonic() < deadline, status
         time.sleep(0.01)
     return status
@@ -46,6 +51,7 @@ def test_a_failing_rollout_is_marked_failed_and_the_next_one_runs(registry):
         assert wait(jobs, bad.id, {"failed", "succeeded"}) == "failed"
         assert bad.error is not None and bad.error[1]
         assert wait(jobs, good.id, {"failed", "succeeded"}) == "succeeded"
+        assert good.result is not None
         assert good.result == {"num_rows": 3, "num_bytes": good.result["num_bytes"], "steps": [0, 1, 2]}
         assert good.steps_done == good.steps_total == 2
     finally:
@@ -60,9 +66,9 @@ def test_ttl_expires_results_and_releases_the_store(registry):
         wait(jobs, job.id, {"succeeded"})
         assert store.info(job.id).state == "succeeded"
         jobs.reap(now=time.time() + 30)
-        assert jobs.get(job.id).status == "succeeded"
+        assert known(jobs.get(job.id)).status == "succeeded"
         jobs.reap(now=time.time() + 61)
-        assert jobs.get(job.id).status == "expired"
+        assert known(jobs.get(job.id)).status == "expired"
         with pytest.raises(KeyError):
             store.info(job.id)
     finally:
@@ -80,7 +86,7 @@ def test_queue_bound_and_idempotency(registry):
     with pytest.raises(QueueFull):
         jobs.submit(spec(), {})
     assert jobs.queue_depth() == 2
-    assert jobs.cancel(a.id).status == "cancelled"
+    assert known(jobs.cancel(a.id)).status == "cancelled"
     assert jobs.queue_depth() == 1
     jobs.stop()
 
@@ -96,9 +102,9 @@ def test_restart_marks_unfinished_rollouts_failed_and_keeps_finished_ones(regist
     lost, _ = crashed.submit(spec(), {})
     # The process "dies" here: no stop(), nothing cleaned up; a new one opens the same directory.
     again, store2 = manager(registry, tmp_path)
-    assert again.get(done.id).status == "succeeded"
+    assert known(again.get(done.id)).status == "succeeded"
     assert store2.info(done.id).state == "succeeded"
-    failed = again.get(lost.id)
+    failed = known(again.get(lost.id))
     assert failed.status == "failed" and failed.error is not None
     assert failed.error[0] == "server_restarted" and "queued" in failed.error[1]
     again.stop()

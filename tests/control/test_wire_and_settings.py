@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from control.cli import build_parser, settings_from_args
+from control.serve import build_parser, settings_from_args
 from control.settings import Settings
-from control.wire import RolloutRequest, to_spec
+from sigmaflight.wire import RolloutRequest, to_spec
 
 
 def test_to_spec_maps_every_field_and_fills_defaults():
@@ -61,7 +61,7 @@ def test_request_rejects_bad_values_naming_the_field(body, field):
 def test_settings_flag_beats_env_beats_default(monkeypatch):
     monkeypatch.setenv("SIGMAFLIGHT_PORT", "9123")
     monkeypatch.setenv("SIGMAFLIGHT_WORKERS", "3")
-    args = build_parser().parse_args(["serve", "--port", "9200", "--batch-invariant"])
+    args = build_parser().parse_args(["--port", "9200", "--batch-invariant"])
     s = settings_from_args(args)
     assert (s.port, s.workers, s.flight_port, s.batch_invariant) == (9200, 3, 8815, True)
 
@@ -76,7 +76,7 @@ def test_tokens_come_from_file_and_variable(tmp_path):
 
 def test_serve_help_explains_every_setting(capsys):
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--help"])
+        build_parser().parse_args(["--help"])
     text = capsys.readouterr().out
     for name, field in Settings.model_fields.items():
         assert "--" + name.replace("_", "-") in text
@@ -93,7 +93,7 @@ def test_wire_status_names_are_the_job_states():
     from typing import get_args
 
     from control.jobs import STATES, TERMINAL
-    from control.wire import RolloutState
+    from sigmaflight.wire import RolloutState
 
     assert get_args(RolloutState) == STATES
     assert TERMINAL == {"succeeded", "failed", "cancelled", "expired"}

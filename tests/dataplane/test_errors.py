@@ -75,8 +75,15 @@ def test_bad_actions(server, store, action, message):
 def test_cancel_and_release_handlers(store):
     seen = []
     fill(store, build_header("a"))
-    with FlightDataServer(store, on_cancel=lambda i: seen.append(("c", i)) or True,
-                          on_release=lambda i: seen.append(("r", i)) or False) as srv, TrajectoryClient(srv.locations[0]) as c:
+    def on_cancel(i: str) -> bool:
+        seen.append(("c", i))
+        return True
+
+    def on_release(i: str) -> bool:
+        seen.append(("r", i))
+        return False
+
+    with FlightDataServer(store, on_cancel=on_cancel, on_release=on_release) as srv, TrajectoryClient(srv.locations[0]) as c:
         assert c.cancel("a") is True
         assert c.release("a") is False
         (r,) = list(c.flight_client.do_action(flight.Action("cancel", b"plain-id")))

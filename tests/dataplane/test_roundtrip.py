@@ -90,7 +90,7 @@ def test_step_selection_keeps_absolute_indices_and_full_sigmas(server, store):
     i, x, x1, s, s1, lp = tr
     assert i == 3 and torch.equal(x, steps[3].latent) and torch.equal(x1, steps[4].latent)
     assert s == float(h.sigmas[3]) and s1 == float(h.sigmas[4])
-    assert torch.equal(lp, steps[3].log_prob)
+    assert steps[3].log_prob is not None and torch.equal(lp, steps[3].log_prob)
     assert list(t.transitions(steps=[4, 9])) == []
 
 

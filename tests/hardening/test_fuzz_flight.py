@@ -65,7 +65,7 @@ segments = st.one_of(st.text(max_size=64), st.binary(max_size=64), st.just("roll
 @given(path=st.lists(segments, max_size=6), command=st.binary(max_size=512), use_cmd=st.booleans())
 def test_random_descriptors_get_typed_errors(live, path, command, use_cmd):
     server, client, ticket = live
-    typed = TYPED
+    typed: tuple[type[BaseException], ...] = TYPED
     if use_cmd:
         descriptor = flight.FlightDescriptor.for_command(command)
     else:

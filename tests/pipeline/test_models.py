@@ -1,3 +1,5 @@
+from typing import Any
+
 import torch
 
 from pipeline.models import ModelRegistry
@@ -29,7 +31,8 @@ def test_local_directory_round_trip(registry, tmp_path):
     model.pipeline.save_pretrained(tmp_path / "tiny")
     local = ModelRegistry().register_local("local-sd3", str(tmp_path / "tiny"), device="cpu", dtype=torch.float32)
     assert local.digest == model.digest and local.family == "sd3"
-    spec = dict(prompts=("a cat",), num_inference_steps=3, seed=5, height=32, width=32, guidance_scale=4.5)
+    spec: dict[str, Any] = dict(prompts=("a cat",), num_inference_steps=3, seed=5, height=32, width=32,
+                                guidance_scale=4.5)
     a = run_rollout(model, RolloutSpec(model="tiny-sd3", **spec))
     b = run_rollout(local, RolloutSpec(model="local-sd3", **spec))
     assert torch.equal(a.log_probs, b.log_probs)

@@ -1,4 +1,5 @@
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ def _latents(res):
 def test_batch_equal_to_steps_plus_one(registry, model_id):
     model = registry.get(model_id)
     spec = RolloutSpec(model=model_id, prompts=("a cat", "the dog"), num_outputs_per_prompt=2, num_inference_steps=3, seed=7)
-    events = []
+    events: list[tuple[Any, ...]] = []
     res = run_rollout(
         model,
         spec,
@@ -40,7 +41,8 @@ def test_batch_equal_to_steps_plus_one(registry, model_id):
         for b in range(a + 1, 4):
             assert not torch.equal(lat[a], lat[b])
     assert res.log_probs.shape == (4, 3) and torch.isfinite(res.log_probs).all()
-    assert res.captures[-1].log_prob is None and res.captures[0].log_prob.shape == (4,)
+    first = res.captures[0].log_prob
+    assert res.captures[-1].log_prob is None and first is not None and first.shape == (4,)
     assert torch.equal(res.captures[-1].latent, res.final_latents)
     assert estimate_latent_bytes(model, spec) == sum(c.latent.nbytes for c in res.captures)
     assert res.snapshot.latent_shape == tuple(lat.shape[2:])
@@ -99,7 +101,7 @@ def test_sde_steps_window_and_noise_independent_of_other_transitions(registry):
 def test_capture_off_and_cancel(registry):
     model = registry.get("tiny-sd3")
     spec = RolloutSpec(model="tiny-sd3", prompts=("a cat",), num_inference_steps=3, seed=1, capture=False)
-    seen = []
+    seen: list[Any] = []
     res = run_rollout(model, spec, on_step=seen.append)
     assert seen == [] and res.captures == () and estimate_latent_bytes(model, spec) == 0
     calls = []
@@ -122,7 +124,7 @@ def test_concurrent_rollouts_on_one_model(registry):
     model = registry.get("tiny-flux")
     spec = RolloutSpec(model="tiny-flux", prompts=("a cat", "the dog"), num_inference_steps=3, seed=9)
     ref = run_rollout(model, spec)
-    results = [None] * 4
+    results: list[Any] = [None] * 4
 
     def work(k):
         results[k] = run_rollout(model, spec)
@@ -155,12 +157,12 @@ def test_metadata_is_json(registry):
 
 BAD = [
     ({"num_inference_steps": 0}, "num_inference_steps"),
-    ({"sampler": SamplerSpec(type="ddim")}, "sampler.type"),
+    ({"sampler": SamplerSpec(type="ddim")}, "sampler.type"),  # type: ignore[arg-type]  # refused on purpose
     ({"sampler": SamplerSpec(noise_level=-0.1)}, "sampler.noise_level"),
     ({"sampler": SamplerSpec(noise_level=float("nan"))}, "sampler.noise_level"),
     ({"sampler": SamplerSpec(sde_steps=(3,))}, "sampler.sde_steps"),
     ({"sampler": SamplerSpec(sde_steps=(1, 1))}, "sampler.sde_steps"),
-    ({"sampler": SamplerSpec(log_prob="sum")}, "sampler.log_prob"),
+    ({"sampler": SamplerSpec(log_prob="sum")}, "sampler.log_prob"),  # type: ignore[arg-type]  # refused on purpose
     ({"return_steps": (4,)}, "return.steps"),
     ({"return_steps": (2, 0)}, "return.steps"),
     ({"return_steps": (1, 1)}, "return.steps"),

@@ -35,17 +35,18 @@ def test_sigmas_snapshot_is_the_schedule_that_ran(registry, model_id, steps):
 
 def test_caller_supplied_sigmas_and_last_call_wins(registry):
     model = registry.get("tiny-sd3")
-    sched = make_rollout_scheduler(model.pipeline.scheduler, driver=None)
+    sched = make_rollout_scheduler(model.pipeline.scheduler, driver=None)  # type: ignore[arg-type]  # no steps run
     sched.set_timesteps(num_inference_steps=5)
     custom = [1.0, 0.8, 0.5, 0.1]
     sched.set_timesteps(sigmas=custom)
     stock = _stock(model, sigmas=custom)
-    assert torch.equal(sched.sigmas_snapshot, stock.sigmas)
-    assert sched.sigmas_snapshot.shape == (5,)
+    snapshot = sched.sigmas_snapshot
+    assert snapshot is not None and torch.equal(snapshot, stock.sigmas)
+    assert snapshot.shape == (5,)
     assert sched.set_timesteps_kwargs == {"sigmas": custom}
     # The snapshot is a clone: later changes to the scheduler's tensor do not reach it.
     sched.sigmas.mul_(0)
-    assert torch.equal(sched.sigmas_snapshot, stock.sigmas)
+    assert torch.equal(snapshot, stock.sigmas)
 
 
 def test_timesteps_over_1000_drifts_from_the_snapshot(registry):
@@ -63,5 +64,5 @@ def test_timesteps_over_1000_drifts_from_the_snapshot(registry):
 
 def test_non_flow_match_scheduler_is_refused(registry):
     with pytest.raises(RolloutInputError) as err:
-        make_rollout_scheduler(DDIMScheduler(), driver=None)
+        make_rollout_scheduler(DDIMScheduler(), driver=None)  # type: ignore[arg-type]  # refused before use
     assert err.value.field == "model" and "flow-match" in err.value.reason

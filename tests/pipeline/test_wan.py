@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -38,8 +39,9 @@ def test_builds_deterministically_in_eval_mode(registry):
         if isinstance(module, torch.nn.Module):
             assert not module.training
     sched = a.pipeline.scheduler
-    assert type(sched) is FlowMatchEulerDiscreteScheduler and sched.config.shift == 5.0
-    assert not sched.config.use_dynamic_shifting
+    config: Any = sched.config  # diffusers' FrozenDict config (untyped)
+    assert type(sched) is FlowMatchEulerDiscreteScheduler and config.shift == 5.0
+    assert not config.use_dynamic_shifting
     row = {r["id"]: r for r in registry.describe()}[WAN]
     assert row["is_video"] is True and row["size_multiple"] == 16 and row["family"] == "wan"
     assert row["defaults"]["num_frames"] == 9

@@ -12,10 +12,10 @@ import pyarrow.flight as flight
 import pytest
 import torch
 
-from control.backend import LocalBackend
-from control.jobs import JobManager
-from control.ray_backend import RayBackend, trajectory_ref
-from control.worker import WorkerConfig
+from control.backends.local import LocalBackend
+from control.backends.ray import RayBackend, trajectory_ref
+from control.backends.worker import WorkerConfig
+from control.jobs.manager import Job, JobManager
 from dataplane.client import Trajectory
 from dataplane.store import ResultStore
 from pipeline.models import ModelRegistry
@@ -63,9 +63,14 @@ def long_spec() -> RolloutSpec:
     return spec(prompts=("a slow one",), num_inference_steps=3000, return_steps=(0,))
 
 
+def known(job: Job | None) -> Job:
+    assert job is not None
+    return job
+
+
 def wait(jobs: JobManager, job_id: str, statuses: set[str], timeout: float = 120) -> str:
     deadline = time.monotonic() + timeout
-    while (status := jobs.get(job_id).status) not in statuses:
+    while (status := known(jobs.get(job_id)).status) not in statuses:
         assert time.monotonic() < deadline, f"{job_id} still {status}"
         time.sleep(0.02)
     return status
@@ -73,7 +78,7 @@ def wait(jobs: JobManager, job_id: str, statuses: set[str], timeout: float = 120
 
 def wait_progress(jobs: JobManager, job_id: str, steps: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
-    while jobs.get(job_id).steps_done < steps:
+    while known(jobs.get(job_id)).steps_done < steps:
         assert time.monotonic() < deadline, jobs.get(job_id)
         time.sleep(0.02)
 

@@ -1,4 +1,9 @@
-"""`sigmaflight` command line. `sigmaflight serve --help` explains every flag."""
+"""What `sigmaflight serve` runs: flags from Settings, a preflight check, then uvicorn.
+
+Imported only by the `serve` command (sigmaflight/cli.py), so the users' side never loads
+the server. Startup mistakes (unknown --model, a missing --model-dir, a pipeline directory
+diffusers cannot load) end in one line on stderr and exit status 2, before uvicorn starts.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,19 @@ import sys
 from collections.abc import Sequence
 from typing import Any, get_args
 
-from control import commands
 from control.settings import Settings
 
 log = logging.getLogger("sigmaflight")
+
+
+SERVE_DESCRIPTION = (
+    "Start both planes in one process: REST (uvicorn) on --port and Arrow Flight on --flight-port. "
+    "Every flag is also an environment variable SIGMAFLIGHT_<NAME>; flags win."
+)
+
+
+class StartupError(Exception):
+    """A setting the server cannot start with; its message is the one line the user sees."""
 
 
 def _settings_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +57,7 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from control import logs
-    from control.app import create_app
+    from control.http.app import create_app
 
     logs.configure(settings.log_level, settings.log_format)
     app = create_app(settings)
@@ -88,40 +102,50 @@ def serve(settings: Settings) -> int:
     return 0 if server.started else 1
 
 
-def build_parser() -> argparse.ArgumentParser:
+def preflight(settings: Settings) -> None:
+    """Refuse settings the server cannot start with, naming the flag and the reason (StartupError)."""
+    from control.node import local_model_dirs
+    from pipeline.models import ModelRegistry
+
+    local: list[str] = []
+    if settings.model_dir is not None:
+        root = settings.model_dir
+        if not root.is_dir():
+            raise StartupError(f"--model-dir {root}: {'not a directory' if root.exists() else 'no such directory'}")
+        dirs = local_model_dirs(root)
+        if not dirs:
+            raise StartupError(f"--model-dir {root}: no pipeline in it (no subdirectory holds a model_index.json)")
+        for sub in dirs:
+            if not (sub / "scheduler" / "scheduler_config.json").is_file():
+                raise StartupError(
+                    f"--model-dir {root}: {sub.name}/scheduler/scheduler_config.json is missing "
+                    "(save the whole pipeline with save_pretrained)"
+                )
+        local = [sub.name for sub in dirs]
+    known = sorted(set(ModelRegistry().ids()) | set(local))
+    if settings.model not in known:
+        raise StartupError(f"--model {settings.model!r}: unknown model; known: {', '.join(known)}")
+
+
+def build_parser(prog: str = "sigmaflight serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="sigmaflight",
-        description="Rollout service for diffusion RL: REST control plane + Arrow Flight data plane.",
+        prog=prog, description=SERVE_DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.required = True
-    p_serve = sub.add_parser(
-        "serve",
-        help="Start the REST and Flight servers with the built-in default model.",
-        description="Start both planes in one process: REST (uvicorn) on --port and Arrow Flight on --flight-port. "
-        "Every flag is also an environment variable SIGMAFLIGHT_<NAME>; flags win.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    _settings_arguments(p_serve)
-    commands.add_client_commands(sub)
+    _settings_arguments(parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "serve":
-        try:
-            settings = settings_from_args(args)
-        except Exception as exc:  # pydantic ValidationError: name the flag and the reason
-            print(f"sigmaflight serve: invalid settings:\n{exc}", file=sys.stderr)
-            return 2
-        return serve(settings)
-    if hasattr(args, "run"):
-        return commands.run(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    """`sigmaflight serve [flags]`: 2 on a startup mistake, 1 if the server did not start, else 0."""
+    args = build_parser().parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except Exception as exc:  # pydantic ValidationError: name the flag and the reason
+        print(f"sigmaflight serve: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    try:
+        preflight(settings)
+    except StartupError as exc:
+        print(f"sigmaflight serve: {exc}", file=sys.stderr)
+        return 2
+    return serve(settings)

@@ -20,14 +20,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from control.journal import Journal
+from control.jobs.journal import Journal
 from pipeline.spec import RolloutCancelled, RolloutSpec
+from sigmaflight.wire import TERMINAL
 
 log = logging.getLogger("sigmaflight.jobs")
 
-STATES = ("queued", "running", "succeeded", "failed", "cancelled", "expired")
-"""Every status a rollout can have, in lifecycle order."""
-TERMINAL = frozenset(STATES[2:])
 
 
 class QueueFull(Exception):
@@ -136,7 +134,37 @@ class Backend(Protocol):
         ...
 
 
+def recover_jobs(journal: Journal, backend: Backend) -> list[Job]:
+    """The restart scan: every journaled job, with what a restart changed written back.
+
+    A rollout that was queued or running when the process died is failed ("server_restarted");
+    a succeeded one whose trajectory the backend no longer holds is expired."""
+    jobs = []
+    for rec in journal.load():
+        job = Job.from_record(rec)
+        if job.status in ("queued", "running"):
+            job.status = "failed"
+            job.error = ("server_restarted", f"server restarted while the rollout was {rec['status']}")
+            job.finished_at = time.time()
+            journal.put(job.id, job.to_record())
+            log.warning("rollout marked failed after restart", extra={"rollout": job.id, "was": rec["status"]})
+        elif job.status == "succeeded" and not backend.has_result(job.id):
+            job.status = "expired"
+            job.error = None
+            journal.put(job.id, job.to_record())
+            log.warning("finished rollout has no stored trajectory; marked expired", extra={"rollout": job.id})
+        jobs.append(job)
+    return jobs
+
+
 class JobManager:
+    """Statuses, idempotency keys, the bounded queue, worker threads and the TTL reaper.
+
+    Long (~250 lines) for a reason: one re-entrant lock guards every job's state, and each
+    public method is one transition of that state machine under it; spreading the transitions
+    over several classes would spread the lock. The restart scan (`recover_jobs`) and the
+    journal (journal.py) live outside."""
+
     def __init__(
         self,
         backend: Backend,
@@ -168,19 +196,7 @@ class JobManager:
     def _recover(self) -> None:
         if self._journal is None:
             return
-        for rec in self._journal.load():
-            job = Job.from_record(rec)
-            if job.status in ("queued", "running"):
-                job.status = "failed"
-                job.error = ("server_restarted", f"server restarted while the rollout was {rec['status']}")
-                job.finished_at = time.time()
-                self._journal.put(job.id, job.to_record())
-                log.warning("rollout marked failed after restart", extra={"rollout": job.id, "was": rec["status"]})
-            elif job.status == "succeeded" and not self._backend.has_result(job.id):
-                job.status = "expired"
-                job.error = None
-                self._journal.put(job.id, job.to_record())
-                log.warning("finished rollout has no stored trajectory; marked expired", extra={"rollout": job.id})
+        for job in recover_jobs(self._journal, self._backend):
             self._jobs[job.id] = job
             if job.idempotency_key:
                 self._idem[job.idempotency_key] = job.id

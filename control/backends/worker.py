@@ -1,6 +1,6 @@
 """One rollout worker: a model on one device, its own result store and Flight server.
 
-`RolloutWorker` is a plain class; control/ray_backend.py turns it into a Ray actor
+`RolloutWorker` is a plain class; control/backends/ray.py turns it into a Ray actor
 (`ray.remote(...)`, threaded with `max_concurrency`) so the rollout runs on one thread
 while the control plane polls `progress` and calls `cancel` on others. The rollout itself
 runs through `LocalBackend.run`, the same pipeline -> data-plane path as the local backend,
@@ -16,22 +16,17 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import torch
 
-from control.backend import LocalBackend
-from control.jobs import Job
-from dataplane.server import FlightDataServer
-from dataplane.store import ResultStore
-from pipeline.models import ModelRegistry
+from control.jobs.manager import Job
+from control.node import Node, NodeConfig
 from pipeline.spec import RolloutCancelled, RolloutSpec
 
 log = logging.getLogger("sigmaflight.worker")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 
@@ -68,32 +63,27 @@ class RolloutWorker:
         self.config = config
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
-        dtype = DTYPES[config.dtype]
-        self.registry = ModelRegistry(device=config.device, dtype=dtype)
-        if config.model_dir is not None:
-            for sub in sorted(Path(config.model_dir).iterdir()):
-                if (sub / "model_index.json").is_file():
-                    self.registry.register_local(sub.name, str(sub), device=config.device, dtype=dtype)
-        self.registry.get(config.model)  # load once, before the first rollout
-        self.store = ResultStore(
-            memory_budget_bytes=config.store_budget_bytes,
-            data_dir=Path(config.data_dir) if config.data_dir else None,
-            ttl_s=None,
-        )
         loopback = config.host in LOOPBACK
-        self.flight = FlightDataServer(
-            self.store,
-            host=config.host if loopback else "0.0.0.0",
-            port=0,
-            advertise_host=None if loopback else (node_ip or config.host),
-            tokens=list(config.tokens) or None,
-            tls_certificates=[tuple(c) for c in config.tls_certificates] or None,  # type: ignore[misc]
+        self.node = Node(
+            NodeConfig(
+                device=config.device,
+                dtype=config.dtype,
+                model_dir=config.model_dir,
+                data_dir=config.data_dir,
+                store_budget_bytes=config.store_budget_bytes,
+                host=config.host if loopback else "0.0.0.0",
+                port=0,
+                advertise_host=None if loopback else (node_ip or config.host),
+                tokens=config.tokens,
+                tls_certificates=config.tls_certificates,
+                max_flight_streams=config.max_flight_streams,
+                batch_invariant=config.batch_invariant,
+            ),
             on_cancel=self.cancel,
-            max_concurrent_streams=config.max_flight_streams,
-        ).start()
-        self.backend = LocalBackend(
-            self.registry, self.store, locations=lambda: self.flight.locations, batch_invariant=config.batch_invariant
         )
+        self.registry, self.store, self.backend = self.node.registry, self.node.store, self.node.backend
+        self.registry.get(config.model)  # load once, before the first rollout
+        self.flight = self.node.flight.start()
         self._lock = threading.Lock()
         self._running: dict[str, Job] = {}
         self._progress: dict[str, tuple[int, int]] = {}
@@ -188,5 +178,4 @@ class RolloutWorker:
             for job in self._running.values():
                 job.stop_reason = job.stop_reason or "server shutting down"
                 job.cancel.set()
-        self.flight.stop()
-        self.store.close()
+        self.node.stop()

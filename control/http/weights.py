@@ -18,7 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from control.errors import error_response
+from control.http.errors import error_response
 from pipeline.spec import RolloutInputError
 
 WEIGHTS_PATH = "/v1/models/{model_id}/weights"

@@ -1,6 +1,6 @@
 """Client subcommands of `sigmaflight`: submit, status, pull, inspect, plot.
 
-Each talks to a running server through `control.client.Client` (`--url`, default
+Each talks to a running server through `sigmaflight.client.Client` (`--url`, default
 http://127.0.0.1:8000 or SIGMAFLIGHT_URL; `--token` or SIGMAFLIGHT_TOKEN), or reads an
 `.arrow` file. JSON goes to stdout, progress and errors to stderr; the exit status is 0 on
 success, 1 when the server or the data said no, 2 for bad usage.
@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+FILE_SUFFIXES = frozenset({".arrow", ".arrows", ".ipc", ".feather"})
+"""An argument with one of these suffixes is a file, never looked up on the server."""
 
 
 def _client_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +35,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from control.client import Client
+    from sigmaflight.client import Client
 
     return Client(args.url, token=args.token)
 
@@ -72,10 +74,17 @@ def run_submit(args: argparse.Namespace) -> int:
         return 2
     with _client(args) as client:
         ticket = client.submit(idempotency_key=args.idempotency_key, **req)
-        if args.wait:
-            client.wait(ticket, timeout=args.timeout, raise_on_failure=False)
-    _print_json(ticket.model_dump(mode="json", by_alias=True))
-    return 0
+        if not args.wait:
+            _print_json(ticket.model_dump(mode="json", by_alias=True))
+            return 0
+        st = client.wait(ticket, timeout=args.timeout, raise_on_failure=False)
+    _print_json(st.model_dump(mode="json", by_alias=True))
+    return _exit_status(st.status)
+
+
+def _exit_status(status: str) -> int:
+    """0 for a rollout that is running or succeeded, 1 when it failed, was cancelled or expired."""
+    return 1 if status in ("failed", "cancelled", "expired") else 0
 
 
 # ---- status ---------------------------------------------------------------------------------
@@ -85,7 +94,7 @@ def run_status(args: argparse.Namespace) -> int:
     with _client(args) as client:
         st = client.wait(args.id, timeout=args.timeout, raise_on_failure=False) if args.wait else client.status(args.id)
     _print_json(st.model_dump(mode="json", by_alias=True))
-    return 0 if st.status not in ("failed", "cancelled", "expired") else 1
+    return _exit_status(st.status)
 
 
 # ---- pull -----------------------------------------------------------------------------------
@@ -100,55 +109,71 @@ def _human(n: float) -> str:
 
 
 def run_pull(args: argparse.Namespace) -> int:
-    from dataplane.files import CorruptTrajectoryFile, TrajectoryFileWriter, read_trajectory
-    from dataplane.schema import KEY_ROLLOUT, KEY_STEPS, schema_metadata
+    from pyarrow import flight
+
+    from dataplane.files import CorruptTrajectoryFile, read_trajectory
+    from dataplane.schema import KEY_ROLLOUT, schema_metadata
 
     out = Path(args.output)
     with _client(args) as client:
         location, ticket = client.locate(args.ticket)
-        reader = client.flight(location).reader(ticket)
-        meta = schema_metadata(reader.schema)
-        rollout_id = (meta.get(KEY_ROLLOUT) or {}).get("id")
-        if out.exists():
-            try:
-                schema, _, _ = read_trajectory(out)
-            except CorruptTrajectoryFile as exc:
-                print(f"{out}: incomplete or corrupt ({exc}); pulling again", file=sys.stderr)
-            else:
-                have = (schema_metadata(schema).get(KEY_ROLLOUT) or {}).get("id")
-                if have != rollout_id:
-                    print(f"{out} holds rollout {have}, not {rollout_id}; remove it or choose another -o",
-                          file=sys.stderr)
-                    return 1
-                print(f"{out}: complete and valid (rollout {have}); kept", file=sys.stderr)
-                return 0
-        steps = list(meta.get(KEY_STEPS) or [])
-        writer = TrajectoryFileWriter(out, reader.schema)  # writes <out>.partial, replacing an old one
-        tty = sys.stderr.isatty()
-        nbytes = 0
-        done_steps: set[int] = set()
+        try:
+            reader = client.flight(location).reader(ticket)
+            meta = schema_metadata(reader.schema)
+            rollout_id = (meta.get(KEY_ROLLOUT) or {}).get("id")
+            if out.exists():
+                try:
+                    schema, _, _ = read_trajectory(out)
+                except CorruptTrajectoryFile as exc:
+                    print(f"{out}: incomplete or corrupt ({exc}); pulling again", file=sys.stderr)
+                else:
+                    have = (schema_metadata(schema).get(KEY_ROLLOUT) or {}).get("id")
+                    if have != rollout_id:
+                        print(f"{out} holds rollout {have}, not {rollout_id}; remove it or choose another -o",
+                              file=sys.stderr)
+                        return 1
+                    print(f"{out}: complete and valid (rollout {have}); kept", file=sys.stderr)
+                    return 0
+            steps = _stream_to_file(reader, out, meta, f"pull {rollout_id}")
+        except flight.FlightError as exc:
+            raise client.flight_error(args.ticket, exc) from None
+    read_trajectory(out)  # what was written reads back as a complete trajectory
+    size = out.stat().st_size
+    print(f"wrote {out}: rollout {rollout_id}, {steps} steps, {size} bytes", file=sys.stderr)
+    return 0
+
+
+def _stream_to_file(reader: Any, out: Path, meta: dict[str, Any], desc: str) -> int:
+    """Write the stream to `out` (through `out.partial`) with a tqdm bar of steps; the steps written."""
+    from tqdm import tqdm
+
+    from dataplane.files import TrajectoryFileWriter
+    from dataplane.schema import KEY_STEPS
+
+    steps = list(meta.get(KEY_STEPS) or [])
+    writer = TrajectoryFileWriter(out, reader.schema)  # writes <out>.partial, replacing an old one
+    done: set[int] = set()
+    nbytes = 0
+    with tqdm(total=len(steps), desc=desc, unit="step", file=sys.stderr, mininterval=0.2) as bar:
         try:
             while True:
                 try:
-                    chunk = reader.read_chunk()
+                    batch = reader.read_chunk().data
                 except StopIteration:
                     break
-                batch = chunk.data
                 writer.write(batch)
                 nbytes += batch.nbytes
                 if batch.num_rows:
-                    done_steps.add(int(batch.column("step")[0].as_py()))
-                line = f"pull {rollout_id}: {len(done_steps)}/{len(steps)} steps, {_human(nbytes)}"
-                print(("\r" + line) if tty else line, file=sys.stderr, end="" if tty else "\n", flush=True)
+                    step = int(batch.column("step")[0].as_py())
+                    if step not in done:
+                        done.add(step)
+                        bar.update(1)
+                bar.set_postfix_str(_human(nbytes), refresh=False)
             writer.commit()
         except BaseException:
             writer.abort()
             raise
-        if tty:
-            print(file=sys.stderr)
-    read_trajectory(out)  # what was written reads back as a complete trajectory
-    print(f"wrote {out}: rollout {rollout_id}, {len(done_steps)} steps, {nbytes} bytes", file=sys.stderr)
-    return 0
+    return len(done)
 
 
 # ---- inspect / plot -------------------------------------------------------------------------
@@ -156,21 +181,31 @@ def run_pull(args: argparse.Namespace) -> int:
 
 def _load(args: argparse.Namespace) -> tuple[str, Any, list[Any]]:
     """(label, schema, batches) of a file or a ticket / rollout id on --url."""
-    from control.inspect import read_arrow_file
+    from pyarrow import flight
+
+    from sigmaflight.errors import NotFound
+    from sigmaflight.report import read_arrow_file
 
     src = args.source
-    if Path(src).is_file():
-        schema, batches = read_arrow_file(src)
+    path = Path(src)
+    if path.is_file() or path.suffix in FILE_SUFFIXES or os.sep in src:
+        schema, batches = read_arrow_file(src)  # a missing path: "no such file", not a server lookup
         return src, schema, batches
     with _client(args) as client:
-        location, ticket = client.locate(src)
-        reader = client.flight(location).reader(ticket)
-        table = reader.read_all()
+        try:
+            location, ticket = client.locate(src)
+            try:
+                table = client.flight(location).reader(ticket).read_all()
+            except flight.FlightError as exc:
+                raise client.flight_error(src, exc) from None
+        except NotFound:
+            raise NotFound(404, "not_found", f"{src}: no such file, and {args.url} knows no rollout or ticket "
+                           "by that name") from None
     return f"{location} {ticket}", table.schema, table.to_batches()
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from control.inspect import build_report, render_text
+    from sigmaflight.report import build_report, render_text
 
     label, schema, batches = _load(args)
     rep = build_report(label, schema, batches)
@@ -182,8 +217,8 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_plot(args: argparse.Namespace) -> int:
-    from control.inspect import build_report, read_arrow_file
     from control.plot import render_png
+    from sigmaflight.report import build_report, read_arrow_file
 
     schema, batches = read_arrow_file(args.file)
     rep = build_report(args.file, schema, batches)
@@ -205,14 +240,14 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("--json", metavar="FILE", help="a RolloutRequest JSON file (the base the flags override)")
     p.add_argument("--prompt", "-p", action="append", help="a prompt (repeat for several)")
     p.add_argument("--model", help="model id (default: the server's)")
-    p.add_argument("--negative-prompt")
+    p.add_argument("--negative-prompt", help="negative prompt (classifier-free guidance; default: the model's)")
     p.add_argument("--num-outputs-per-prompt", "-n", type=int, help="samples per prompt (a GRPO group)")
     p.add_argument("--steps", type=int, help="num_inference_steps T")
-    p.add_argument("--guidance-scale", type=float)
-    p.add_argument("--height", type=int)
-    p.add_argument("--width", type=int)
+    p.add_argument("--guidance-scale", type=float, help="classifier-free guidance scale (default: the model's)")
+    p.add_argument("--height", type=int, help="image height in pixels (default: the model's)")
+    p.add_argument("--width", type=int, help="image width in pixels (default: the model's)")
     p.add_argument("--num-frames", type=int, help="video models only")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--seed", type=int, help="base seed; per-sample seeds derive from it deterministically (default: random)")
     p.add_argument("--sampler", choices=["sde", "cps", "ode"], help="sampler.type")
     p.add_argument("--noise-level", type=float, help="sampler.noise_level")
     p.add_argument("--sde-steps", type=_ints, metavar="I,J,...", help="sampler.sde_steps: stochastic transitions")
@@ -221,7 +256,8 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("--log-probs", action=argparse.BooleanOptionalAction, default=None, help="return.log_probs")
     p.add_argument("--latent-dtype", choices=["native", "float32", "float16", "bfloat16"], help="return.latent_dtype")
     p.add_argument("--idempotency-key", help="Idempotency-Key header")
-    p.add_argument("--wait", action="store_true", help="wait until the rollout has finished before printing")
+    p.add_argument("--wait", action="store_true",
+                   help="wait until the rollout has finished, print its final status and exit like `status --wait`")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits [default %(default)s]")
     p.set_defaults(run=run_submit)
 
@@ -235,7 +271,7 @@ def add_client_commands(sub: Any) -> None:
 
     p = sub.add_parser("pull", help="Pull a trajectory over Flight into an .arrow file.", formatter_class=fmt,
                        description="Stream a rollout over Arrow Flight into an Arrow IPC file, with a progress "
-                       "line (steps, bytes) on stderr. Resumable by re-running: a complete, valid file for the "
+                       "bar (steps, bytes) on stderr. Resumable by re-running: a complete, valid file for the "
                        "same rollout is kept; an interrupted pull's OUT.partial is replaced.")
     _client_arguments(p)
     p.add_argument("ticket", metavar="TICKET_OR_ID", help="Flight ticket or rollout id")
@@ -266,11 +302,16 @@ def add_client_commands(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run a client subcommand; API and data errors become one line on stderr and exit 1."""
-    from control.client import ApiError, RolloutFailed
+    import httpx
+
+    from sigmaflight.errors import ApiError
 
     try:
         return int(args.run(args))
-    except (ApiError, RolloutFailed, TimeoutError, OSError, ValueError, KeyError) as exc:
+    except httpx.TransportError as exc:  # connection refused, DNS, TLS: name the URL
+        print(f"sigmaflight {args.command}: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+    except (ApiError, TimeoutError, OSError, ValueError, KeyError) as exc:
         print(f"sigmaflight {args.command}: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:  # pyarrow.flight errors, httpx transport errors

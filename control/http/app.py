@@ -25,14 +25,17 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from control import metrics
-from control.errors import ApiError, error_response, invalid
-from control.jobs import STATES, IdempotencyConflict, Job, NotAccepting, QueueFull, iso
-from control.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
-from control.openapi import openapi_document
+from control.http.errors import HttpError, error_response, invalid
+from control.http.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from control.http.openapi import openapi_document
+from control.http.weights import WEIGHTS_PATH, WEIGHTS_PATH_REGEX, put_weights
+from control.jobs.manager import IdempotencyConflict, Job, NotAccepting, QueueFull, iso
 from control.service import Service
 from control.settings import Settings
-from control.weights import WEIGHTS_PATH, WEIGHTS_PATH_REGEX, put_weights
-from control.wire import (
+from pipeline.rollout import estimate_latent_bytes, validate_spec
+from pipeline.spec import RolloutInputError
+from sigmaflight.wire import (
+    STATES,
     ErrorInfo,
     FlightTicket,
     ModelInfo,
@@ -45,15 +48,13 @@ from control.wire import (
     Ticket,
     to_spec,
 )
-from pipeline.rollout import estimate_latent_bytes, validate_spec
-from pipeline.spec import RolloutInputError
 
 log = logging.getLogger("sigmaflight.http")
 
 
 
-def unknown_rollout(rollout_id: str) -> ApiError:
-    return ApiError(404, "not_found", f"no rollout {rollout_id!r}")
+def unknown_rollout(rollout_id: str) -> HttpError:
+    return HttpError(404, "not_found", f"no rollout {rollout_id!r}")
 
 
 def _model(model: BaseModel, status: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -92,6 +93,8 @@ def status_of(service: Service, job: Job) -> RolloutStatus:
 
 
 async def create_rollout(request: Request) -> Response:
+    """POST /v1/rollouts. A little over 60 lines for a reason: the contract's checks in its order
+    (body, validation, limits, idempotency, queue), each answering its own status."""
     service = _service(request)
     settings = service.settings
     body = await request.body()
@@ -104,7 +107,7 @@ async def create_rollout(request: Request) -> Response:
         ]
         first = details[0]
         where = ".".join(map(str, first["loc"][1:])) or "body"
-        raise ApiError(422, "validation_error", f"{where}: {first['msg']}", details) from None
+        raise HttpError(422, "validation_error", f"{where}: {first['msg']}", details) from None
     if len(req.prompts) > settings.max_prompts:
         raise invalid(["body", "prompts"], f"{len(req.prompts)} prompts exceed the limit of {settings.max_prompts}")
     if req.num_samples > settings.max_samples:
@@ -129,7 +132,7 @@ async def create_rollout(request: Request) -> Response:
         raise invalid(["body", *exc.field.split(".")], exc.reason) from None
     estimate = estimate_latent_bytes(model, spec)
     if estimate > settings.max_rollout_bytes:
-        raise ApiError(
+        raise HttpError(
             413,
             "rollout_too_large",
             f"the trajectory would hold about {estimate} bytes of latents, over the limit of "
@@ -142,16 +145,16 @@ async def create_rollout(request: Request) -> Response:
     try:
         job, created = service.jobs.submit(spec, canonical, idempotency_key=key, body_digest=digest)
     except QueueFull as exc:
-        raise ApiError(
+        raise HttpError(
             429, "queue_full", f"the queue holds {exc.args[0]} rollouts already; retry later",
             headers={"Retry-After": "1"},
         ) from None
     except IdempotencyConflict:
-        raise ApiError(
+        raise HttpError(
             409, "idempotency_conflict", "Idempotency-Key was already used with a different request body"
         ) from None
     except NotAccepting:
-        raise ApiError(503, "shutting_down", "the server is shutting down") from None
+        raise HttpError(503, "shutting_down", "the server is shutting down") from None
     status_url = str(request.url_for("get_rollout", rollout_id=job.id))
     status = "queued" if created else job.status  # a new ticket reports the status it was accepted with
     ticket = Ticket(id=job.id, status=status, status_url=status_url, flight=flight_ticket(service, job))  # type: ignore[arg-type]
@@ -232,7 +235,7 @@ ROUTES = [
 
 
 async def on_api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ApiError)
+    assert isinstance(exc, HttpError)
     if exc.status >= 500 or exc.status in (409, 413, 429):
         log.warning("request refused", extra={"status": exc.status, "type": exc.type, "reason": exc.message})
     return error_response(exc.status, exc.type, exc.message, exc.details, exc.headers)
@@ -284,7 +287,7 @@ def create_app(settings: Settings, service: Service | None = None) -> Starlette:
                 path_limits=[("PUT", WEIGHTS_PATH_REGEX, settings.max_weights_bytes)],
             ),
         ],
-        exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected},
+        exception_handlers={HttpError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected},
         lifespan=lifespan,
     )
     app.state.http_counts = http_counts

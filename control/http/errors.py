@@ -7,7 +7,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 
-class ApiError(Exception):
+class HttpError(Exception):
     """Raised by a route; the app's exception handler turns it into the error body."""
 
     def __init__(
@@ -29,8 +29,8 @@ def error_response(
     )
 
 
-def invalid(loc: list[str | int], msg: str, type_: str = "value_error") -> ApiError:
+def invalid(loc: list[str | int], msg: str, type_: str = "value_error") -> HttpError:
     """A 422 naming one field: `loc` starts with "body" or "query"."""
-    return ApiError(422, "validation_error", f"{'.'.join(map(str, loc[1:])) or loc[0]}: {msg}", [
+    return HttpError(422, "validation_error", f"{'.'.join(map(str, loc[1:])) or loc[0]}: {msg}", [
         {"loc": loc, "msg": msg, "type": type_}
     ])

@@ -11,7 +11,7 @@ from collections.abc import Collection, Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from control.errors import error_body
+from control.http.errors import error_body
 from dataplane.auth import TokenSet
 
 log = logging.getLogger("sigmaflight.http")

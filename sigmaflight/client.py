@@ -3,49 +3,44 @@
     from sigmaflight import Client
     client = Client("http://127.0.0.1:8000", token=None)
     ticket = client.submit(prompts=["a red cube"], num_outputs_per_prompt=4, num_inference_steps=8, seed=7)
-    status = client.wait(ticket, timeout=60)          # raises RolloutFailed unless it succeeded
+    status = client.wait(ticket, timeout=60)          # RolloutFailed (RolloutCancelled) unless it succeeded
     traj = client.pull(ticket)                        # dataplane.client.Trajectory (torch)
     for i, x, x_next, sigma, sigma_next, log_prob in traj.transitions():
         ...
 
 `submit` takes the RolloutRequest fields as keyword arguments (`return_=` or
 `**{"return": ...}` for the `return` object); the server validates them and a refusal
-raises `ApiError` with the contract's error body. docs/trainers.md has the whole tour.
+raises `ApiError` (NotFound, Unauthorized) with the contract's error body; sigmaflight/errors.py
+has the typed errors. docs/trainers.md has the whole tour.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import httpx
 import torch
+from pyarrow import flight
 
-from control.jobs import TERMINAL
-from control.wire import RolloutStatus, Ticket
 from dataplane.client import Trajectory, TrajectoryClient
-from dataplane.store import TICKET_PREFIX
 from pipeline.spec import RolloutSpec, SamplerSpec
+from sigmaflight.errors import (
+    ApiError,
+    NotFound,
+    RolloutCancelled,
+    RolloutFailed,
+    Unauthorized,
+    WeightsMismatch,
+)
+from sigmaflight.wire import TERMINAL, RolloutStatus, Ticket
 
-__all__ = ["ApiError", "Client", "RolloutFailed", "replay_log_probs", "rollout_spec"]
-
-
-class ApiError(RuntimeError):
-    """A 4xx/5xx answer: `status`, and the contract's error body's `type`, `message`, `details`."""
-
-    def __init__(self, status: int, type_: str, message: str, details: Any = None) -> None:
-        super().__init__(f"{status} {type_}: {message}")
-        self.status, self.type, self.message, self.details = status, type_, message, details
-
-
-class RolloutFailed(RuntimeError):
-    """`wait` ended on failed, cancelled or expired; `.status` is the last RolloutStatus."""
-
-    def __init__(self, status: RolloutStatus) -> None:
-        why = f": {status.error.type}: {status.error.message}" if status.error else ""
-        super().__init__(f"rollout {status.id} {status.status}{why}")
-        self.status = status
+__all__ = [
+    "ApiError", "Client", "NotFound", "RolloutCancelled", "RolloutFailed", "Unauthorized", "WeightsMismatch",
+    "current_digest", "replay_log_probs", "rollout_spec",
+]
 
 
 def _raise_for(r: httpx.Response) -> None:
@@ -53,9 +48,22 @@ def _raise_for(r: httpx.Response) -> None:
         return
     try:
         err = r.json()["error"]
-        raise ApiError(r.status_code, err["type"], err["message"], err.get("details"))
+        type_, message, details = str(err["type"]), str(err["message"]), err.get("details")
     except (ValueError, KeyError, TypeError):
-        raise ApiError(r.status_code, "http_error", r.text[:500]) from None
+        type_, message, details = "http_error", r.text[:500], None
+    kind = {404: NotFound, 401: Unauthorized}.get(r.status_code, ApiError)
+    raise kind(r.status_code, type_, message, details)
+
+
+def _flight_message(exc: Exception) -> str:
+    """The server's own message out of a pyarrow Flight error (no gRPC debug context)."""
+    text = str(exc)
+    for cut in (". Detail:", ". gRPC client debug context", "gRPC client debug context", ". Client context:"):
+        text = text.split(cut, 1)[0]
+    for prefix in ("Flight returned internal error, with message: ", "with message: "):
+        if prefix in text:
+            text = text.split(prefix, 1)[1]
+    return text.strip()
 
 
 class Client:
@@ -107,13 +115,14 @@ class Client:
     ) -> RolloutStatus:
         """Poll until the rollout is finished; TimeoutError after `timeout` seconds.
 
-        Raises RolloutFailed when it ended other than succeeded (unless `raise_on_failure=False`)."""
+        Raises RolloutFailed (RolloutCancelled when cancelled) when it ended other than succeeded,
+        unless `raise_on_failure=False`."""
         deadline = time.monotonic() + timeout
         while True:
             st = self.status(ticket)
             if st.status in TERMINAL:
                 if raise_on_failure and st.status != "succeeded":
-                    raise RolloutFailed(st)
+                    raise RolloutFailed.from_status(st)
                 return st
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rollout {st.id} still {st.status} after {timeout} s")
@@ -152,22 +161,51 @@ class Client:
         return self._flight[location]
 
     def locate(self, ticket: str | Ticket) -> tuple[str, str]:
-        """(Flight location, Flight ticket) of a Ticket, a rollout id or a Flight ticket string."""
+        """(Flight location, Flight ticket) of a Ticket, a rollout id or a Flight ticket string.
+
+        Tickets are opaque here: a string is looked up as a rollout id first; one the server
+        does not know as an id is taken for a Flight ticket on the server's Flight location."""
         if isinstance(ticket, Ticket):
             return ticket.flight.locations[0], ticket.flight.ticket
-        if ticket.startswith(TICKET_PREFIX):
-            # A bare Flight ticket: any rollout's status names the server's Flight locations.
-            listed = self.rollouts(limit=1)
+        try:
+            st = self.status(ticket)
+        except NotFound:
+            listed = self.rollouts(limit=1)  # any rollout's status names the server's Flight locations
             if not listed:
-                raise ValueError("cannot find the Flight location: the server lists no rollouts")
+                raise NotFound(404, "not_found", f"no rollout or ticket {ticket!r} on {self.url}") from None
             return listed[0].flight.locations[0], ticket
-        st = self.status(ticket)
         return st.flight.locations[0], st.flight.ticket
 
     def pull(self, ticket: str | Ticket) -> Trajectory:
-        """The whole trajectory as torch tensors (waits for a running rollout; see dataplane.client)."""
+        """The whole trajectory as torch tensors (waits for a running rollout; see dataplane.client).
+
+        A rollout that ended failed raises RolloutFailed, a cancelled one RolloutCancelled, an
+        unknown ticket NotFound, a refused token Unauthorized: each with the server's message."""
         location, flight_ticket = self.locate(ticket)
-        return self.flight(location).pull(flight_ticket)
+        try:
+            return self.flight(location).pull(flight_ticket)
+        except flight.FlightError as exc:
+            raise self.flight_error(ticket, exc) from None
+
+    def flight_error(self, ticket: str | Ticket, exc: Exception) -> ApiError:
+        """The typed error for a Flight error on `ticket`: from the rollout's REST status when there
+        is one (RolloutCancelled, RolloutFailed), else from the Flight error's kind and message."""
+        if isinstance(exc, flight.FlightUnauthenticatedError):
+            return Unauthorized(401, "unauthorized", _flight_message(exc))
+        message = _flight_message(exc)
+        try:
+            st = self.status(ticket)
+        except ApiError:
+            st = None
+        if st is not None and st.status in TERMINAL and st.status != "succeeded":
+            return RolloutFailed.from_status(st, message)
+        if isinstance(exc, flight.FlightInternalError):
+            return RolloutFailed(message)
+        if " cancelled" in message:  # the Flight server's "rollout <id> cancelled: <reason>"
+            return RolloutCancelled(message)
+        if st is None and "not found" in message.lower():
+            return NotFound(None, "not_found", message)
+        return ApiError(None, "flight_error", message)
 
 
 def _id(ticket: str | Ticket) -> str:
@@ -187,13 +225,28 @@ def rollout_spec(traj: Trajectory) -> RolloutSpec:
     return RolloutSpec(sampler=SamplerSpec(**sampler), **{k: v for k, v in req.items() if k in known})
 
 
-def replay_log_probs(model: Any, traj: Trajectory, *, grad: bool = False, per_sample_model_calls: bool = False) -> torch.Tensor:
+def replay_log_probs(
+    model: Any,
+    traj: Trajectory,
+    *,
+    grad: bool = False,
+    per_sample_model_calls: bool = False,
+    strict: bool = False,
+    check_weights: bool = True,
+) -> torch.Tensor:
     """log p(x_{i+1} | x_i) [B, T] recomputed with `model` (a pipeline.models.LoadedModel) on `traj`.
 
     With the server's weights this gives the trajectory's own `log_probs` bit for bit; with
-    `grad=True` the result carries a graph to the model's trainable parameters."""
+    `grad=True` the result carries a graph to the model's trainable parameters.
+
+    The trajectory's `model.digest` is compared with the digest of `model`'s current weights:
+    when they differ (the trajectory was made with other weights, e.g. before a weights push, or
+    this is an off-policy inner step) it warns `WeightsMismatch`, or raises ValueError with
+    `strict=True`. `check_weights=False` skips the check (an off-policy step on purpose)."""
     from pipeline.replay import Replayer
 
+    if check_weights:
+        _check_weights(model, traj, strict=strict)
     return Replayer(model).log_probs(
         rollout_spec(traj),
         latents=traj.latents,
@@ -204,3 +257,44 @@ def replay_log_probs(model: Any, traj: Trajectory, *, grad: bool = False, per_sa
         per_sample_model_calls=per_sample_model_calls,
         grad=grad,
     )
+
+
+_digest_cache: dict[int, tuple[tuple[tuple[int, int], ...], str]] = {}
+
+
+def current_digest(model: Any) -> str:
+    """The weights digest of `model.pipeline` as it is now (pipeline.models.weights_digest).
+
+    Cached per pipeline on the identities and in-place version counters of its tensors, so a
+    replay loop pays the hash only after the weights changed (an optimizer step, a load)."""
+    from pipeline.models import weights_digest
+
+    pipeline = model.pipeline
+    key = tuple(
+        (id(t), t._version)
+        for m in pipeline.components.values() if isinstance(m, torch.nn.Module)
+        for t in m.state_dict(keep_vars=True).values()
+    )
+    cached = _digest_cache.get(id(pipeline))
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    digest = weights_digest(pipeline)
+    _digest_cache[id(pipeline)] = (key, digest)
+    return digest
+
+
+def _check_weights(model: Any, traj: Trajectory, *, strict: bool) -> None:
+    made_with = (traj.metadata.get("model") or {}).get("digest")
+    if made_with is None:
+        return
+    have = current_digest(model)
+    if have == made_with:
+        return
+    message = (
+        f"trajectory {traj.header.rollout_id} was made with weights {made_with[:12]}, but the model "
+        f"replaying it has weights {have[:12]}: the log-probs are not the rollout's own "
+        "(pass check_weights=False for an intended off-policy replay)"
+    )
+    if strict:
+        raise ValueError(message)
+    warnings.warn(WeightsMismatch(message), stacklevel=3)

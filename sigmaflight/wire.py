@@ -6,7 +6,7 @@ converter, `to_spec`, turns a validated request into a `RolloutSpec`.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -14,6 +14,9 @@ from pipeline.spec import RolloutSpec, SamplerSpec
 
 INT64_MAX = (1 << 63) - 1
 RolloutState = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired"]
+STATES: tuple[str, ...] = get_args(RolloutState)
+"""Every status a rollout can have, in lifecycle order (the server's job manager uses these)."""
+TERMINAL = frozenset(STATES[2:])
 
 
 class _Wire(BaseModel):

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class ServerProcess:
-    """`python -m control.cli serve --port 0 --flight-port 0 ...` as a child process.
+    """`python -m sigmaflight.cli serve --port 0 --flight-port 0 ...` as a child process.
 
     Reads its JSON log lines on a thread (kept in `.logs`), waits for the "sigmaflight ready"
     line, and exposes the URLs it announced.
@@ -32,7 +32,7 @@ class ServerProcess:
         self.rest_url = ""
         self.flight_url = ""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        cmd = [sys.executable, "-m", "control.cli", "serve", "--port", "0", "--flight-port", "0",
+        cmd = [sys.executable, "-m", "sigmaflight.cli", "serve", "--port", "0", "--flight-port", "0",
                "--log-format", "json", *flags]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      text=True)

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from control.jobs import Job
-from control.worker import RolloutWorker, WorkerConfig
+from control.backends.worker import RolloutWorker, WorkerConfig
+from control.jobs.manager import Job
 from pipeline.spec import RolloutCancelled
 
 log = logging.getLogger("sigmaflight.ray")
@@ -102,7 +102,12 @@ class _Slot:
 
 
 class RayBackend:
-    """Backend protocol (control/jobs.py) over N `RolloutWorker` actors."""
+    """Backend protocol (control/jobs/manager.py) over N `RolloutWorker` actors.
+
+    Long (~265 lines) for a reason: it owns the worker slots and their generations under one
+    lock; placement (`reserve`), the run-and-poll loop, and replacing a dead worker all read and
+    change those slots together. The worker itself (worker.py) and its node (control/node.py)
+    live outside."""
 
     def __init__(
         self,
@@ -156,12 +161,7 @@ class RayBackend:
     @classmethod
     def from_settings(cls, settings: Any) -> RayBackend:
         """Join the cluster named by `settings.ray_address` and start `settings.workers` actors."""
-        from pathlib import Path
-
         cls.connect(settings.ray_address)
-        tls: tuple[tuple[bytes, bytes], ...] = ()
-        if settings.tls_cert is not None and settings.tls_key is not None:
-            tls = ((Path(settings.tls_cert).read_bytes(), Path(settings.tls_key).read_bytes()),)
         config = WorkerConfig(
             index=0,
             model=settings.model,
@@ -173,7 +173,7 @@ class RayBackend:
             data_dir=str(settings.data_dir) if settings.data_dir is not None else None,
             store_budget_bytes=settings.store_budget_bytes,
             tokens=tuple(settings.tokens()),
-            tls_certificates=tls,
+            tls_certificates=settings.tls_certificates(),
             max_flight_streams=settings.max_flight_streams,
         )
         return cls(config, workers=settings.workers, num_cpus=settings.ray_num_cpus)

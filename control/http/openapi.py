@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from control.wire import ErrorBody, Health, ModelList, RolloutList, RolloutRequest, RolloutStatus, Ticket
+from sigmaflight.wire import ErrorBody, Health, ModelList, RolloutList, RolloutRequest, RolloutStatus, Ticket
 
 _REF = "#/components/schemas/{model}"
 
@@ -33,6 +33,8 @@ def _errors(*codes: int) -> dict[str, Any]:
 
 
 def openapi_document(*, auth: bool = False) -> dict[str, Any]:
+    """The OpenAPI 3.1 document. Long (~100 lines) for a reason: it is one literal, the paths
+    and their answers written out as the document has them, with the schemas from the wire models."""
     _, schemas = models_json_schema(
         [
             (RolloutRequest, "validation"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from control.jobs import Job
+from control.jobs.manager import Job
 from dataplane.record import StepBatch, TrajectoryHeader
 from dataplane.store import ResultStore
 from pipeline.models import ModelRegistry

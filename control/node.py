@@ -1,0 +1,118 @@
+"""One node: model registry, result store, Flight server and local backend, wired in one place.
+
+The single-process service (control/service.py) builds one `Node`; with the Ray backend each
+worker actor (control/backends/worker.py) builds its own. Both get the same registry loading
+(built-ins lazily, every pipeline under --model-dir at start-up), the same store and Flight
+server options, and the same `LocalBackend` that runs rollouts from the pipeline into the store.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from control.backends.local import LocalBackend
+from dataplane.server import FlightDataServer
+from dataplane.store import ResultStore
+from pipeline.models import ModelRegistry
+
+log = logging.getLogger("sigmaflight.node")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The --dtype names and their torch dtypes (the one table)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeConfig:
+    """Everything a node needs; plain data (it crosses the Ray boundary inside WorkerConfig)."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    model_dir: str | None = None
+    """Directory of local diffusers pipelines, one per subdirectory (loaded at start-up)."""
+    data_dir: str | None = None
+    store_budget_bytes: int = 4 << 30
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None
+    tokens: Sequence[str] = ()
+    tls_certificates: Sequence[tuple[bytes, bytes]] = ()
+    max_flight_streams: int = 64
+    batch_invariant: bool = False
+
+
+def local_model_dirs(model_dir: str | Path) -> list[Path]:
+    """The pipelines under `model_dir`: each subdirectory holding a model_index.json, by name."""
+    return [sub for sub in sorted(Path(model_dir).iterdir()) if (sub / "model_index.json").is_file()]
+
+
+def quiet_library_progress_bars() -> None:
+    """Turn off diffusers' and transformers' own loading bars: they are not log lines (JSON logs)."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+
+
+def load_registry(config: NodeConfig) -> ModelRegistry:
+    """A registry on the node's device and dtype, with every pipeline under `model_dir` loaded.
+
+    Loading local pipelines can take long: a tqdm bar shows it on a terminal (off when stderr is
+    not one, so a JSON log stays JSON), diffusers' and transformers' own bars are off, and each
+    model logs one "model loaded" line."""
+    dtype = DTYPES[config.dtype]
+    registry = ModelRegistry(device=config.device, dtype=dtype)
+    if config.model_dir is None:
+        return registry
+    from tqdm import tqdm
+
+    quiet_library_progress_bars()
+    for sub in tqdm(local_model_dirs(config.model_dir), desc="loading models", unit="model", disable=None):
+        model = registry.register_local(sub.name, str(sub), device=config.device, dtype=dtype)
+        log.info("model loaded", extra={"model": model.id, "path": str(sub), "family": model.family,
+                                        "digest": model.digest, "device": str(model.device)})
+    return registry
+
+
+class Node:
+    """Registry, store, Flight server and local backend of one process (service or Ray worker)."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        on_cancel: Callable[[str], bool] | None = None,
+        on_release: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.config = config
+        self.registry = load_registry(config)
+        self.store = ResultStore(
+            memory_budget_bytes=config.store_budget_bytes,
+            data_dir=Path(config.data_dir) if config.data_dir is not None else None,
+            ttl_s=None,
+        )
+        self.flight = FlightDataServer(
+            self.store,
+            host=config.host,
+            port=config.port,
+            advertise_host=config.advertise_host,
+            tokens=list(config.tokens) or None,
+            tls_certificates=list(config.tls_certificates) or None,
+            on_cancel=on_cancel,
+            on_release=on_release,
+            max_concurrent_streams=config.max_flight_streams,
+        )
+        self.backend = LocalBackend(
+            self.registry, self.store, locations=lambda: self.flight.locations,
+            batch_invariant=config.batch_invariant,
+        )
+
+    def stop(self) -> None:
+        """Stop the Flight server and close the store (spilled files stay for the restart scan)."""
+        self.flight.stop()
+        self.store.close()

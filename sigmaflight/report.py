@@ -1,0 +1,269 @@
+"""`sigmaflight inspect`: what a trajectory holds, and where it is inconsistent.
+
+Reads a "trajectory/v1" stream (an `.arrow` file, or a Flight ticket) with plain pyarrow,
+without the data plane's validation, so that a broken file is reported rather than refused:
+the schema, the schedule by absolute index (timestep, sigma, float32(timestep / 1000) and
+whether it equals the sigma that ran), per-step latent statistics, per-step log-prob
+summaries, and a list of flags.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from dataplane.schema import (
+    FORMAT,
+    KEY_FORMAT,
+    KEY_LOG_PROBS,
+    KEY_ROLLOUT,
+    KEY_SDE_STEPS,
+    KEY_SIGMAS,
+    KEY_STEPS,
+    KEY_TIMESTEPS,
+    latent_dtype_of,
+    schema_metadata,
+)
+
+
+def read_arrow_file(path: str | Path) -> tuple[pa.Schema, list[pa.RecordBatch]]:
+    """An Arrow IPC file (or stream) as (schema, batches); no trajectory validation."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    source = pa.memory_map(str(path), "r")
+    try:
+        reader: Any = pa.ipc.open_file(source)
+        batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+    except pa.ArrowInvalid:
+        source.seek(0)
+        try:
+            reader = pa.ipc.open_stream(source)
+            batches = list(reader)
+        except (pa.ArrowInvalid, OSError) as exc:
+            size = Path(path).stat().st_size
+            raise ValueError(
+                f"{path}: not a complete Arrow IPC file ({size} bytes; truncated or corrupt: {exc}); "
+                "pull it again (`sigmaflight pull` replaces an incomplete file)"
+            ) from None
+    return reader.schema, batches
+
+
+def latent_values(column: pa.Array, schema: pa.Schema) -> np.ndarray[Any, Any]:
+    """float64 [rows, elements] of a latent column (bf16 travels as uint16)."""
+    storage = column.storage if isinstance(column, pa.ExtensionArray) else column
+    rows = len(storage)
+    flat = storage.flatten().to_numpy(zero_copy_only=False)
+    import torch
+
+    dtype = latent_dtype_of(schema)
+    if dtype == torch.bfloat16:
+        flat = torch.from_numpy(flat.astype(np.uint16).copy()).view(torch.bfloat16).float().numpy()
+    return np.asarray(flat, dtype=np.float64).reshape(rows, -1)
+
+
+@dataclass
+class _Acc:
+    n: int = 0
+    total: float = 0.0
+    total_sq: float = 0.0
+    lo: float = math.inf
+    hi: float = -math.inf
+    nonfinite: int = 0
+
+    def add(self, values: np.ndarray[Any, Any]) -> None:
+        finite = values[np.isfinite(values)]
+        self.nonfinite += int(values.size - finite.size)
+        if finite.size:
+            self.n += int(finite.size)
+            self.total += float(finite.sum())
+            self.total_sq += float(np.square(finite).sum())
+            self.lo = min(self.lo, float(finite.min()))
+            self.hi = max(self.hi, float(finite.max()))
+
+    def summary(self) -> dict[str, Any]:
+        if not self.n:
+            return {"count": 0, "mean": None, "std": None, "min": None, "max": None, "nonfinite": self.nonfinite}
+        mean = self.total / self.n
+        var = max(self.total_sq / self.n - mean * mean, 0.0)
+        return {"count": self.n, "mean": mean, "std": math.sqrt(var), "min": self.lo, "max": self.hi,
+                "nonfinite": self.nonfinite}
+
+
+@dataclass
+class Report:
+    source: str
+    schema: pa.Schema
+    meta: dict[str, Any]
+    rollout: dict[str, Any]
+    schedule: list[dict[str, Any]] = field(default_factory=list)
+    latents: list[dict[str, Any]] = field(default_factory=list)
+    log_probs: list[dict[str, Any]] = field(default_factory=list)
+    log_prob_matrix: dict[int, dict[int, float]] = field(default_factory=dict)
+    """step -> sample -> log_prob (non-null values only), for plots."""
+    flags: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "format": self.meta.get(KEY_FORMAT),
+            "rollout_id": self.rollout.get("id"),
+            "model": self.rollout.get("model"),
+            "sampler": self.rollout.get("sampler"),
+            "num_samples": self.rollout.get("num_samples"),
+            "num_steps": len(self.meta.get(KEY_TIMESTEPS) or []),
+            "steps": self.meta.get(KEY_STEPS),
+            "sde_steps": self.meta.get(KEY_SDE_STEPS),
+            "columns": [{"name": f.name, "type": str(f.type), "nullable": f.nullable} for f in self.schema],
+            "schedule": self.schedule,
+            "latents": self.latents,
+            "log_probs": self.log_probs,
+            "flags": self.flags,
+        }
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def build_report(source: str, schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> Report:
+    meta = schema_metadata(schema)
+    rollout = dict(meta.get(KEY_ROLLOUT) or {})
+    rep = Report(source=source, schema=schema, meta=meta, rollout=rollout)
+    flags = rep.flags
+    if meta.get(KEY_FORMAT) != FORMAT:
+        flags.append(f"{KEY_FORMAT} is {meta.get(KEY_FORMAT)!r}, not {FORMAT!r}")
+    sigmas = [_f32(s) for s in meta.get(KEY_SIGMAS) or []]
+    timesteps = [_f32(t) for t in meta.get(KEY_TIMESTEPS) or []]
+    steps = [int(s) for s in meta.get(KEY_STEPS) or []]
+    sde_steps = {int(s) for s in meta.get(KEY_SDE_STEPS) or []}
+    t_count = len(timesteps)
+    if len(sigmas) != t_count + 1:
+        flags.append(f"sigmas has {len(sigmas)} entries, expected T+1 = {t_count + 1}")
+    if steps != sorted(set(steps)):
+        flags.append(f"{KEY_STEPS} is not ascending and unique: {steps}")
+    if sigmas and sigmas[-1] != 0.0:
+        flags.append(f"terminal sigma sigmas[{len(sigmas) - 1}] = {sigmas[-1]!r}, not 0")
+    for i in range(len(sigmas)):
+        t = timesteps[i] if i < t_count else None
+        t_over = float(np.float32(t) / np.float32(1000)) if t is not None else None
+        row = {"i": i, "timestep": t, "sigma": sigmas[i], "timestep_over_1000": t_over,
+               "matches": None if t_over is None else t_over == sigmas[i],
+               "sde": (i in sde_steps) if i < t_count else None, "streamed": i in steps}
+        rep.schedule.append(row)
+        if t_over is not None and t_over != sigmas[i]:
+            flags.append(f"i={i}: float32(timesteps[{i}] / 1000) = {t_over!r} != sigma {sigmas[i]!r} "
+                         "(recomputing sigma from the timestep would be wrong here)")
+        if i > 0 and not sigmas[i] < sigmas[i - 1]:
+            flags.append(f"i={i}: sigma {sigmas[i]!r} does not decrease (sigma[{i - 1}] = {sigmas[i - 1]!r})")
+
+    acc: dict[int, _Acc] = {}
+    lp_acc: dict[int, _Acc] = {}
+    seen_order: list[int] = []
+    wants_lp = bool(meta.get(KEY_LOG_PROBS, True))
+    column_bad: set[str] = set()
+    lp_bad: set[int] = set()
+    for batch in batches:
+        step_col = batch.column("step").to_numpy()
+        if len(step_col) and len(set(step_col.tolist())) > 1:
+            flags.append(f"a record batch mixes steps {sorted(set(step_col.tolist()))}")
+        vals = latent_values(batch.column("latent"), schema)
+        sig_col = batch.column("sigma").to_pylist()
+        nxt_col = batch.column("sigma_next").to_pylist()
+        ts_col = batch.column("timestep").to_pylist()
+        lp_col = batch.column("log_prob").to_pylist()
+        sample_col = batch.column("sample").to_pylist()
+        for r, step in enumerate(step_col.tolist()):
+            if not seen_order or seen_order[-1] != step:
+                seen_order.append(step)
+            acc.setdefault(step, _Acc()).add(vals[r])
+            if 0 <= step < len(sigmas) and sig_col[r] != sigmas[step]:
+                column_bad.add(f"sigma column at step {step} = {sig_col[r]!r} != sigmas[{step}] = {sigmas[step]!r}")
+            want_next = sigmas[step + 1] if 0 <= step < len(sigmas) - 1 else None
+            if nxt_col[r] != want_next:
+                column_bad.add(f"sigma_next column at step {step} = {nxt_col[r]!r}, expected {want_next!r}")
+            want_t = timesteps[step] if 0 <= step < t_count else None
+            if ts_col[r] != want_t:
+                column_bad.add(f"timestep column at step {step} = {ts_col[r]!r}, expected {want_t!r}")
+            lp = lp_col[r]
+            if lp is not None:
+                lp_acc.setdefault(step, _Acc()).add(np.asarray([lp], dtype=np.float64))
+                rep.log_prob_matrix.setdefault(step, {})[int(sample_col[r])] = float(lp)
+                if step not in sde_steps:
+                    lp_bad.add(step)
+            elif wants_lp and step in sde_steps and step + 1 in steps:
+                lp_bad.add(step)
+    flags.extend(sorted(column_bad))
+    for step in sorted(lp_bad):
+        kind = "stochastic" if step in sde_steps else "deterministic"
+        flags.append(f"step {step}: log_prob {'missing' if kind == 'stochastic' else 'present'} on a {kind} transition")
+    if seen_order != sorted(seen_order) or len(seen_order) != len(set(seen_order)):
+        flags.append(f"steps in the stream are not ascending: {seen_order}")
+    if sorted(acc) != sorted(set(steps)):
+        flags.append(f"the stream holds steps {sorted(acc)}, the metadata lists {steps}")
+    n_samples = rollout.get("num_samples")
+    for step in sorted(acc):
+        s = acc[step].summary()
+        rep.latents.append({"step": step, **s})
+        if s["nonfinite"]:
+            flags.append(f"step {step}: {s['nonfinite']} non-finite latent values")
+    for step in sorted(lp_acc):
+        s = lp_acc[step].summary()
+        rep.log_probs.append({"step": step, **s})
+        if s["nonfinite"]:
+            flags.append(f"step {step}: non-finite log_prob")
+    if n_samples is not None:
+        for step in sorted(acc):
+            got = len(rep.log_prob_matrix.get(step, {}))
+            if got and got != n_samples:
+                flags.append(f"step {step}: {got} log-probs for {n_samples} samples")
+    return rep
+
+
+def _fmt(x: Any, width: int = 12) -> str:
+    if x is None:
+        return "-".rjust(width)
+    if isinstance(x, bool):
+        return ("yes" if x else "NO").rjust(width)
+    if isinstance(x, float):
+        return f"{x:.6g}".rjust(width)
+    return str(x).rjust(width)
+
+
+def render_text(rep: Report) -> str:
+    j = rep.to_json()
+    model = j["model"] or {}
+    out = [
+        f"source     {j['source']}",
+        f"format     {j['format']}   rollout {j['rollout_id']}",
+        f"model      {model.get('id')} ({model.get('dtype')}) digest {model.get('digest')}",
+        f"sampler    {json.dumps(j['sampler'])}",
+        f"samples    B = {j['num_samples']}   steps T = {j['num_steps']}   streamed {j['steps']}   sde {j['sde_steps']}",
+        "",
+        "schema",
+    ]
+    out += [f"  {c['name']:<13} {c['type']}{'' if c['nullable'] else ' not null'}" for c in j["columns"]]
+    out += ["", "schedule (absolute index i)",
+            "     i    timestep       sigma  t/1000(f32)  t/1000==sigma  sde  streamed"]
+    for r in rep.schedule:
+        out.append(f"{r['i']:>6}{_fmt(r['timestep'])}{_fmt(r['sigma'])}{_fmt(r['timestep_over_1000'], 13)}"
+                   f"{_fmt(r['matches'], 15)}{_fmt(r['sde'], 5)}{_fmt(r['streamed'], 10)}")
+    out += ["", "latents per step (x_i over all samples and elements)",
+            "  step        mean         std         min         max  nonfinite"]
+    for r in rep.latents:
+        out.append(f"{r['step']:>6}{_fmt(r['mean'])}{_fmt(r['std'])}{_fmt(r['min'])}{_fmt(r['max'])}{_fmt(r['nonfinite'], 11)}")
+    out += ["", "log_prob per transition i (over samples)",
+            "     i   n        mean         std         min         max"]
+    if not rep.log_probs:
+        out.append("  (none: not requested, or no stochastic transition with both ends streamed)")
+    for r in rep.log_probs:
+        out.append(f"{r['step']:>6}{r['count']:>4}{_fmt(r['mean'])}{_fmt(r['std'])}{_fmt(r['min'])}{_fmt(r['max'])}")
+    out += ["", f"flags ({len(rep.flags)})"]
+    out += [f"  ! {f}" for f in rep.flags] or ["  none: consistent"]
+    return "\n".join(out) + "\n"
