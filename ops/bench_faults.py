@@ -29,7 +29,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from control.launcher import ServerProcess  # noqa: E402
+from sigmaflight.launcher import ServerProcess  # noqa: E402
 
 MiB = 1 << 20
 

@@ -11,6 +11,7 @@ references' own order of operations, and share no code with pipeline/kernels.py.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -118,7 +119,7 @@ def sglang_step(sigmas, i, sample, model_output, noise_level, sde_type, no_const
 
 
 def _stock_sigmas(config: dict, **set_kwargs) -> torch.Tensor:
-    sched = FlowMatchEulerDiscreteScheduler(**config)
+    sched: Any = FlowMatchEulerDiscreteScheduler(**config)
     sched.set_timesteps(**set_kwargs)
     return sched.sigmas.to(torch.float32)
 

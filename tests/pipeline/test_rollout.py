@@ -238,7 +238,8 @@ def test_largest_size_the_position_embedding_covers_still_runs(registry):
 
 def test_bounds_are_inclusive(registry):
     model = registry.get("tiny-sd3")
-    for change in ({"sampler": SamplerSpec(type="cps", noise_level=1.0)}, {"guidance_scale": 100.0}, {"guidance_scale": 0.0}):
+    changes: list[dict[str, Any]] = [{"sampler": SamplerSpec(type="cps", noise_level=1.0)}, {"guidance_scale": 100.0}, {"guidance_scale": 0.0}]
+    for change in changes:
         validate_spec(model, RolloutSpec(**{"model": "tiny-sd3", "prompts": ("a cat",), "num_inference_steps": 3, **change}))
 
 
@@ -248,7 +249,7 @@ def test_non_finite_rollout_fails_naming_the_first_step(registry, log_probs):
     model = registry.get("tiny-sd3")
     spec = RolloutSpec(model="tiny-sd3", prompts=("a cat",), num_inference_steps=3, seed=1, return_log_probs=log_probs,
                        sampler=SamplerSpec(type="sde", noise_level=1e20, sde_steps=(1, 2)))
-    seen = []
+    seen: list[Any] = []
     with pytest.raises(RolloutNonFinite) as err:
         run_rollout(model, spec, on_step=seen.append)
     # Transition 0 is deterministic and finite; transition 1 is the first to overflow: its log-prob row
