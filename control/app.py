@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from control import metrics
+from control.http import metrics
 from control.errors import ApiError, error_response, invalid
 from control.jobs import STATES, IdempotencyConflict, Job, NotAccepting, QueueFull, iso
 from control.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
@@ -207,7 +207,7 @@ async def readyz(request: Request) -> Response:
 async def get_metrics(request: Request) -> Response:
     service = _service(request)
     text = metrics.render(service, request.app.state.http_counts)
-    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+    return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
 
 
 async def get_openapi(request: Request) -> Response:
