@@ -24,8 +24,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from control.http import metrics
 from control.errors import ApiError, error_response, invalid
+from control.http import metrics
 from control.jobs import STATES, IdempotencyConflict, Job, NotAccepting, QueueFull, iso
 from control.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from control.openapi import openapi_document
