@@ -72,7 +72,7 @@ def decode_final(path: str | Path, rep: Report, *, model_dir: str | Path | None 
     if not traj.has_step(traj.num_steps):
         return Decoded(None, f"x_T (step {traj.num_steps}) was not streamed: add it to return.steps")
     from pipeline.decode import decode_uint8
-    from pipeline.models import _BUILTINS, ModelRegistry
+    from pipeline.models import ModelRegistry
 
     registry = ModelRegistry()
     try:
@@ -80,7 +80,7 @@ def decode_final(path: str | Path, rep: Report, *, model_dir: str | Path | None 
             if not Path(model_dir).is_dir():
                 return Decoded(None, f"--model-dir {str(model_dir)!r} is not a directory")
             model = registry.register_local(str(model_id or "local"), str(model_dir))
-        elif model_id in _BUILTINS:
+        elif model_id in registry.ids():  # a fresh registry knows the built-ins only
             model = registry.get(str(model_id))
         else:
             return Decoded(None, f"model {model_id!r} is not available here: it is not a built-in; "
