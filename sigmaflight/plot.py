@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from control.inspect import Report
 
@@ -117,7 +118,7 @@ def _schedule_panel(ax: Axes, rep: Report) -> None:
     if streamed:
         ax.plot(streamed, [sig[i] for i in streamed], linestyle="none", marker="s", markersize=11,
                 markerfacecolor="none", color="tab:blue", label="latent x_i streamed")
-    ax.set_xticks(steps if len(steps) <= 21 else steps[:: math.ceil(len(steps) / 20)])
+    _integer_ticks(ax, steps)
     ax.set_ylim(bottom=min(0.0, min(sig)) - 0.03, top=max(sig) + 0.05)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper right", fontsize=8)
@@ -148,10 +149,24 @@ def _log_prob_panel(ax: Axes, rep: Report) -> None:
         else:
             colour, label = colours[sample], f"sample {sample} ({_short(text, 20)})"
         ax.plot(xs, ys, color=colour, marker="o", markersize=4, linewidth=1.2, label=label)
-    all_steps = sorted(m)
-    ax.set_xticks(all_steps)
+    _integer_ticks(ax, sorted(m))
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize=8, title="per prompt" if by_prompt else "per sample", title_fontsize=8)
+
+
+def _integer_ticks(ax: Axes, steps: list[int]) -> None:
+    """Every step index as a tick up to 16 of them; beyond, about 12 integer ticks."""
+    if len(steps) <= 16:
+        ax.set_xticks(steps)
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=12, integer=True))
+
+
+def _label(text: str, width: int = 22, lines: int = 3) -> str:
+    wrapped = textwrap.wrap(text, width)
+    if len(wrapped) > lines:
+        wrapped = [*wrapped[: lines - 1], _short(wrapped[lines - 1] + " " + wrapped[lines], width)]
+    return "\n".join(wrapped)
 
 
 def _short(text: str, n: int) -> str:
@@ -201,7 +216,7 @@ def _image_panel(fig: Figure, spec: Any, rep: Report, decoded: Decoded) -> None:
         if len(axes) > 1:  # a video row: the label under its middle frame
             axes[len(axes) // 2].set_xlabel(_short(text, 60), fontsize=9)
         else:
-            axes[0].set_xlabel("\n".join(textwrap.wrap(text, 22)[:3]), fontsize=9)
+            axes[0].set_xlabel(_label(text), fontsize=9)
 
 
 def draw(rep: Report, decoded: Decoded) -> Figure:
