@@ -1,8 +1,9 @@
 """The docs' code blocks run (README.md, docs/*.md), so the docs cannot drift from the code.
 
-One real server (tests/servers.py ServerProcess) is started for the module on free ports; the
-blocks' URLs (http://127.0.0.1:8000, grpc+tcp://127.0.0.1:8815, the documented defaults) are
-replaced by the server's, and SIGMAFLIGHT_URL points the CLI's default at it. Each page runs in
+One real server (tests/servers.py ServerProcess) is started for the module, on the documented
+default ports 8000 / 8815 when they are free; otherwise on free ports, and the blocks' URLs
+(http://127.0.0.1:8000, grpc+tcp://127.0.0.1:8815) are replaced by the server's. SIGMAFLIGHT_URL
+points the CLI's default at it either way. Each page runs in
 its own subprocess (tests/docs/run_page.py) in a fresh folder holding `.venv` and `ops` links,
 so `.venv/bin/python`, `.venv/bin/sigmaflight` and `ops/...` resolve as in a checkout.
 Blocks marked `<!-- not run: reason -->` are counted, never silently skipped.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections import Counter
@@ -63,9 +65,25 @@ def test_the_fence_parser_sees_marks_languages_and_lines(tmp_path):
         (4, "bash", "serve", "serves until stopped"), (8, "python", "x = 1", None), (12, "text", "out", None)]
 
 
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess() as s:
+    """On the documented ports when they are free (the blocks then run verbatim), else on free ones."""
+    s = None
+    if _free(8000) and _free(8815):
+        try:
+            s = ServerProcess("--port", "8000", "--flight-port", "8815")
+        except RuntimeError:  # taken in between
+            s = None
+    with s or ServerProcess() as s:
         yield s
 
 
