@@ -1,28 +1,91 @@
-"""Decode final latents x_T into images with a model's own VAE (what the pipeline does after the loop)."""
+"""Decode final latents x_T with a model's own VAE, as the stock diffusers pipelines do after their loop.
+
+Per family, the steps are those of the pipeline's `__call__` once the loop has ended:
+  sd3  (StableDiffusion3Pipeline): x / vae.config.scaling_factor + vae.config.shift_factor,
+       vae.decode, image_processor.postprocess;
+  flux (FluxPipeline): the packed [B, seq, C] latents are unpacked (`_unpack_latents`) first,
+       then as sd3;
+  wan  (WanPipeline): x / (1 / latents_std) + latents_mean with the VAE's per-channel
+       config values, vae.decode, video_processor.postprocess_video.
+Built-in and local (`--model-dir`) models go the same way: the family comes from the pipeline
+class. Other pipelines raise ValueError saying why (callers draw that reason instead).
+
+`decode_uint8` is the public entry point for images users look at (plots, an outputs
+stream): its bytes equal `numpy.asarray` of the stock pipeline's `output_type="pil"` images,
+and for video the frames `diffusers.utils.export_to_video` writes from `output_type="np"`.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
 
 from pipeline.models import LoadedModel
 
-__all__ = ["decode_latents"]
+__all__ = ["DECODABLE_FAMILIES", "decode_latents", "decode_uint8"]
+
+DECODABLE_FAMILIES = ("sd3", "flux", "wan")
 
 
-def decode_latents(model: LoadedModel, latents: torch.Tensor, *, height: int, width: int) -> torch.Tensor:
-    """float32 images [B, 3, H, W] in [0, 1] from x_T [B, *latent_shape] (image families: sd3, flux).
+def _vae_output(model: LoadedModel, pipeline: Any, latents: torch.Tensor, height: int | None,
+                width: int | None) -> torch.Tensor:
+    """vae.decode of x_T: images [B, 3, H, W] or video [B, 3, F, H, W], about [-1, 1], the VAE's dtype."""
+    vae = getattr(pipeline, "vae", None)
+    if vae is None:
+        raise ValueError(f"model {model.id!r} has no VAE to decode with")
+    if model.family not in DECODABLE_FAMILIES:
+        raise ValueError(f"no decode for the {model.family!r} family ({type(pipeline).__name__}); "
+                         f"decodable: {', '.join(DECODABLE_FAMILIES)}")
+    with torch.inference_mode():
+        z = latents.to(device=model.device)
+        if model.family == "flux":
+            if height is None or width is None:
+                raise ValueError("height and width are needed to unpack FLUX latents")
+            z = pipeline._unpack_latents(z, height, width, pipeline.vae_scale_factor)  # [B, C, h, w]
+        if model.family == "wan":
+            z = z.to(dtype=vae.dtype)  # [B, C, f, h, w]
+            mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(z.device, z.dtype)
+            inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(
+                z.device, z.dtype)
+            z = z / inv_std + mean
+        else:
+            z = z / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)  # [B, C, h, w]
+            z = z.to(dtype=vae.dtype)
+        out: torch.Tensor = vae.decode(z, return_dict=False)[0]
+    return out
 
-    sd3: x / scaling_factor + shift_factor through vae.decode; flux: the packed [B, seq, C]
-    latents are unpacked first (FluxPipeline._unpack_latents). No gradients.
+
+def decode_latents(model: LoadedModel, latents: torch.Tensor, *, height: int | None = None,
+                   width: int | None = None) -> torch.Tensor:
+    """float32 in [0, 1] on the CPU: images [B, 3, H, W] (sd3, flux) or video [B, F, 3, H, W] (wan).
+
+    `height`/`width` (pixels) are needed for flux only. No gradients.
     """
     pipeline, _ = model.snapshot()
-    vae = pipeline.vae
-    if model.family == "flux":
-        latents = pipeline._unpack_latents(latents, height, width, pipeline.vae_scale_factor)  # [B, C, h, w]
-    elif model.family != "sd3":
-        raise ValueError(f"decoding is available for the sd3 and flux families, not {model.family!r}")
+    out = _vae_output(model, pipeline, latents, height, width)
     with torch.inference_mode():
-        z = latents.to(device=model.device, dtype=vae.dtype) / vae.config.scaling_factor  # [B, C, h, w]
-        z = z + (vae.config.shift_factor or 0.0)
-        images = vae.decode(z, return_dict=False)[0]  # [B, 3, H, W] in about [-1, 1]
-    return (images.float().cpu() / 2 + 0.5).clamp(0, 1)
+        out = (out / 2 + 0.5).clamp(0, 1)  # VaeImageProcessor.denormalize, in the VAE's dtype
+        if model.family == "wan":
+            out = out.permute(0, 2, 1, 3, 4)  # [B, F, 3, H, W]
+        return out.float().cpu()
+
+
+def decode_uint8(model: LoadedModel, latents: torch.Tensor, *, height: int | None = None,
+                 width: int | None = None) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """x_T [B, ...] -> uint8 images [B, H, W, 3] (sd3, flux) or video frames [B, F, H, W, 3] (wan).
+
+    Images: the pipeline's image_processor.postprocess to "np", then (x * 255).round() as its
+    numpy_to_pil does. Video: video_processor.postprocess_video to "np", then
+    (x * 255).astype(uint8) as export_to_video does (it truncates). Raises ValueError (with the
+    reason) for a model without a decodable VAE.
+    """
+    pipeline, _ = model.snapshot()
+    out = _vae_output(model, pipeline, latents, height, width)
+    with torch.inference_mode():
+        if model.family == "wan":
+            video = pipeline.video_processor.postprocess_video(out, output_type="np")  # [B, F, H, W, 3]
+            return np.asarray((video * 255).astype(np.uint8))
+        images = pipeline.image_processor.postprocess(out, output_type="np")  # [B, H, W, 3] in [0, 1]
+        return np.asarray((images * 255).round().astype(np.uint8))

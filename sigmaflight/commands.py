@@ -217,12 +217,12 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_plot(args: argparse.Namespace) -> int:
-    from control.plot import render_png
+    from sigmaflight.plot import render_png
     from sigmaflight.report import build_report, read_arrow_file
 
     schema, batches = read_arrow_file(args.file)
     rep = build_report(args.file, schema, batches)
-    w, h = render_png(args.file, rep, args.output, decode=args.decode)
+    w, h = render_png(args.file, rep, args.output, decode=args.decode, model_dir=args.model_dir)
     print(f"wrote {args.output}: {w}x{h} PNG", file=sys.stderr)
     return 0
 
@@ -290,13 +290,16 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("--strict", action="store_true", help="exit 1 when there is any flag")
     p.set_defaults(run=run_inspect)
 
-    p = sub.add_parser("plot", help="Draw a trajectory as a 1200x400 PNG.", formatter_class=fmt,
-                       description="Write a 1200x400 PNG: the sigma schedule with stochastic steps marked, "
-                       "log-prob per step per sample, and x_T decoded by the model's VAE (built-in models).")
+    p = sub.add_parser("plot", help="Draw a trajectory as a PNG (matplotlib).", formatter_class=fmt,
+                       description="Write a 1400x900 PNG: the sigma schedule with stochastic steps marked, "
+                       "log-prob per step per sample (or prompt), and x_T decoded by the model's own VAE with "
+                       "each sample's prompt under it (video: frames); the panel says why when it cannot decode.")
     p.add_argument("file", metavar="FILE.arrow", help="a trajectory file (see `sigmaflight pull`)")
     p.add_argument("-o", "--output", required=True, metavar="OUT.png", help="PNG to write")
     p.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
                    help="decode x_T through the model's VAE [default: on]")
+    p.add_argument("--model-dir", metavar="DIR", help="the local diffusers pipeline the server loaded "
+                   "(`serve --model-dir`), to decode with its VAE [default: the built-in named in the file]")
     p.set_defaults(run=run_plot)
 
 

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from control import metrics
+from control.http import metrics
 from control.http.errors import HttpError, error_response, invalid
 from control.http.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from control.http.openapi import openapi_document
@@ -210,7 +210,7 @@ async def readyz(request: Request) -> Response:
 async def get_metrics(request: Request) -> Response:
     service = _service(request)
     text = metrics.render(service, request.app.state.http_counts)
-    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+    return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
 
 
 async def get_openapi(request: Request) -> Response:

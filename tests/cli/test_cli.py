@@ -11,8 +11,8 @@ import pyarrow.flight as flight
 import pytest
 from PIL import Image
 
-from control.plot import PLOT_HEIGHT, PLOT_WIDTH
 from sigmaflight.cli import main
+from sigmaflight.plot import PLOT_HEIGHT, PLOT_WIDTH
 from tests.servers import ServerProcess
 
 
@@ -97,19 +97,18 @@ def test_submit_status_pull_inspect_plot(server, tmp_path, capsys):
     remote = json.loads(out)
     assert rc == 0 and remote["schedule"] == rep["schedule"] and remote["latents"] == rep["latents"]
 
-    # plot: a PNG of the documented size, with the decoded images in the third panel.
+    # plot: a PNG of the documented size, with the decoded images in the lower half (tests/cli/test_plot.py: the rest).
     png = tmp_path / "t.png"
     rc, _, err = cli(capsys, "plot", str(out_file), "-o", str(png))
     assert rc == 0 and f"{PLOT_WIDTH}x{PLOT_HEIGHT}" in err
     with Image.open(png) as im:
-        assert im.format == "PNG" and im.size == (1200, 400) == (PLOT_WIDTH, PLOT_HEIGHT)
+        assert im.format == "PNG" and im.size == (1400, 900) == (PLOT_WIDTH, PLOT_HEIGHT)
         pixels = np.asarray(im.convert("RGB"), dtype=np.int32)
-    grid = pixels[30:390, 810:1190]
-    assert grid.std() > 5  # decoded images, not a blank panel
+    assert pixels[480:800].std() > 5  # decoded images, not a blank panel
     rc, _, _ = cli(capsys, "plot", str(out_file), "-o", str(tmp_path / "n.png"), "--no-decode")
     with Image.open(tmp_path / "n.png") as im:
-        blank = np.asarray(im.convert("RGB"), dtype=np.int32)[60:390, 810:1190]
-    assert im.size == (1200, 400) and (blank == 255).mean() > 0.95
+        blank = np.asarray(im.convert("RGB"), dtype=np.int32)[520:800]
+    assert im.size == (1400, 900) and (blank == 255).mean() > 0.95
 
 
 def _rewrite(path, out, **meta_json) -> None:
