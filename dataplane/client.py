@@ -28,7 +28,6 @@ from dataplane.files import read_trajectory
 from dataplane.record import TrajectoryHeader
 from dataplane.schema import header_from_schema, schema_metadata
 from dataplane.server import DESCRIPTOR_ROOT
-from dataplane.store import TICKET_PREFIX
 
 
 @dataclass(frozen=True)
@@ -262,9 +261,7 @@ class TrajectoryClient:
             return ticket_or_id
         if isinstance(ticket_or_id, bytes):
             return flight.Ticket(ticket_or_id)
-        if ticket_or_id.startswith(TICKET_PREFIX):
-            return flight.Ticket(ticket_or_id.encode())
-        return self.flight_info(ticket_or_id).endpoints[0].ticket  # a rollout id
+        return flight.Ticket(ticket_or_id.encode())  # the server looks up a ticket or a rollout id
 
     def _action(self, kind: str, rollout_id: str) -> dict[str, Any]:
         body = json.dumps({"id": rollout_id}).encode()
@@ -318,59 +315,67 @@ class TrajectoryClient:
         ``iter_chunks``."""
         fi = self.flight_info(rollout_id, partitions=streams)
         schema = fi.schema
-        n = len(fi.endpoints)
-        queues: list[queue.Queue[Any]] = [queue.Queue(maxsize=prefetch) for _ in range(n)]
-        stop = threading.Event()
-        done = object()
-
-        def pump(k: int, ep: flight.FlightEndpoint) -> None:
-            q = queues[k]
-            try:
-                client = flight.FlightClient(
-                    self._location, tls_root_certs=self._tls_root_certs
-                ) if k else self._client
-                reader = client.do_get(ep.ticket, self._options)
-                for b in _flight_batches(reader):
-                    while not stop.is_set():
-                        try:
-                            q.put(b, timeout=0.5)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
-                        return
-                q.put(done)
-            except BaseException as e:  # handed to the consumer
-                q.put(e)
-
-        threads = [threading.Thread(target=pump, args=(k, ep), daemon=True) for k, ep in enumerate(fi.endpoints)]
-        for th in threads:
-            th.start()
-
-        def ordered() -> Iterator[pa.RecordBatch]:
-            k = 0
-            finished = 0
-            try:
-                while finished < n:
-                    item = queues[k].get()
-                    if item is done:
-                        finished += 1
-                        # batch j lives on endpoint j % n: once one endpoint ends, all later ones end
-                        for j in range(1, n):
-                            if queues[(k + j) % n].get() is not done:
-                                raise RuntimeError("partitioned stream ended out of order")
-                        return
-                    if isinstance(item, BaseException):
-                        raise item
-                    yield item
-                    k = (k + 1) % n
-            finally:
-                stop.set()
-
+        clients = [self._client] + [
+            flight.FlightClient(self._location, tls_root_certs=self._tls_root_certs) for _ in fi.endpoints[1:]
+        ]
+        ordered = _round_robin([(c, ep.ticket) for c, ep in zip(clients, fi.endpoints, strict=True)], self._options, prefetch)
         if merge_steps:
-            return iter_step_tensors(schema, ordered(), copy=copy)
+            return iter_step_tensors(schema, ordered, copy=copy)
         dtype = header_from_schema(schema).latent_dtype
-        return (batch_to_tensors(b, copy=copy, dtype=dtype) for b in ordered())
+        return (batch_to_tensors(b, copy=copy, dtype=dtype) for b in ordered)
+
+
+def _round_robin(
+    sources: list[tuple[flight.FlightClient, flight.Ticket]], options: flight.FlightCallOptions, prefetch: int
+) -> Iterator[pa.RecordBatch]:
+    """Pull every (client, ticket) concurrently, one thread each; yield batch j from source
+    j % n (the partition tickets' order)."""
+    n = len(sources)
+    queues: list[queue.Queue[Any]] = [queue.Queue(maxsize=prefetch) for _ in range(n)]
+    stop = threading.Event()
+    for k, (client, ticket) in enumerate(sources):
+        threading.Thread(target=_pump, args=(client, ticket, options, queues[k], stop), daemon=True).start()
+    k = 0
+    try:
+        while True:
+            item = queues[k].get()
+            if item is _DONE:
+                # batch j lives on source j % n: once one source ends, all later ones end
+                for j in range(1, n):
+                    if queues[(k + j) % n].get() is not _DONE:
+                        raise RuntimeError("partitioned stream ended out of order")
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            k = (k + 1) % n
+    finally:
+        stop.set()
+
+
+_DONE = object()
+
+
+def _pump(
+    client: flight.FlightClient,
+    ticket: flight.Ticket,
+    options: flight.FlightCallOptions,
+    q: queue.Queue[Any],
+    stop: threading.Event,
+) -> None:
+    try:
+        for b in _flight_batches(client.do_get(ticket, options)):
+            while not stop.is_set():
+                try:
+                    q.put(b, timeout=0.5)
+                    break
+                except queue.Full:
+                    continue
+            if stop.is_set():
+                return
+        q.put(_DONE)
+    except BaseException as e:  # handed to the consumer
+        q.put(e)
 
 
 def pull_file(path: str | Path) -> Trajectory:

@@ -124,13 +124,7 @@ class FlightDataServer(flight.FlightServerBase):
         its call open forever (its write is blocked on flow control): after ``timeout``
         seconds we stop waiting, so SIGTERM still exits in time."""
         self.store.stop_event.set()
-        for rid in self.store.ids():
-            try:
-                e = self.store.get(rid)
-            except TicketNotFound:
-                continue
-            with e.cond:
-                e.cond.notify_all()
+        self.store.wake_all()
         closer = threading.Thread(target=self.shutdown, name="flight-shutdown", daemon=True)
         closer.start()
         closer.join(timeout)
@@ -157,25 +151,9 @@ class FlightDataServer(flight.FlightServerBase):
             }
 
     # -- helpers ---------------------------------------------------------------------------
-    def _rollout_id(self, descriptor: flight.FlightDescriptor) -> str:
-        if descriptor.descriptor_type != flight.DescriptorType.PATH:
-            raise flight.FlightServerError(
-                f"unsupported descriptor type {descriptor.descriptor_type.name}: "
-                f"use FlightDescriptor.for_path({DESCRIPTOR_ROOT!r}, <rollout id>)"
-            )
-        try:
-            path = [p.decode("utf-8") if isinstance(p, bytes) else str(p) for p in descriptor.path]
-        except UnicodeDecodeError:
-            raise flight.FlightServerError("descriptor path is not UTF-8") from None
-        if len(path) != 2 or path[0] != DESCRIPTOR_ROOT or not path[1]:
-            raise flight.FlightServerError(
-                _clip(f"bad descriptor path {path[:4]!r}", 300) + f": expected [{DESCRIPTOR_ROOT!r}, <rollout id>]"
-            )
-        return path[1]
-
     def _entry(self, rollout_id: str) -> Entry:
         try:
-            return self.store.get(rollout_id)
+            return self.store.find(rollout_id)
         except TicketNotFound as e:
             raise flight.FlightServerError(_clip(str(e), 300)) from None
 
@@ -237,25 +215,15 @@ class FlightDataServer(flight.FlightServerBase):
         """``for_path("rollouts", id)``: one endpoint streaming the whole rollout.
         ``for_path("rollouts", id, "partitions", n)``: n endpoints (batches k, k+n, ...)
         that a client may pull concurrently; concatenated in step order they are the rollout."""
-        if descriptor.descriptor_type == flight.DescriptorType.PATH and len(descriptor.path) == 4:
-            parts = [bytes(p) for p in descriptor.path]
-            if parts[0] == DESCRIPTOR_ROOT.encode() and parts[2] == b"partitions":
-                try:
-                    n = int(parts[3])
-                    if not 1 <= n <= 64:
-                        raise ValueError
-                except ValueError:
-                    raise flight.FlightServerError(
-                        f"bad partition count {parts[3][:20]!r}: expected an integer in 1..64"
-                    ) from None
-                rid = parts[1].decode("utf-8", errors="replace")
-                return self._flight_info(self._entry(rid), n)
-        return self._flight_info(self._entry(self._rollout_id(descriptor)))
+        rid, n = _partitioned(descriptor)
+        if rid is not None:
+            return self._flight_info(self._entry(rid), n)
+        return self._flight_info(self._entry(_rollout_id(descriptor)))
 
     def get_schema(
         self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor
     ) -> flight.SchemaResult:
-        return flight.SchemaResult(self._entry(self._rollout_id(descriptor)).schema)
+        return flight.SchemaResult(self._entry(_rollout_id(descriptor)).schema)
 
     def list_flights(self, context: flight.ServerCallContext, criteria: bytes) -> Iterator[flight.FlightInfo]:
         """Every rollout that can be streamed (running or succeeded)."""
@@ -282,6 +250,40 @@ class FlightDataServer(flight.FlightServerBase):
             return iter([json.dumps({"id": rid, "cancelled": done}).encode()])
         done = bool(self._on_release(rid) if self._on_release is not None else self.store.release(rid))
         return iter([json.dumps({"id": rid, "released": done}).encode()])
+
+
+def _rollout_id(descriptor: flight.FlightDescriptor) -> str:
+    """The rollout id (or ticket) of a ``for_path("rollouts", id)`` descriptor."""
+    if descriptor.descriptor_type != flight.DescriptorType.PATH:
+        raise flight.FlightServerError(
+            f"unsupported descriptor type {descriptor.descriptor_type.name}: "
+            f"use FlightDescriptor.for_path({DESCRIPTOR_ROOT!r}, <rollout id>)"
+        )
+    try:
+        path = [p.decode("utf-8") if isinstance(p, bytes) else str(p) for p in descriptor.path]
+    except UnicodeDecodeError:
+        raise flight.FlightServerError("descriptor path is not UTF-8") from None
+    if len(path) != 2 or path[0] != DESCRIPTOR_ROOT or not path[1]:
+        raise flight.FlightServerError(
+            _clip(f"bad descriptor path {path[:4]!r}", 300) + f": expected [{DESCRIPTOR_ROOT!r}, <rollout id>]"
+        )
+    return path[1]
+
+
+def _partitioned(descriptor: flight.FlightDescriptor) -> tuple[str | None, int]:
+    """(id, n) for ``for_path("rollouts", id, "partitions", n)``; (None, 1) for any other."""
+    if descriptor.descriptor_type != flight.DescriptorType.PATH or len(descriptor.path) != 4:
+        return None, 1
+    parts = [bytes(p) for p in descriptor.path]
+    if parts[0] != DESCRIPTOR_ROOT.encode() or parts[2] != b"partitions":
+        return None, 1
+    try:
+        n = int(parts[3])
+        if not 1 <= n <= 64:
+            raise ValueError
+    except ValueError:
+        raise flight.FlightServerError(f"bad partition count {parts[3][:20]!r}: expected an integer in 1..64") from None
+    return parts[1].decode("utf-8", errors="replace"), n
 
 
 def _clip(message: str, limit: int) -> str:
