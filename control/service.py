@@ -37,7 +37,8 @@ class Service:
                 if (sub / "model_index.json").is_file():
                     self.registry.register_local(sub.name, str(sub), device=device, dtype=dtype)
         self.store = ResultStore(
-            memory_budget_bytes=settings.store_budget_bytes, data_dir=settings.data_dir, ttl_s=None
+            memory_budget_bytes=settings.store_budget_bytes, data_dir=settings.data_dir, ttl_s=None,
+            shm_dir=settings.shm_dir, shm_private=bool(tokens),
         )
         self.backend: Backend
         if settings.backend == "ray":

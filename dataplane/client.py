@@ -1,5 +1,11 @@
 """Trainer client: pull a rollout over Flight (or read a file) into torch tensors.
 
+On the server's host, a finished rollout kept in ``--shm-dir`` is read straight from its
+shared-memory file (the ``file://...?host=`` location of its FlightInfo endpoint):
+``pull`` makes one copy into aligned tensors, ``iter_chunks`` / ``iter_steps`` give
+zero-copy views over the mapped file. Anything else (another host, an unreadable file, a
+running rollout, ``transport="flight"``) goes over gRPC; the debug log says why.
+
     from dataplane.client import TrajectoryClient
     with TrajectoryClient("grpc+tcp://127.0.0.1:8815", token="...") as c:
         traj = c.pull(ticket_or_rollout_id)          # everything, one copy, aligned
@@ -12,22 +18,28 @@
 from __future__ import annotations
 
 import json
+import logging
 import queue
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.flight as flight
 import torch
 
 from dataplane.codec import StepTensors, batch_to_tensors
+from dataplane.durable import FOOTER_TICKET
 from dataplane.files import read_trajectory
 from dataplane.record import TrajectoryHeader
 from dataplane.schema import header_from_schema, schema_metadata
 from dataplane.server import DESCRIPTOR_ROOT
+from dataplane.shm import host_id, parse_file_location
+
+log = logging.getLogger(__name__)
+Transport = Literal["auto", "flight"]
 
 
 @dataclass(frozen=True)
@@ -134,7 +146,7 @@ class Trajectory:
             k = pos.get(st.step)
             if k is None:
                 raise ValueError(f"stream holds step {st.step}, not listed in sigmaflight.steps")
-            idx = st.sample
+            idx = _rows(st.sample)
             latents[idx, k] = st.latent
             seen[idx, k] = True
             if st.step < t:
@@ -158,6 +170,15 @@ class Trajectory:
     def from_file(cls, path: str | Path) -> Trajectory:
         schema, batches, _ = read_trajectory(path)
         return cls.from_batches(schema, batches)
+
+
+def _rows(sample: torch.Tensor) -> slice | torch.Tensor:
+    """A slice when the batch holds a contiguous run of samples (always, as the server writes
+    them): a strided copy instead of an index_put."""
+    n = len(sample)
+    if n and int(sample[-1]) - int(sample[0]) == n - 1 and bool((sample[1:] > sample[:-1]).all()):
+        return slice(int(sample[0]), int(sample[0]) + n)
+    return sample
 
 
 def _flight_batches(reader: flight.FlightStreamReader) -> Iterator[pa.RecordBatch]:
@@ -214,7 +235,16 @@ class TrajectoryClient:
         token: str | None = None,
         tls_root_certs: bytes | None = None,
         generic_options: list[tuple[str, Any]] | None = None,
+        transport: Transport = "auto",
+        host: str | None = None,
     ) -> None:
+        """``transport="flight"`` always streams over gRPC; ``"auto"`` reads a finished
+        rollout's shared-memory file when its location names this host (``host``: this
+        host's id, default ``dataplane.shm.host_id()``) and the file can be opened."""
+        if transport not in ("auto", "flight"):
+            raise ValueError(f"transport must be 'auto' or 'flight', got {transport!r}")
+        self.transport = transport
+        self.host = host if host is not None else host_id()
         self._client = flight.FlightClient(
             location, tls_root_certs=tls_root_certs, generic_options=generic_options or None
         )
@@ -285,25 +315,66 @@ class TrajectoryClient:
     def schema(self, ticket_or_id: str | bytes | flight.Ticket) -> pa.Schema:
         return self.reader(ticket_or_id).schema
 
+    def local_file(self, ticket_or_id: str | bytes | flight.Ticket) -> tuple[pa.Schema, list[pa.RecordBatch]] | None:
+        """(schema, memory-mapped batches) of the rollout's shared-memory file when this client
+        may read it directly, else None (and the debug log says why)."""
+        if self.transport == "flight":
+            return None
+        key = ticket_or_id.ticket if isinstance(ticket_or_id, flight.Ticket) else ticket_or_id
+        name = key.decode("utf-8", errors="replace") if isinstance(key, bytes) else key
+        try:
+            fi = self.flight_info(name)
+        except flight.FlightError as e:
+            log.debug("%s: no FlightInfo (%s); streaming over gRPC", name[:80], str(e).splitlines()[0][:200])
+            return None
+        ep = fi.endpoints[0]
+        files = [f for f in (parse_file_location(loc.uri.decode()) for loc in ep.locations) if f is not None]
+        if not files:
+            log.debug("%s: no file location (not finished, or the server has no --shm-dir)", name[:80])
+            return None
+        path, host = files[0]
+        if host != self.host:
+            log.debug("%s: file %s is on host %s, not this host %s; streaming over gRPC", name[:80], path, host, self.host)
+            return None
+        try:
+            schema, batches, footer = read_trajectory(path, validate=False)
+        except (OSError, ValueError) as e:
+            log.debug("%s: cannot read %s (%s); streaming over gRPC", name[:80], path, e)
+            return None
+        if footer.get(FOOTER_TICKET, "").encode() != ep.ticket.ticket or not schema.equals(fi.schema):
+            log.debug("%s: %s holds another trajectory; streaming over gRPC", name[:80], path)
+            return None
+        return schema, batches
+
     def pull(self, ticket_or_id: str | bytes | flight.Ticket) -> Trajectory:
         """The whole rollout; waits for a running one to finish (streams as it goes)."""
+        local = self.local_file(ticket_or_id)
+        if local is not None:
+            return Trajectory.from_batches(*local)
         return Trajectory.from_reader(self.reader(ticket_or_id))
+
+    def _batches(self, ticket_or_id: str | bytes | flight.Ticket) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
+        local = self.local_file(ticket_or_id)
+        if local is not None:
+            return local[0], iter(local[1])
+        reader = self.reader(ticket_or_id)
+        return reader.schema, _flight_batches(reader)
 
     def iter_steps(self, ticket_or_id: str | bytes | flight.Ticket, *, copy: bool = False) -> Iterator[StepTensors]:
         """One StepTensors per step, as the stream delivers it (memory stays flat).
 
-        ``copy=False``: latents are read-only views of the received buffers (valid as
-        long as you hold them); ``copy=True``: aligned, writable tensors."""
-        reader = self.reader(ticket_or_id)
-        return iter_step_tensors(reader.schema, _flight_batches(reader), copy=copy)
+        ``copy=False``: latents are read-only views of the received buffers or the mapped
+        file (valid as long as you hold them); ``copy=True``: aligned, writable tensors."""
+        schema, batches = self._batches(ticket_or_id)
+        return iter_step_tensors(schema, batches, copy=copy)
 
     def iter_chunks(self, ticket_or_id: str | bytes | flight.Ticket, *, copy: bool = False) -> Iterator[StepTensors]:
         """One StepTensors per record batch (one step, a run of samples; see ``.sample``):
-        zero-copy views of the received buffers, never concatenated. The fastest way
-        through a stream whose steps are larger than one batch."""
-        reader = self.reader(ticket_or_id)
-        dtype = header_from_schema(reader.schema).latent_dtype
-        for batch in _flight_batches(reader):
+        zero-copy views of the received buffers or the mapped file, never concatenated. The
+        fastest way through a stream whose steps are larger than one batch."""
+        schema, batches = self._batches(ticket_or_id)
+        dtype = header_from_schema(schema).latent_dtype
+        for batch in batches:
             yield batch_to_tensors(batch, copy=copy, dtype=dtype)
 
     def iter_steps_parallel(

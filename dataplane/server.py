@@ -70,6 +70,15 @@ class _StreamSlot:
         self._fin()
 
 
+class _Held(list[pa.RecordBatch]):
+    """A finished stream's batches, holding its slot: the list iterator drops the list (and
+    the slot is freed) when the stream is exhausted or the reader is dropped (disconnect)."""
+
+    def __init__(self, batches: list[pa.RecordBatch], slot: _StreamSlot) -> None:
+        super().__init__(batches)
+        self.slot = slot
+
+
 class FlightDataServer(flight.FlightServerBase):
     def __init__(
         self,
@@ -161,6 +170,9 @@ class FlightDataServer(flight.FlightServerBase):
         tickets = self.store.partition_tickets(entry.rollout_id, partitions)
         locations = [flight.Location(u) for u in self.locations]
         endpoints = [flight.FlightEndpoint(t.encode(), locations) for t in tickets]
+        file = self.store.file_location(entry) if partitions == 1 else None
+        if file is not None:  # extended location (GH-46193): same-host clients read it directly
+            endpoints = [flight.FlightEndpoint(tickets[0].encode(), [*locations, flight.Location(file)])]
         descriptor = flight.FlightDescriptor.for_path(DESCRIPTOR_ROOT, entry.rollout_id)
         return flight.FlightInfo(entry.schema, descriptor, endpoints, entry.total_records, entry.total_bytes)
 
@@ -207,6 +219,11 @@ class FlightDataServer(flight.FlightServerBase):
         except BaseException:
             slot.free()
             raise
+        done = entry.snapshot(start, stride)
+        if done is not None:  # finished: the C++ reader walks the list, no Python per batch
+            with self._lock:
+                self.bytes_served += sum(b.nbytes for b in done)
+            return flight.RecordBatchStream(pa.RecordBatchReader.from_batches(entry.schema, _Held(done, slot)))
         return flight.GeneratorStream(entry.schema, self._serve(entry, start, stride, slot))
 
     def get_flight_info(

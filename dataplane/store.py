@@ -7,11 +7,14 @@
   (dataplane/durable.py): a new store on the same directory serves it again.
 - Over ``memory_budget_bytes``, finished trajectories spill to their durable file
   (dataplane/budget.py).
+- With ``shm_dir``, each finished trajectory is one shared-memory file that the store
+  serves memory-mapped and same-host clients read directly (dataplane/shm.py).
 - TTL: finished entries older than ``ttl_s`` are dropped (lazily and by ``expire_now``).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -24,6 +27,7 @@ from dataplane.entry import EndedState, Entry, EntryInfo, RolloutEnded, State
 from dataplane.files import read_trajectory
 from dataplane.record import TrajectoryHeader
 from dataplane.schema import trajectory_schema
+from dataplane.shm import ShmDir
 from dataplane.tickets import TICKET_PREFIX, Resolved, TicketNotFound, TicketRegistry
 from dataplane.writer import TrajectoryWriter
 
@@ -39,6 +43,8 @@ __all__ = [
     "TrajectoryWriter",
     "malloc_trim",
 ]
+
+log = logging.getLogger(__name__)
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -63,7 +69,10 @@ class ResultStore:
         ttl_s: float | None = None,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         fsync: bool = True,
+        shm_dir: Path | None = None,
+        shm_private: bool = False,
     ) -> None:
+        """``shm_private``: shared-memory files mode 0600 (set it when tokens are configured)."""
         self.data_dir = Path(data_dir) if data_dir is not None else None
         self.ttl_s = ttl_s
         self.max_batch_bytes = int(max_batch_bytes)
@@ -75,12 +84,25 @@ class ResultStore:
         self.budget = MemoryBudget(memory_budget_bytes, self._lock)
         self._closed = False
         self.stop_event = threading.Event()
+        self.shm = ShmDir(shm_dir, private=shm_private) if shm_dir is not None else None
         self.durable = DurableDir(self.data_dir, fsync=fsync) if self.data_dir is not None else None
         if self.durable is not None:
             with self._lock:
                 for e in self.durable.scan(ttl_s):
                     self._entries[e.rollout_id] = e
                     self._tickets.bind(e.rollout_id, e.ticket)
+            self._restore_shm()
+
+    def _restore_shm(self) -> None:
+        """Write the durable trajectories back into shm_dir, newest first, within the budget."""
+        if self.shm is None:
+            return
+        for e in sorted(self._entries.values(), key=lambda e: -(e.finished_at or 0.0)):
+            if e.path is None or self.budget.used + e.num_bytes > self.budget.limit_bytes:
+                continue
+            e.shm_path = self.shm.copy_in(e.path)
+            e.replace_batches(self.shm.map(e.shm_path), in_memory=True)
+            self.budget.add(e.num_bytes)
 
     @property
     def memory_budget_bytes(self) -> int:
@@ -130,6 +152,8 @@ class ResultStore:
         self.budget.add(nbytes)
 
     def finished(self, entry: Entry) -> None:
+        if self.shm is not None:
+            self._move_to_shm(entry)
         entry.succeed()
         with self._lock:
             self._live.pop(entry.rollout_id, None)
@@ -142,6 +166,27 @@ class ResultStore:
         self.budget.add(-freed)
         trim_if_large(freed)
 
+    def _move_to_shm(self, e: Entry) -> None:
+        """The heap batches become one shared-memory file, served memory-mapped (same bytes,
+        still counted against the budget); on failure (e.g. /dev/shm full) they stay on the heap."""
+        assert self.shm is not None
+        try:
+            path = self.shm.write(e.rollout_id, e.schema, e.batches, e.ticket)
+            mapped = self.shm.map(path)
+        except OSError as exc:
+            log.warning("rollout %s stays on the heap: cannot write it to shm_dir (%s)", e.rollout_id, exc)
+            return
+        e.shm_path = path
+        e.replace_batches(mapped, in_memory=True)  # same boundaries: live readers keep their index
+        trim_if_large(e.num_bytes)
+
+    def file_location(self, entry: Entry) -> str | None:
+        """The ``file://...?host=`` location of a finished rollout in shm_dir, else None."""
+        path = entry.shm_path
+        if self.shm is None or path is None or entry.state != "succeeded":
+            return None
+        return self.shm.location(path)
+
     def _spill(self) -> None:
         with self._lock:
             entries = list(self._entries.values())
@@ -149,10 +194,14 @@ class ResultStore:
 
     @staticmethod
     def _serve_from_file(e: Entry) -> bool:
+        """Serve ``e`` from its durable file (and drop its shm copy); False if it has none."""
         if e.path is None:
             return False
         _, batches, _ = read_trajectory(e.path, validate=False)
         e.replace_batches(batches, in_memory=False)  # same boundaries as written
+        shm, e.shm_path = e.shm_path, None
+        if shm is not None:
+            shm.unlink(missing_ok=True)  # open maps keep their pages until unmapped
         return True
 
     # -- consumer side -------------------------------------------------------------------
@@ -234,8 +283,9 @@ class ResultStore:
             freed = e.num_bytes if e.in_memory else 0
             self.budget.add(-freed)
         e.end(reason, f"rollout was {reason}")
-        if e.path is not None:
-            e.path.unlink(missing_ok=True)
+        for path in (e.path, e.shm_path):
+            if path is not None:
+                path.unlink(missing_ok=True)
         trim_if_large(freed)
         return True
 
@@ -253,20 +303,23 @@ class ResultStore:
         return [rid for rid in old if self._drop(rid, "expired")]
 
     def stats(self) -> dict[str, int]:
-        """bytes_in_memory (what the budget counts), bytes_on_disk (durable files), entries, live."""
+        """bytes_in_memory (what the budget counts, shm files included), bytes_on_disk (durable
+        files), bytes_in_shm (shared-memory files), entries, live."""
         with self._lock:
             entries = list(self._entries.values())
             mem = self.budget.used
         return {
             "bytes_in_memory": mem,
             "bytes_on_disk": sum(_size(e.path) for e in entries),
+            "bytes_in_shm": sum(_size(e.shm_path) for e in entries),
             "entries": len(entries),
             "live": sum(1 for e in entries if e.state == "running"),
         }
 
     def close(self) -> None:
         """Stop waiting streams; running rollouts end as failed ("server shutting down").
-        Finished trajectories stay on disk (with data_dir) for the next store."""
+        Finished trajectories stay on disk (with data_dir) for the next store; their
+        shared-memory files are removed."""
         self.stop_event.set()
         with self._lock:
             self._closed = True
@@ -283,6 +336,10 @@ class ResultStore:
                 e.end("failed", "server shutting down")
             else:
                 e.end("closed", "store closed")
+            if e.shm_path is not None:
+                e.shm_path.unlink(missing_ok=True)
+        if self.shm is not None:
+            self.shm.close()
         malloc_trim()
 
     def __enter__(self) -> ResultStore:
