@@ -17,6 +17,8 @@ running rollout, ``transport="flight"``) goes over gRPC; the debug log says why.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import logging
 import queue
@@ -138,7 +140,7 @@ class Trajectory:
         header = header_from_schema(schema)
         b, t = header.num_samples, header.num_steps
         pos = {s: k for k, s in enumerate(header.steps)}
-        latents = torch.empty((b, len(header.steps), *header.latent_shape), dtype=header.latent_dtype)
+        latents = empty_hugepages((b, len(header.steps), *header.latent_shape), header.latent_dtype)
         log_probs = torch.full((b, t), float("nan"), dtype=torch.float32)
         seen = torch.zeros((b, len(header.steps)), dtype=torch.bool)
         for batch in batches:
@@ -170,6 +172,38 @@ class Trajectory:
     def from_file(cls, path: str | Path) -> Trajectory:
         schema, batches, _ = read_trajectory(path)
         return cls.from_batches(schema, batches)
+
+
+_MADV_HUGEPAGE = 14
+_HUGE = 2 << 20
+
+
+def empty_hugepages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.empty, with the kernel asked for transparent huge pages before the first touch.
+
+    A fresh multi-GiB tensor costs more in 4 KiB page faults than the copy into it (measured
+    here: 0.9 GB/s into fresh memory against 3.3 GB/s with huge pages, 5 GB/s into warm
+    memory); MADV_HUGEPAGE makes it one fault per 2 MiB. Linux only; elsewhere a no-op."""
+    t = torch.empty(shape, dtype=dtype)
+    nbytes = t.numel() * t.element_size()
+    if nbytes >= 4 * _HUGE and _libc is not None:
+        lo = -(-t.data_ptr() // _HUGE) * _HUGE
+        hi = (t.data_ptr() + nbytes) // _HUGE * _HUGE
+        if hi > lo:
+            _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE)
+    return t
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+_libc = _load_libc()
 
 
 def _rows(sample: torch.Tensor) -> slice | torch.Tensor:
