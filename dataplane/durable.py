@@ -47,6 +47,19 @@ def read_entry(path: Path, *, validate: bool = True) -> Entry:
     return e
 
 
+def serve_from_durable(e: Entry) -> bool:
+    """Serve ``e`` memory-mapped from its durable file (dropping any shared-memory copy):
+    what spilling does. False if it has no durable file."""
+    if e.path is None:
+        return False
+    _, batches, _ = read_trajectory(e.path, validate=False)
+    e.replace_batches(batches, in_memory=False)  # same boundaries as written: live readers keep their index
+    shm, e.shm_path = e.shm_path, None
+    if shm is not None:
+        shm.unlink(missing_ok=True)  # open maps keep their pages until unmapped
+    return True
+
+
 class DurableDir:
     """``<data_dir>/trajectories``: one ``<id>.arrow`` per finished trajectory."""
 

@@ -70,13 +70,21 @@ class _StreamSlot:
         self._fin()
 
 
-class _Held(list[pa.RecordBatch]):
-    """A finished stream's batches, holding its slot: the list iterator drops the list (and
-    the slot is freed) when the stream is exhausted or the reader is dropped (disconnect)."""
+class _CallSlot(flight.ServerMiddleware):
+    """Frees a do_get's stream slot when gRPC says the call is over (finished, failed or the
+    client went away): one Python call per stream, none per batch."""
 
-    def __init__(self, batches: list[pa.RecordBatch], slot: _StreamSlot) -> None:
-        super().__init__(batches)
-        self.slot = slot
+    def __init__(self) -> None:
+        self.slot: _StreamSlot | None = None
+
+    def call_completed(self, exception: BaseException | None) -> None:
+        if self.slot is not None:
+            self.slot.free()
+
+
+class _CallSlotFactory(flight.ServerMiddlewareFactory):
+    def start_call(self, info: flight.CallInfo, headers: dict[str, list[str]]) -> _CallSlot | None:
+        return _CallSlot() if info.method == flight.FlightMethod.DO_GET else None
 
 
 class FlightDataServer(flight.FlightServerBase):
@@ -94,7 +102,9 @@ class FlightDataServer(flight.FlightServerBase):
         max_concurrent_streams: int = 64,
     ) -> None:
         scheme = "grpc+tls" if tls_certificates else "grpc+tcp"
-        middleware = {"auth": BearerTokenMiddlewareFactory(tokens)} if tokens else None
+        middleware: dict[str, flight.ServerMiddlewareFactory] = {"slots": _CallSlotFactory()}
+        if tokens:
+            middleware["auth"] = BearerTokenMiddlewareFactory(tokens)
         super().__init__(
             f"{scheme}://{host}:{port}",
             tls_certificates=tls_certificates or None,
@@ -220,10 +230,14 @@ class FlightDataServer(flight.FlightServerBase):
             slot.free()
             raise
         done = entry.snapshot(start, stride)
-        if done is not None:  # finished: the C++ reader walks the list, no Python per batch
+        call = context.get_middleware("slots")
+        if done is not None and isinstance(call, _CallSlot):
+            # Finished: a C++ table reader streams it, with no Python (and no GIL) per batch;
+            # the slot is freed when the call completes.
+            call.slot = slot
             with self._lock:
                 self.bytes_served += sum(b.nbytes for b in done)
-            return flight.RecordBatchStream(pa.RecordBatchReader.from_batches(entry.schema, _Held(done, slot)))
+            return flight.RecordBatchStream(pa.Table.from_batches(done, schema=entry.schema))
         return flight.GeneratorStream(entry.schema, self._serve(entry, start, stride, slot))
 
     def get_flight_info(

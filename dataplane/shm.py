@@ -31,7 +31,9 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import pyarrow as pa
 
+from dataplane.budget import MemoryBudget, trim_if_large
 from dataplane.durable import open_writer
+from dataplane.entry import Entry
 from dataplane.files import TEMP_SUFFIX, read_trajectory
 
 log = logging.getLogger("dataplane.store")
@@ -88,6 +90,28 @@ class ShmDir:
             if p.name.endswith((".arrow", ".arrow" + TEMP_SUFFIX)):
                 log.warning("removing stale shared-memory trajectory %s (left by a dead process)", p)
                 p.unlink(missing_ok=True)
+
+    def adopt(self, e: Entry) -> None:
+        """A finishing entry's heap batches become one file here, served memory-mapped (same
+        bytes, still counted in the budget); on failure (e.g. /dev/shm full) they stay on the heap."""
+        try:
+            path = self.write(e.rollout_id, e.schema, e.batches, e.ticket)
+            mapped = self.map(path)
+        except OSError as exc:
+            log.warning("rollout %s stays on the heap: cannot write it to shm_dir (%s)", e.rollout_id, exc)
+            return
+        e.shm_path = path
+        e.replace_batches(mapped, in_memory=True)  # same boundaries: live readers keep their index
+        trim_if_large(e.num_bytes)
+
+    def restore(self, entries: list[Entry], budget: MemoryBudget) -> None:
+        """After a restart: copy durable trajectories back here, newest first, within the budget."""
+        for e in sorted(entries, key=lambda e: -(e.finished_at or 0.0)):
+            if e.path is None or budget.used + e.num_bytes > budget.limit_bytes:
+                continue
+            e.shm_path = self.copy_in(e.path)
+            e.replace_batches(self.map(e.shm_path), in_memory=True)
+            budget.add(e.num_bytes)
 
     def file_path(self, rollout_id: str) -> Path:
         return self.path / f"{rollout_id}.arrow"

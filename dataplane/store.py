@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import logging
 import re
 import threading
 import time
@@ -22,9 +21,8 @@ from pathlib import Path
 
 from dataplane.budget import MemoryBudget, malloc_trim, trim_if_large
 from dataplane.codec import DEFAULT_MAX_BATCH_BYTES
-from dataplane.durable import DurableDir
+from dataplane.durable import DurableDir, serve_from_durable
 from dataplane.entry import EndedState, Entry, EntryInfo, RolloutEnded, State
-from dataplane.files import read_trajectory
 from dataplane.record import TrajectoryHeader
 from dataplane.schema import trajectory_schema
 from dataplane.shm import ShmDir
@@ -43,8 +41,6 @@ __all__ = [
     "TrajectoryWriter",
     "malloc_trim",
 ]
-
-log = logging.getLogger(__name__)
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -91,18 +87,8 @@ class ResultStore:
                 for e in self.durable.scan(ttl_s):
                     self._entries[e.rollout_id] = e
                     self._tickets.bind(e.rollout_id, e.ticket)
-            self._restore_shm()
-
-    def _restore_shm(self) -> None:
-        """Write the durable trajectories back into shm_dir, newest first, within the budget."""
-        if self.shm is None:
-            return
-        for e in sorted(self._entries.values(), key=lambda e: -(e.finished_at or 0.0)):
-            if e.path is None or self.budget.used + e.num_bytes > self.budget.limit_bytes:
-                continue
-            e.shm_path = self.shm.copy_in(e.path)
-            e.replace_batches(self.shm.map(e.shm_path), in_memory=True)
-            self.budget.add(e.num_bytes)
+            if self.shm is not None:
+                self.shm.restore(list(self._entries.values()), self.budget)
 
     @property
     def memory_budget_bytes(self) -> int:
@@ -153,7 +139,7 @@ class ResultStore:
 
     def finished(self, entry: Entry) -> None:
         if self.shm is not None:
-            self._move_to_shm(entry)
+            self.shm.adopt(entry)
         entry.succeed()
         with self._lock:
             self._live.pop(entry.rollout_id, None)
@@ -166,20 +152,6 @@ class ResultStore:
         self.budget.add(-freed)
         trim_if_large(freed)
 
-    def _move_to_shm(self, e: Entry) -> None:
-        """The heap batches become one shared-memory file, served memory-mapped (same bytes,
-        still counted against the budget); on failure (e.g. /dev/shm full) they stay on the heap."""
-        assert self.shm is not None
-        try:
-            path = self.shm.write(e.rollout_id, e.schema, e.batches, e.ticket)
-            mapped = self.shm.map(path)
-        except OSError as exc:
-            log.warning("rollout %s stays on the heap: cannot write it to shm_dir (%s)", e.rollout_id, exc)
-            return
-        e.shm_path = path
-        e.replace_batches(mapped, in_memory=True)  # same boundaries: live readers keep their index
-        trim_if_large(e.num_bytes)
-
     def file_location(self, entry: Entry) -> str | None:
         """The ``file://...?host=`` location of a finished rollout in shm_dir, else None."""
         path = entry.shm_path
@@ -190,19 +162,7 @@ class ResultStore:
     def _spill(self) -> None:
         with self._lock:
             entries = list(self._entries.values())
-        self.budget.spill(entries, self._serve_from_file)
-
-    @staticmethod
-    def _serve_from_file(e: Entry) -> bool:
-        """Serve ``e`` from its durable file (and drop its shm copy); False if it has none."""
-        if e.path is None:
-            return False
-        _, batches, _ = read_trajectory(e.path, validate=False)
-        e.replace_batches(batches, in_memory=False)  # same boundaries as written
-        shm, e.shm_path = e.shm_path, None
-        if shm is not None:
-            shm.unlink(missing_ok=True)  # open maps keep their pages until unmapped
-        return True
+        self.budget.spill(entries, serve_from_durable)
 
     # -- consumer side -------------------------------------------------------------------
     def ticket_for(self, rollout_id: str) -> str:
