@@ -64,7 +64,7 @@ class _StreamSlot:
     """Holds one of max_concurrent_streams; freed when the stream ends or is dropped."""
 
     def __init__(self, server: FlightDataServer) -> None:
-        self._fin = weakref.finalize(self, server._stream_closed)
+        self._fin = weakref.finalize(self, server.stream_closed)
 
     def free(self) -> None:
         self._fin()
@@ -186,7 +186,8 @@ class FlightDataServer(flight.FlightServerBase):
         descriptor = flight.FlightDescriptor.for_path(DESCRIPTOR_ROOT, entry.rollout_id)
         return flight.FlightInfo(entry.schema, descriptor, endpoints, entry.total_records, entry.total_bytes)
 
-    def _stream_closed(self) -> None:
+    def stream_closed(self) -> None:
+        """A stream slot came back (called by _StreamSlot)."""
         with self._lock:
             self.active_streams -= 1
 
