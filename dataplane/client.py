@@ -21,20 +21,22 @@ import ctypes
 import ctypes.util
 import json
 import logging
+import os
 import queue
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 import torch
 
 from dataplane.codec import StepTensors, batch_to_tensors
 from dataplane.durable import FOOTER_TICKET
-from dataplane.files import read_trajectory
+from dataplane.files import map_trajectory, read_trajectory
 from dataplane.record import TrajectoryHeader
 from dataplane.schema import header_from_schema, schema_metadata
 from dataplane.server import DESCRIPTOR_ROOT
@@ -135,8 +137,12 @@ class Trajectory:
 
     # -- construction ------------------------------------------------------------------
     @classmethod
-    def from_batches(cls, schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> Trajectory:
-        """Assemble (one copy per latent into one aligned, writable tensor)."""
+    def from_batches(
+        cls, schema: pa.Schema, batches: Iterable[pa.RecordBatch], *, source: FileSource | None = None
+    ) -> Trajectory:
+        """Assemble (one copy per latent into one aligned, writable tensor). With ``source``
+        (the batches' memory-mapped file), latents are read from the file straight into the
+        tensor (preadv: the kernel copies, no page faults on the mapping)."""
         header = header_from_schema(schema)
         b, t = header.num_samples, header.num_steps
         pos = {s: k for k, s in enumerate(header.steps)}
@@ -149,7 +155,8 @@ class Trajectory:
             if k is None:
                 raise ValueError(f"stream holds step {st.step}, not listed in sigmaflight.steps")
             idx = _rows(st.sample)
-            latents[idx, k] = st.latent
+            if source is None or not isinstance(idx, slice) or not source.read_latents(batch, latents[idx, k]):
+                latents[idx, k] = st.latent
             seen[idx, k] = True
             if st.step < t:
                 log_probs[idx, st.step] = st.log_prob
@@ -204,6 +211,46 @@ def _load_libc() -> ctypes.CDLL | None:
 
 
 _libc = _load_libc()
+
+
+class LocalFile(NamedTuple):
+    schema: pa.Schema
+    batches: list[pa.RecordBatch]
+    """Memory-mapped: zero-copy views for iter_chunks / iter_steps."""
+    source: FileSource
+    """The same file, for pull's one copy (preadv)."""
+
+
+class FileSource:
+    """A memory-mapped trajectory file, read with preadv into tensors (one copy by the kernel)."""
+
+    _IOV_MAX = 1024
+
+    def __init__(self, path: Path, base_address: int, size: int) -> None:
+        self.path = path
+        self._base = base_address
+        self._size = size
+
+    def read_latents(self, batch: pa.RecordBatch, dest: torch.Tensor) -> bool:
+        """Copy the batch's latent rows into ``dest`` [rows, *shape] (each row contiguous).
+        False (nothing trusted) if the batch is not in this file or a read comes up short."""
+        storage = batch.column("latent").storage
+        values = storage.values
+        n = int(np.prod(dest.shape[1:]))
+        row = n * dest.element_size()
+        off = values.buffers()[1].address - self._base + (values.offset + storage.offset * n) * dest.element_size()
+        if len(dest) != len(storage) or off < 0 or off + row * len(dest) > self._size:
+            return False
+        views = [dest[j].view(-1).view(torch.uint8).numpy().data for j in range(len(dest))]  # views, never copies
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            for a in range(0, len(views), self._IOV_MAX):
+                chunk = views[a : a + self._IOV_MAX]
+                if os.preadv(fd, chunk, off + a * row) != row * len(chunk):
+                    return False
+        finally:
+            os.close(fd)
+        return True
 
 
 def _rows(sample: torch.Tensor) -> slice | torch.Tensor:
@@ -349,8 +396,8 @@ class TrajectoryClient:
     def schema(self, ticket_or_id: str | bytes | flight.Ticket) -> pa.Schema:
         return self.reader(ticket_or_id).schema
 
-    def local_file(self, ticket_or_id: str | bytes | flight.Ticket) -> tuple[pa.Schema, list[pa.RecordBatch]] | None:
-        """(schema, memory-mapped batches) of the rollout's shared-memory file when this client
+    def local_file(self, ticket_or_id: str | bytes | flight.Ticket) -> LocalFile | None:
+        """The rollout's shared-memory file (schema, memory-mapped batches) when this client
         may read it directly, else None (and the debug log says why)."""
         if self.transport == "flight":
             return None
@@ -371,26 +418,26 @@ class TrajectoryClient:
             log.debug("%s: file %s is on host %s, not this host %s; streaming over gRPC", name[:80], path, host, self.host)
             return None
         try:
-            schema, batches, footer = read_trajectory(path, validate=False)
+            m = map_trajectory(path, validate=False)
         except (OSError, ValueError) as e:
             log.debug("%s: cannot read %s (%s); streaming over gRPC", name[:80], path, e)
             return None
-        if footer.get(FOOTER_TICKET, "").encode() != ep.ticket.ticket or not schema.equals(fi.schema):
+        if m.footer.get(FOOTER_TICKET, "").encode() != ep.ticket.ticket or not m.schema.equals(fi.schema):
             log.debug("%s: %s holds another trajectory; streaming over gRPC", name[:80], path)
             return None
-        return schema, batches
+        return LocalFile(m.schema, m.batches, FileSource(path, m.base_address, m.size))
 
     def pull(self, ticket_or_id: str | bytes | flight.Ticket) -> Trajectory:
         """The whole rollout; waits for a running one to finish (streams as it goes)."""
         local = self.local_file(ticket_or_id)
         if local is not None:
-            return Trajectory.from_batches(*local)
+            return Trajectory.from_batches(local.schema, local.batches, source=local.source)
         return Trajectory.from_reader(self.reader(ticket_or_id))
 
     def _batches(self, ticket_or_id: str | bytes | flight.Ticket) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
         local = self.local_file(ticket_or_id)
         if local is not None:
-            return local[0], iter(local[1])
+            return local.schema, iter(local.batches)
         reader = self.reader(ticket_or_id)
         return reader.schema, _flight_batches(reader)
 

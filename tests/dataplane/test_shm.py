@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dataplane.client import TrajectoryClient
+from dataplane.codec import batch_to_tensors
 from dataplane.record import StepBatch, TrajectoryHeader
 from dataplane.server import FlightDataServer
 from dataplane.shm import host_id, parse_file_location
@@ -208,3 +209,26 @@ def test_a_file_of_another_trajectory_at_the_path_is_not_read(tmp_path, caplog):
             got = tc.pull("x")
         assert "holds another trajectory" in caplog.text and srv.metrics()["streams_served"] == 1
         assert torch.equal(got.latent(0), ref[0].latent)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_pull_from_the_file_reads_every_dtype_split_steps_and_long_batches_bit_exactly(tmp_path, dtype):
+    # 1500 samples of 2x2x2: one batch holds more rows than one preadv takes (IOV_MAX 1024);
+    # with max_batch_bytes 8 KiB a step spans several batches.
+    header = build_header("wide", T=2, B=1500, shape=(2, 2, 2), dtype=dtype)
+    for max_batch in (8 << 10, 8 << 20):
+        shm = tmp_path / f"shm{max_batch}"
+        with ResultStore(memory_budget_bytes=1 << 30, shm_dir=shm, max_batch_bytes=max_batch) as s, \
+                FlightDataServer(s) as srv:
+            ref = fill(s, header)
+            with TrajectoryClient(srv.locations[0]) as tc:
+                local = tc.local_file("wide")
+                assert local is not None
+                for batch in local.batches:  # the preadv path itself, against the mapped bytes
+                    view = batch_to_tensors(batch, dtype=dtype)
+                    dest = torch.empty_like(view.latent)
+                    assert local.source.read_latents(batch, dest) and torch.equal(dest, view.latent)
+                got = tc.pull("wide")
+            assert srv.metrics()["streams_served"] == 0
+            for i, st in ref.items():
+                assert torch.equal(got.latent(i), st.latent)
