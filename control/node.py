@@ -35,6 +35,8 @@ class NodeConfig:
     model_dir: str | None = None
     """Directory of local diffusers pipelines, one per subdirectory (loaded at start-up)."""
     data_dir: str | None = None
+    shm_dir: str | None = None
+    """Keep finished trajectories as memory-mapped IPC files here (same-host trainers read them)."""
     store_budget_bytes: int = 4 << 30
     host: str = "127.0.0.1"
     port: int = 0
@@ -95,6 +97,8 @@ class Node:
             memory_budget_bytes=config.store_budget_bytes,
             data_dir=Path(config.data_dir) if config.data_dir is not None else None,
             ttl_s=None,
+            shm_dir=Path(config.shm_dir) if config.shm_dir is not None else None,
+            shm_private=bool(config.tokens),
         )
         self.flight = FlightDataServer(
             self.store,

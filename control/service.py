@@ -24,6 +24,7 @@ def node_config(settings: Settings) -> NodeConfig:
         dtype=settings.dtype,
         model_dir=str(settings.model_dir) if settings.model_dir is not None else None,
         data_dir=str(settings.data_dir) if settings.data_dir is not None else None,
+        shm_dir=str(settings.shm_dir) if settings.shm_dir is not None else None,
         store_budget_bytes=settings.store_budget_bytes,
         host=settings.host,
         port=settings.flight_port,

@@ -60,6 +60,11 @@ class Settings(BaseSettings):
         None,
         description="Directory for durable trajectories and job records; survives restarts. None = memory only.",
     )
+    shm_dir: Path | None = Field(
+        None,
+        description="Directory in shared memory (e.g. /dev/shm/sigmaflight) for finished trajectories as Arrow IPC "
+        "files: served memory-mapped, read directly by trainers on this host. None = off.",
+    )
     store_budget_bytes: int = Field(
         4 * GiB, ge=0, description="Bytes of trajectories held in memory; beyond it they spill to --data-dir."
     )
@@ -91,7 +96,7 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_format: Literal["json", "text"] = Field("json", description="Log line format.")
 
-    @field_validator("model_dir", "data_dir", "token_file", "tls_cert", "tls_key", mode="before")
+    @field_validator("model_dir", "data_dir", "shm_dir", "token_file", "tls_cert", "tls_key", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value

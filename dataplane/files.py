@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import pyarrow as pa
 
@@ -93,16 +94,27 @@ class CorruptTrajectoryFile(ValueError):
     """The file is not a complete, valid "trajectory/v1" Arrow IPC file."""
 
 
-def read_trajectory(
-    path: str | os.PathLike[str], *, validate: bool = True
-) -> tuple[pa.Schema, list[pa.RecordBatch], dict[str, str]]:
-    """Memory-map ``path``: (schema, batches pointing into the map, footer metadata).
+class MappedTrajectory(NamedTuple):
+    schema: pa.Schema
+    batches: list[pa.RecordBatch]
+    """Batches pointing into the map."""
+    footer: dict[str, str]
+    base_address: int
+    """Address of the file's first byte in the map (buffer address - base = file offset)."""
+    size: int
+
+
+def map_trajectory(path: str | os.PathLike[str], *, validate: bool = True) -> MappedTrajectory:
+    """Memory-map ``path``: schema, batches pointing into the map, footer metadata, and where
+    the map starts.
 
     Raises CorruptTrajectoryFile for a truncated file (no footer), a schema that is not
     "trajectory/v1", or batches that fail validation.
     """
     try:
         source = pa.memory_map(str(path), "r")
+        whole = source.read_buffer()  # zero-copy: the map itself
+        source.seek(0)
         reader = pa.ipc.open_file(source)
         schema = reader.schema
         batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
@@ -122,7 +134,16 @@ def read_trajectory(
     rows = sum(b.num_rows for b in batches)
     if header.num_samples and rows != expected:
         raise CorruptTrajectoryFile(f"{path}: {rows} rows, expected {expected} (B x steps)")
-    return schema, batches, footer
+    return MappedTrajectory(schema, batches, footer, whole.address, whole.size)
+
+
+def read_trajectory(
+    path: str | os.PathLike[str], *, validate: bool = True
+) -> tuple[pa.Schema, list[pa.RecordBatch], dict[str, str]]:
+    """Memory-map ``path``: (schema, batches pointing into the map, footer metadata); see
+    map_trajectory for the errors."""
+    m = map_trajectory(path, validate=validate)
+    return m.schema, m.batches, m.footer
 
 
 def read_table(path: str | os.PathLike[str]) -> pa.Table:

@@ -64,10 +64,27 @@ class _StreamSlot:
     """Holds one of max_concurrent_streams; freed when the stream ends or is dropped."""
 
     def __init__(self, server: FlightDataServer) -> None:
-        self._fin = weakref.finalize(self, server._stream_closed)
+        self._fin = weakref.finalize(self, server.stream_closed)
 
     def free(self) -> None:
         self._fin()
+
+
+class _CallSlot(flight.ServerMiddleware):
+    """Frees a do_get's stream slot when gRPC says the call is over (finished, failed or the
+    client went away): one Python call per stream, none per batch."""
+
+    def __init__(self) -> None:
+        self.slot: _StreamSlot | None = None
+
+    def call_completed(self, exception: BaseException | None) -> None:
+        if self.slot is not None:
+            self.slot.free()
+
+
+class _CallSlotFactory(flight.ServerMiddlewareFactory):
+    def start_call(self, info: flight.CallInfo, headers: dict[str, list[str]]) -> _CallSlot | None:
+        return _CallSlot() if info.method == flight.FlightMethod.DO_GET else None
 
 
 class FlightDataServer(flight.FlightServerBase):
@@ -85,7 +102,9 @@ class FlightDataServer(flight.FlightServerBase):
         max_concurrent_streams: int = 64,
     ) -> None:
         scheme = "grpc+tls" if tls_certificates else "grpc+tcp"
-        middleware = {"auth": BearerTokenMiddlewareFactory(tokens)} if tokens else None
+        middleware: dict[str, flight.ServerMiddlewareFactory] = {"slots": _CallSlotFactory()}
+        if tokens:
+            middleware["auth"] = BearerTokenMiddlewareFactory(tokens)
         super().__init__(
             f"{scheme}://{host}:{port}",
             tls_certificates=tls_certificates or None,
@@ -124,13 +143,7 @@ class FlightDataServer(flight.FlightServerBase):
         its call open forever (its write is blocked on flow control): after ``timeout``
         seconds we stop waiting, so SIGTERM still exits in time."""
         self.store.stop_event.set()
-        for rid in self.store.ids():
-            try:
-                e = self.store.get(rid)
-            except TicketNotFound:
-                continue
-            with e.cond:
-                e.cond.notify_all()
+        self.store.wake_all()
         closer = threading.Thread(target=self.shutdown, name="flight-shutdown", daemon=True)
         closer.start()
         closer.join(timeout)
@@ -157,25 +170,9 @@ class FlightDataServer(flight.FlightServerBase):
             }
 
     # -- helpers ---------------------------------------------------------------------------
-    def _rollout_id(self, descriptor: flight.FlightDescriptor) -> str:
-        if descriptor.descriptor_type != flight.DescriptorType.PATH:
-            raise flight.FlightServerError(
-                f"unsupported descriptor type {descriptor.descriptor_type.name}: "
-                f"use FlightDescriptor.for_path({DESCRIPTOR_ROOT!r}, <rollout id>)"
-            )
-        try:
-            path = [p.decode("utf-8") if isinstance(p, bytes) else str(p) for p in descriptor.path]
-        except UnicodeDecodeError:
-            raise flight.FlightServerError("descriptor path is not UTF-8") from None
-        if len(path) != 2 or path[0] != DESCRIPTOR_ROOT or not path[1]:
-            raise flight.FlightServerError(
-                _clip(f"bad descriptor path {path[:4]!r}", 300) + f": expected [{DESCRIPTOR_ROOT!r}, <rollout id>]"
-            )
-        return path[1]
-
     def _entry(self, rollout_id: str) -> Entry:
         try:
-            return self.store.get(rollout_id)
+            return self.store.find(rollout_id)
         except TicketNotFound as e:
             raise flight.FlightServerError(_clip(str(e), 300)) from None
 
@@ -183,10 +180,14 @@ class FlightDataServer(flight.FlightServerBase):
         tickets = self.store.partition_tickets(entry.rollout_id, partitions)
         locations = [flight.Location(u) for u in self.locations]
         endpoints = [flight.FlightEndpoint(t.encode(), locations) for t in tickets]
+        file = self.store.file_location(entry) if partitions == 1 else None
+        if file is not None:  # extended location (GH-46193): same-host clients read it directly
+            endpoints = [flight.FlightEndpoint(tickets[0].encode(), [*locations, flight.Location(file)])]
         descriptor = flight.FlightDescriptor.for_path(DESCRIPTOR_ROOT, entry.rollout_id)
         return flight.FlightInfo(entry.schema, descriptor, endpoints, entry.total_records, entry.total_bytes)
 
-    def _stream_closed(self) -> None:
+    def stream_closed(self) -> None:
+        """A stream slot came back (called by _StreamSlot)."""
         with self._lock:
             self.active_streams -= 1
 
@@ -229,6 +230,15 @@ class FlightDataServer(flight.FlightServerBase):
         except BaseException:
             slot.free()
             raise
+        done = entry.snapshot(start, stride)
+        call = context.get_middleware("slots")
+        if done is not None and isinstance(call, _CallSlot):
+            # Finished: a C++ table reader streams it, with no Python (and no GIL) per batch;
+            # the slot is freed when the call completes.
+            call.slot = slot
+            with self._lock:
+                self.bytes_served += sum(b.nbytes for b in done)
+            return flight.RecordBatchStream(pa.Table.from_batches(done, schema=entry.schema))
         return flight.GeneratorStream(entry.schema, self._serve(entry, start, stride, slot))
 
     def get_flight_info(
@@ -237,25 +247,15 @@ class FlightDataServer(flight.FlightServerBase):
         """``for_path("rollouts", id)``: one endpoint streaming the whole rollout.
         ``for_path("rollouts", id, "partitions", n)``: n endpoints (batches k, k+n, ...)
         that a client may pull concurrently; concatenated in step order they are the rollout."""
-        if descriptor.descriptor_type == flight.DescriptorType.PATH and len(descriptor.path) == 4:
-            parts = [bytes(p) for p in descriptor.path]
-            if parts[0] == DESCRIPTOR_ROOT.encode() and parts[2] == b"partitions":
-                try:
-                    n = int(parts[3])
-                    if not 1 <= n <= 64:
-                        raise ValueError
-                except ValueError:
-                    raise flight.FlightServerError(
-                        f"bad partition count {parts[3][:20]!r}: expected an integer in 1..64"
-                    ) from None
-                rid = parts[1].decode("utf-8", errors="replace")
-                return self._flight_info(self._entry(rid), n)
-        return self._flight_info(self._entry(self._rollout_id(descriptor)))
+        rid, n = _partitioned(descriptor)
+        if rid is not None:
+            return self._flight_info(self._entry(rid), n)
+        return self._flight_info(self._entry(_rollout_id(descriptor)))
 
     def get_schema(
         self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor
     ) -> flight.SchemaResult:
-        return flight.SchemaResult(self._entry(self._rollout_id(descriptor)).schema)
+        return flight.SchemaResult(self._entry(_rollout_id(descriptor)).schema)
 
     def list_flights(self, context: flight.ServerCallContext, criteria: bytes) -> Iterator[flight.FlightInfo]:
         """Every rollout that can be streamed (running or succeeded)."""
@@ -282,6 +282,40 @@ class FlightDataServer(flight.FlightServerBase):
             return iter([json.dumps({"id": rid, "cancelled": done}).encode()])
         done = bool(self._on_release(rid) if self._on_release is not None else self.store.release(rid))
         return iter([json.dumps({"id": rid, "released": done}).encode()])
+
+
+def _rollout_id(descriptor: flight.FlightDescriptor) -> str:
+    """The rollout id (or ticket) of a ``for_path("rollouts", id)`` descriptor."""
+    if descriptor.descriptor_type != flight.DescriptorType.PATH:
+        raise flight.FlightServerError(
+            f"unsupported descriptor type {descriptor.descriptor_type.name}: "
+            f"use FlightDescriptor.for_path({DESCRIPTOR_ROOT!r}, <rollout id>)"
+        )
+    try:
+        path = [p.decode("utf-8") if isinstance(p, bytes) else str(p) for p in descriptor.path]
+    except UnicodeDecodeError:
+        raise flight.FlightServerError("descriptor path is not UTF-8") from None
+    if len(path) != 2 or path[0] != DESCRIPTOR_ROOT or not path[1]:
+        raise flight.FlightServerError(
+            _clip(f"bad descriptor path {path[:4]!r}", 300) + f": expected [{DESCRIPTOR_ROOT!r}, <rollout id>]"
+        )
+    return path[1]
+
+
+def _partitioned(descriptor: flight.FlightDescriptor) -> tuple[str | None, int]:
+    """(id, n) for ``for_path("rollouts", id, "partitions", n)``; (None, 1) for any other."""
+    if descriptor.descriptor_type != flight.DescriptorType.PATH or len(descriptor.path) != 4:
+        return None, 1
+    parts = [bytes(p) for p in descriptor.path]
+    if parts[0] != DESCRIPTOR_ROOT.encode() or parts[2] != b"partitions":
+        return None, 1
+    try:
+        n = int(parts[3])
+        if not 1 <= n <= 64:
+            raise ValueError
+    except ValueError:
+        raise flight.FlightServerError(f"bad partition count {parts[3][:20]!r}: expected an integer in 1..64") from None
+    return parts[1].decode("utf-8", errors="replace"), n
 
 
 def _clip(message: str, limit: int) -> str:

@@ -1,10 +1,20 @@
-"""Pull the same float32 trajectory into torch tensors over loopback, four ways.
+"""Pull the same float32 trajectory into torch tensors over loopback, many ways.
 
     .venv/bin/python ops/bench_transport.py                  # 64 MiB and 1 GiB
     .venv/bin/python ops/bench_transport.py --sizes 64M --repeats 5
+    .venv/bin/python ops/bench_transport.py --paths memcpy,tcp,flight,bare,shm-pull,shm-chunks --sizes 1G
+    .venv/bin/python ops/bench_transport.py --paths vs-bare --sizes 16M,25M,256M,1G --repeats 31
 
 Paths (each server and each client in its own subprocess, so peak RSS is measured
 separately for both):
+  memcpy        copy the payload into a warm (pre-faulted) torch tensor: the limit (no server)
+  shm-pull      sigmaflight with --shm-dir (a temp dir in /dev/shm) + TrajectoryClient.pull:
+                reads the file, one copy into a fresh aligned tensor
+  shm-chunks    the same with iter_chunks: zero-copy views over the mapped file (us per GiB)
+  bare          a bare pyarrow FlightServerBase: RecordBatchStream over the same record
+                batches in memory; client as for flight
+  vs-bare       sigmaflight and bare servers side by side, one client alternating pulls
+                (interleaved, best of --repeats): the do_get ratio sigmaflight / bare
   flight        sigmaflight FlightDataServer + TrajectoryClient.iter_chunks: per-step
                 tensors, one per record batch, zero-copy views (no concatenation)
   flight-steps  the same with iter_steps: one tensor per whole step (split steps concatenated)
@@ -28,6 +38,7 @@ import base64
 import json
 import math
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -106,7 +117,9 @@ def serve(kind: str, size: int, batch_bytes: int = 8 * MiB) -> None:
     lat = make_latents(size)
     rss = RssSampler()
     stop_serving: Any = None
-    if kind == "flight":
+    if kind in ("flight", "shm", "bare"):
+        import tempfile
+
         from dataplane.record import StepBatch, TrajectoryHeader
         from dataplane.server import FlightDataServer
         from dataplane.store import ResultStore
@@ -117,14 +130,24 @@ def serve(kind: str, size: int, batch_bytes: int = 8 * MiB) -> None:
             sde_steps=tuple(range(K - 1)), seeds=tuple(range(B)), num_outputs_per_prompt=1,
             latent_shape=tuple(lat.shape[2:]), latent_dtype=torch.float32, log_probs=False, rollout={},
         )
-        store = ResultStore(memory_budget_bytes=4 << 30, max_batch_bytes=batch_bytes)
+        shm_dir = Path(tempfile.mkdtemp(prefix="sf-bench-", dir="/dev/shm")) if kind == "shm" else None
+        store = ResultStore(memory_budget_bytes=4 << 30, max_batch_bytes=batch_bytes, shm_dir=shm_dir)
         w = store.create(header)
         for k in range(K):
             w.append(StepBatch(step=k, latent=lat[k], log_prob=None))
         w.finish()
-        srv = FlightDataServer(store).start()
+        del lat, w  # the store holds the data now (heap, or the shm file)
+        srv: Any = FlightDataServer(store) if kind != "bare" else _bare_server(store)
+        srv.start()
         port = srv.port
-        stop_serving = srv.stop
+
+        def stop_flight() -> None:
+            srv.stop()
+            store.close()
+            if shm_dir is not None:
+                shutil.rmtree(shm_dir)  # the lock file stays in a closed store's directory
+
+        stop_serving = stop_flight
     elif kind == "tcp":
         payload = memoryview(lat.numpy()).cast("B")
         lsock = socket.create_server(("127.0.0.1", 0))
@@ -179,14 +202,36 @@ def serve(kind: str, size: int, batch_bytes: int = 8 * MiB) -> None:
     sys.stdin.read()  # until the parent closes our stdin
     peak = rss.stop()
     stop_serving()
-    print(json.dumps({"rss_base": base, "rss_peak": peak, "payload": int(lat.numel() * 4)}), flush=True)
+    print(json.dumps({"rss_base": base, "rss_peak": peak}), flush=True)
     os._exit(0)
+
+
+def _bare_server(store: Any) -> Any:
+    """A bare FlightServerBase streaming the store's record batches from memory (the same
+    batches sigmaflight serves), nothing else: the reference for sigmaflight's do_get."""
+    import pyarrow as pa
+    import pyarrow.flight as flight
+
+    entry = store.get("bench")
+    table = pa.Table.from_batches(list(entry.batches), schema=entry.schema)
+
+    class Bare(flight.FlightServerBase):
+        def do_get(self, context: Any, ticket: Any) -> Any:
+            return flight.RecordBatchStream(table)
+
+        def start(self) -> None:
+            threading.Thread(target=self.wait, daemon=True).start()
+
+        def stop(self) -> None:
+            self.shutdown()
+
+    return Bare("grpc+tcp://127.0.0.1:0")
 
 
 # -- clients (subprocess) --------------------------------------------------------------------
 
 
-def pull(kind: str, port: int, size: int, repeats: int, streams: int, warmup: int = 0) -> None:
+def pull(kind: str, port: int, size: int, repeats: int, streams: int, warmup: int = 0, port2: int = 0) -> None:
     """`warmup` extra pulls run first and are not timed (their memory still counts in RSS)."""
     import httpx
     import numpy as np
@@ -195,11 +240,56 @@ def pull(kind: str, port: int, size: int, repeats: int, streams: int, warmup: in
     nbytes = int(make_latents_shape_numel(size) * 4)
     rss = RssSampler()
     times: list[float] = []
-    if kind.startswith("flight"):
+    if kind == "memcpy":
+        src = make_latents(size)
+        out = torch.empty_like(src)
+        out.zero_()  # warm: faulted in outside the clock
+        base = rss.reset()
+        for _ in range(warmup + repeats):
+            t0 = time.perf_counter()
+            out.copy_(src)
+            times.append(time.perf_counter() - t0)
+    elif kind in ("shm-pull", "shm-chunks"):
         from dataplane.client import TrajectoryClient
 
         client = TrajectoryClient(f"grpc+tcp://127.0.0.1:{port}")
         ticket = client.info("bench")["ticket"]
+        assert client.local_file(ticket) is not None, "the shm file is not readable here"
+        base = rss.reset()
+        for _ in range(warmup + repeats):
+            t0 = time.perf_counter()
+            if kind == "shm-pull":
+                traj = client.pull(ticket)
+                got = traj.latents.numel() * 4
+                del traj
+            else:
+                got = sum(st.latent.numel() * 4 for st in client.iter_chunks(ticket))
+            times.append(time.perf_counter() - t0)
+            assert got == nbytes, (got, nbytes)
+    elif kind == "vs-bare":
+        from dataplane.client import TrajectoryClient
+
+        ports = [port, port2]
+        clients = [TrajectoryClient(f"grpc+tcp://127.0.0.1:{p}", transport="flight") for p in ports]
+        ticket = clients[0].info("bench")["ticket"]
+        pair: list[list[float]] = [[], []]
+        base = rss.reset()
+        for r in range(warmup + repeats):
+            for j in (r % 2, 1 - r % 2):  # alternate which goes first
+                t0 = time.perf_counter()
+                got = sum(st.latent.numel() * 4 for st in clients[j].iter_chunks(ticket))
+                if r >= warmup:
+                    pair[j].append(time.perf_counter() - t0)
+                assert got == nbytes
+        peak = rss.stop()
+        print(json.dumps({"times": pair[0], "bare_times": pair[1], "bytes": nbytes, "rss_base": base,
+                          "rss_peak": peak}), flush=True)
+        return
+    elif kind.startswith("flight") or kind == "bare":
+        from dataplane.client import TrajectoryClient
+
+        client = TrajectoryClient(f"grpc+tcp://127.0.0.1:{port}", transport="flight")
+        ticket = "bench" if kind == "bare" else client.info("bench")["ticket"]  # bare ignores the ticket
         base = rss.reset()
         for _ in range(warmup + repeats):
             t0 = time.perf_counter()
@@ -258,42 +348,85 @@ def make_latents_shape_numel(size: int) -> int:
 # -- orchestration ---------------------------------------------------------------------------
 
 
-def run_path(path: str, size: int, repeats: int, batch_bytes: int = 8 * MiB, warmup: int = 0) -> dict[str, Any]:
-    kind = path if path in ("flight", "flight-steps") else "flight" if path.startswith("flight-") else path
-    streams = int(path.split("-")[1]) if path.startswith("flight-") and path[7:].isdigit() else 1
+SERVER_OF = {"memcpy": None, "shm-pull": "shm", "shm-chunks": "shm", "bare": "bare", "vs-bare": "flight"}
+
+
+def _start_server(kind: str, size: int, batch_bytes: int) -> tuple[subprocess.Popen[str], int]:
     me = [sys.executable, str(Path(__file__).resolve())]
     srv = subprocess.Popen(
-        [*me, "--_serve", "flight" if kind.startswith("flight") else kind, "--_size", str(size),
-         "--batch-mib", str(batch_bytes / MiB)],
+        [*me, "--_serve", kind, "--_size", str(size), "--batch-mib", str(batch_bytes / MiB)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
     )
+    assert srv.stdout is not None
+    return srv, int(json.loads(srv.stdout.readline())["port"])
+
+
+def _stop_server(srv: subprocess.Popen[str]) -> dict[str, Any]:
     assert srv.stdout is not None and srv.stdin is not None
-    port = json.loads(srv.stdout.readline())["port"]
+    srv.stdin.close()
+    line = srv.stdout.readline()
+    srv.wait(timeout=60)
+    return dict(json.loads(line))
+
+
+def run_path(path: str, size: int, repeats: int, batch_bytes: int = 8 * MiB, warmup: int = 0) -> dict[str, Any]:
+    """One path at one size: its own server subprocess(es) and one client subprocess."""
+    kind = path if path in ("flight", "flight-steps") else "flight" if path.startswith("flight-") else path
+    streams = int(path.split("-")[1]) if path.startswith("flight-") and path[7:].isdigit() else 1
+    server_kind = SERVER_OF.get(kind, "flight" if kind.startswith("flight") else kind)
+    servers = []
+    if server_kind is not None:
+        servers.append(_start_server(server_kind, size, batch_bytes))
+    if kind == "vs-bare":
+        servers.append(_start_server("bare", size, batch_bytes))
+    ports = [p for _, p in servers] + [0, 0]
+    me = [sys.executable, str(Path(__file__).resolve())]
     try:
         cli = subprocess.run(
-            [*me, "--_pull", kind, "--_port", str(port), "--_size", str(size), "--repeats", str(repeats), "--warmup", str(warmup),
-             "--_streams", str(streams)],
+            [*me, "--_pull", kind, "--_port", str(ports[0]), "--_port2", str(ports[1]), "--_size", str(size),
+             "--repeats", str(repeats), "--warmup", str(warmup), "--_streams", str(streams)],
             capture_output=True, text=True, cwd=ROOT, timeout=1800,
         )
         if cli.returncode:
             raise RuntimeError(f"{path} client failed:\n{cli.stderr[-3000:]}")
         c = json.loads(cli.stdout.strip().splitlines()[-1])
     finally:
-        srv.stdin.close()
-        line = srv.stdout.readline()
-        srv.wait(timeout=60)
-    s = json.loads(line)
+        stats = [_stop_server(srv) for srv, _ in servers]
     med = statistics.median(c["times"])
-    return {
+    out = {
         "path": path, "size": size, "gbps": c["bytes"] / med / 1e9, "best_gbps": c["bytes"] / min(c["times"]) / 1e9,
-        "client_rss_mib": (c["rss_peak"] - c["rss_base"]) / MiB, "server_rss_mib": (s["rss_peak"] - s["rss_base"]) / MiB,
+        "sec_per_gib": med * (1 << 30) / c["bytes"],
+        "client_rss_mib": (c["rss_peak"] - c["rss_base"]) / MiB,
+        "server_rss_mib": (stats[0]["rss_peak"] - stats[0]["rss_base"]) / MiB if stats else 0.0,
+        "server_peak_mib": stats[0]["rss_peak"] / MiB if stats else 0.0,
     }
+    if kind == "vs-bare":
+        out["bare_best_gbps"] = c["bytes"] / min(c["bare_times"]) / 1e9
+        out["bare_gbps"] = c["bytes"] / statistics.median(c["bare_times"]) / 1e9
+    return out
+
+
+def _report(rows: list[dict[str, Any]], size: int) -> None:
+    """Ratios to memcpy (the limit), raw TCP and sigmaflight's Flight, for the rows of one size."""
+    mine = [r for r in rows if r["size"] == size]
+    for ref in ("memcpy", "tcp", "flight"):
+        base = next((r for r in mine if r["path"] == ref), None)
+        if base is None:
+            continue
+        for r in mine:
+            if r["path"] != ref and "gbps" in r and r["path"] != "vs-bare":
+                print(f"  ratio {r['path']:10s} / {ref:6s} = {r['gbps'] / base['gbps']:.2f}x")
+    for r in mine:
+        if r["path"] == "vs-bare":
+            print(f"  ratio sigmaflight / bare Flight = {r['best_gbps'] / r['bare_best_gbps']:.3f}x best-of "
+                  f"({r['best_gbps']:.2f} vs {r['bare_best_gbps']:.2f} GB/s), "
+                  f"{r['gbps'] / r['bare_gbps']:.3f}x median")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="64M,1G", help="comma-separated payload sizes (default: 64M,1G)")
-    p.add_argument("--paths", default="tcp,flight,flight-steps,flight-2,msgpack,json", help="which transports, comma-separated")
+    p.add_argument("--paths", default="memcpy,tcp,flight,bare,shm-pull,shm-chunks,flight-steps,flight-2,msgpack,json", help="which transports, comma-separated")
     p.add_argument("--repeats", type=int, default=3, help="pulls per path (median reported)")
     p.add_argument("--warmup", type=int, default=0,
                    help="untimed pulls first, in the same client process (steady state: allocator warm, as in a "
@@ -305,12 +438,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--_port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--_size", type=int, help=argparse.SUPPRESS)
     p.add_argument("--_streams", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--_port2", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a._serve:
         serve(a._serve, a._size, int(a.batch_mib * MiB))
         return 0
     if a._pull:
-        pull(a._pull, a._port, a._size, a.repeats, a._streams, a.warmup)
+        pull(a._pull, a._port, a._size, a.repeats, a._streams, a.warmup, a._port2)
         return 0
     json_max = parse_size(a.json_max)
     rows = []
@@ -323,16 +457,14 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             r = run_path(path, size, a.repeats, int(a.batch_mib * MiB), a.warmup)
             rows.append(r)
+            extra = f"  ({r['sec_per_gib'] * 1e6:.0f} us per GiB)" if path == "shm-chunks" else ""
             print(
-                f"  {path:10s} {r['gbps']:6.2f} GB/s (best {r['best_gbps']:.2f})  "
-                f"client RSS +{r['client_rss_mib']:.0f} MiB  server RSS +{r['server_rss_mib']:.0f} MiB",
+                f"  {path:10s} {r['gbps']:6.2f} GB/s (best {r['best_gbps']:.2f}){extra}  "
+                f"client RSS +{r['client_rss_mib']:.0f} MiB  server RSS +{r['server_rss_mib']:.0f} MiB "
+                f"(peak {r['server_peak_mib']:.0f} MiB)",
                 flush=True,
             )
-        tcp = next((r for r in rows if r["size"] == size and r["path"] == "tcp"), None)
-        if tcp:
-            for r in rows:
-                if r["size"] == size:
-                    print(f"  ratio {r['path']:10s} / tcp = {r['gbps'] / tcp['gbps']:.2f}x")
+        _report(rows, size)
     return 0
 
 

@@ -145,3 +145,32 @@ def test_abandoned_reservation_ends_waiting_streams(server, store):
     assert store.abandon("never", "cancelled", "cancelled while queued")
     th.join(timeout=10)
     assert isinstance(out["x"], flight.FlightServerError) and "cancelled while queued" in str(out["x"])
+
+
+def test_do_get_and_get_flight_info_take_a_rollout_id_as_well_as_a_ticket(store, server):
+    """Clients never inspect a ticket: the server resolves either; a reserved id waits like its ticket."""
+    import threading
+
+    import pyarrow.flight as flight
+
+    from tests.dataplane.helpers import build_header, make_steps
+
+    header = build_header("by-id", T=2, B=2)
+    ticket = store.reserve("by-id")
+    got: dict[str, object] = {}
+    with flight.FlightClient(server.locations[0]) as c:
+        waiter = threading.Thread(target=lambda: got.update(t=c.do_get(flight.Ticket(b"by-id")).read_all()))
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive()  # queued: waits for create, as its ticket does
+        steps = make_steps(header)
+        w = store.create(header)
+        for i in header.steps:
+            w.append(steps[i])
+        w.finish()
+        waiter.join(10)
+        by_ticket = c.do_get(flight.Ticket(ticket.encode())).read_all()
+        assert got["t"].equals(by_ticket)  # type: ignore[union-attr]
+        for name in ("by-id", ticket):
+            fi = c.get_flight_info(flight.FlightDescriptor.for_path("rollouts", name))
+            assert fi.endpoints[0].ticket.ticket == ticket.encode() and fi.total_records == by_ticket.num_rows

@@ -143,7 +143,7 @@ def test_release_deletes_file_and_frees_memory(tmp_path):
         ticket = s.ticket_for("r")
         assert s.release("r") is True and s.release("r") is False
         assert not path.exists()
-        assert s.stats() == {"bytes_in_memory": 0, "bytes_on_disk": 0, "entries": 0, "live": 0}
+        assert s.stats() == {"bytes_in_memory": 0, "bytes_on_disk": 0, "bytes_in_shm": 0, "entries": 0, "live": 0}
         with pytest.raises(TicketNotFound, match="released"):
             s.lookup_ticket(ticket.encode())
 

@@ -1,0 +1,164 @@
+"""One rollout in the store: its batches, state and the live stream that follows them.
+
+A rollout's batches are append-only while it runs; any number of consumers follow them
+(``Entry.iter_batches``: a Condition, no busy-wait) and all share the same batches (no
+copy per consumer).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import pyarrow as pa
+
+from dataplane.record import TrajectoryHeader
+
+State = Literal["running", "succeeded", "failed", "cancelled"]
+EndedState = Literal["failed", "cancelled", "released", "expired", "closed"]
+
+
+class RolloutEnded(Exception):
+    """A stream cannot go on: the rollout failed, was cancelled, released or expired."""
+
+    def __init__(self, rollout_id: str, state: str, message: str) -> None:
+        super().__init__(f"rollout {rollout_id} {state}: {message}")
+        self.rollout_id = rollout_id
+        self.state = state
+        self.message = message
+
+
+class EntryInfo(NamedTuple):
+    state: str
+    num_rows: int
+    num_bytes: int
+    steps: tuple[int, ...]
+
+
+class Entry:
+    """One rollout in the store. Batches are append-only while running.
+
+    ``path`` is the durable file (``data_dir``), ``shm_path`` the shared-memory copy
+    (``shm_dir``); ``in_memory`` says whether ``num_bytes`` count against the budget.
+    """
+
+    def __init__(self, header: TrajectoryHeader, schema: pa.Schema, ticket: str) -> None:
+        self.header = header
+        self.rollout_id = header.rollout_id
+        self.schema = schema
+        self.ticket = ticket
+        self.batches: list[pa.RecordBatch] = []
+        self.steps_done: list[int] = []
+        self.state: str = "running"
+        self.message = ""
+        self.num_rows = 0
+        self.num_bytes = 0
+        self.path: Path | None = None
+        self.shm_path: Path | None = None
+        self.in_memory = True
+        self.finished_at: float | None = None
+        self.cond = threading.Condition()
+
+    @classmethod
+    def finished(
+        cls, header: TrajectoryHeader, schema: pa.Schema, ticket: str, batches: list[pa.RecordBatch], finished_at: float
+    ) -> Entry:
+        """A succeeded entry over batches read back from a file (not counted in memory)."""
+        e = cls(header, schema, ticket)
+        e.batches = batches
+        e.steps_done = list(header.steps)
+        e.state = "succeeded"
+        e.num_rows = sum(b.num_rows for b in batches)
+        e.num_bytes = sum(b.nbytes for b in batches)
+        e.in_memory = False
+        e.finished_at = finished_at
+        return e
+
+    @property
+    def total_records(self) -> int:
+        """Rows once finished; -1 while running (the total is not known yet)."""
+        return self.num_rows if self.state == "succeeded" else -1
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_bytes if self.state == "succeeded" else -1
+
+    def info(self) -> EntryInfo:
+        with self.cond:
+            return EntryInfo(self.state, self.num_rows, self.num_bytes, tuple(self.steps_done))
+
+    # -- producer side ---------------------------------------------------------------------
+    def append(self, step: int, batches: Sequence[pa.RecordBatch]) -> int:
+        """Add one step's batches and wake the consumers; returns their bytes."""
+        nbytes = sum(b.nbytes for b in batches)
+        with self.cond:
+            self.batches.extend(batches)
+            self.steps_done.append(int(step))
+            self.num_rows += sum(b.num_rows for b in batches)
+            self.num_bytes += nbytes
+            self.cond.notify_all()
+        return nbytes
+
+    def succeed(self) -> None:
+        with self.cond:
+            self.state = "succeeded"
+            self.finished_at = time.time()
+            self.cond.notify_all()
+
+    def replace_batches(self, batches: list[pa.RecordBatch], *, in_memory: bool) -> None:
+        """Serve the same batches from elsewhere (a memory-mapped file). Boundaries must be the
+        ones written, so that live readers keep their index."""
+        with self.cond:
+            self.batches = batches
+            self.in_memory = in_memory
+
+    def end(self, state: str, message: str) -> None:
+        """Drop the batches; every consumer (waiting or not) ends with RolloutEnded."""
+        with self.cond:
+            self.state = state
+            self.message = message
+            self.batches = []
+            self.in_memory = False
+            if self.finished_at is None:
+                self.finished_at = time.time()
+            self.cond.notify_all()
+
+    def wake(self) -> None:
+        """Wake waiting consumers (they re-check the stop event)."""
+        with self.cond:
+            self.cond.notify_all()
+
+    # -- consumer side ---------------------------------------------------------------------
+    def iter_batches(
+        self, start: int = 0, stride: int = 1, *, stop: threading.Event | None = None
+    ) -> Iterator[pa.RecordBatch]:
+        """Batches already produced, then the rest as they come; ends after x_T.
+
+        Raises RolloutEnded if the rollout fails, is cancelled, released or expired, or
+        ``stop`` is set while waiting. Yields the stored batches themselves (no copy),
+        one at a time: a slow consumer holds no more than the batch it reads.
+        """
+        idx = start
+        while True:
+            with self.cond:
+                while idx >= len(self.batches) and self.state == "running":
+                    if stop is not None and stop.is_set():
+                        raise RolloutEnded(self.rollout_id, "closed", "server shutting down")
+                    self.cond.wait(timeout=1.0)
+                if self.state not in ("running", "succeeded"):
+                    raise RolloutEnded(self.rollout_id, self.state, self.message or self.state)
+                if idx >= len(self.batches):
+                    return
+                batch = self.batches[idx]
+            yield batch
+            idx += stride
+
+    def snapshot(self, start: int = 0, stride: int = 1) -> list[pa.RecordBatch] | None:
+        """All batches of a succeeded entry (k, k+stride, ...) at once; None if not succeeded."""
+        with self.cond:
+            if self.state != "succeeded":
+                return None
+            return self.batches[start::stride]

@@ -1,0 +1,81 @@
+"""TrajectoryWriter: what the producer holds. ``append`` each step (ascending), then
+``finish`` or ``fail``; the store hears about each through its public hooks."""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+from dataplane.codec import encode_step
+from dataplane.entry import Entry
+from dataplane.files import TrajectoryFileWriter
+from dataplane.record import StepBatch
+
+
+class StoreHooks(Protocol):
+    """What a writer tells its store (ResultStore implements it)."""
+
+    max_batch_bytes: int
+
+    def appended(self, entry: Entry, nbytes: int) -> None: ...
+    def finished(self, entry: Entry) -> None: ...
+    def failed(self, entry: Entry, freed: int) -> None: ...
+
+
+class TrajectoryWriter:
+    def __init__(self, store: StoreHooks, entry: Entry, file: TrajectoryFileWriter | None, *, fsync: bool) -> None:
+        self._store = store
+        self._entry = entry
+        self._file = file
+        self._fsync = fsync
+        self._pending = list(entry.header.steps)
+
+    @property
+    def rollout_id(self) -> str:
+        return self._entry.rollout_id
+
+    @property
+    def ticket(self) -> str:
+        return self._entry.ticket
+
+    def append(self, batch: StepBatch) -> None:
+        e = self._entry
+        if e.state != "running":
+            raise RuntimeError(f"rollout {e.rollout_id} is {e.state}; cannot append")
+        if not self._pending or batch.step != self._pending[0]:
+            raise ValueError(
+                f"rollout {e.rollout_id}: step {batch.step} out of order; expected "
+                f"{self._pending[0] if self._pending else 'nothing (all steps appended)'}"
+            )
+        batches = encode_step(e.header, batch, max_batch_bytes=self._store.max_batch_bytes, schema=e.schema)
+        if self._file is not None:
+            for b in batches:
+                self._file.write(b)
+        self._pending.pop(0)
+        self._store.appended(e, e.append(batch.step, batches))
+
+    def finish(self) -> None:
+        e = self._entry
+        if self._pending:
+            raise ValueError(f"rollout {e.rollout_id}: steps {self._pending} were never appended")
+        if e.state != "running":
+            raise RuntimeError(f"rollout {e.rollout_id} is {e.state}; cannot finish")
+        if self._file is not None:
+            e.path = self._file.commit(fsync=self._fsync)
+            self._file = None
+        self._store.finished(e)
+
+    def abort_file(self) -> None:
+        f, self._file = self._file, None
+        if f is not None:
+            f.abort()
+
+    def fail(self, kind: Literal["failed", "cancelled"], message: str) -> None:
+        if kind not in ("failed", "cancelled"):
+            raise ValueError(f"kind must be 'failed' or 'cancelled', got {kind!r}")
+        e = self._entry
+        self.abort_file()
+        if e.state != "running":
+            return
+        freed = e.num_bytes
+        e.end(kind, message)
+        self._store.failed(e, freed)

@@ -1,0 +1,234 @@
+"""--shm-dir: finished trajectories as shared-memory Arrow files, read directly by same-host clients.
+
+Real server (tests/servers.py) for the wire behaviour; in-process stores for budget and spill."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import stat
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+import torch
+
+from dataplane.client import TrajectoryClient
+from dataplane.codec import batch_to_tensors
+from dataplane.record import StepBatch, TrajectoryHeader
+from dataplane.server import FlightDataServer
+from dataplane.shm import host_id, parse_file_location
+from dataplane.store import ResultStore, TrajectoryWriter
+from tests.dataplane.helpers import build_header, fill, make_steps
+from tests.servers import ServerProcess, wait_for_status
+
+SMALL = {"prompts": ["a red cube", "a blue ball"], "num_inference_steps": 3, "seed": 12}
+TOKEN = "sfk-shm-test-token-4f1e2d3c4b5a6978"
+
+
+def _bytes_served(server: ServerProcess, token: str | None = None) -> float:
+    with server.client(token) as c:
+        text = c.get("/metrics").text
+    m = re.search(r"^sigmaflight_flight_bytes_served_total (\S+)$", text, re.M)
+    assert m is not None, text[:500]
+    return float(m.group(1))
+
+
+def _locations(flight_url: str, rollout_id: str, token: str | None = None) -> list[str]:
+    headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+    with flight.FlightClient(flight_url) as fc:
+        fi = fc.get_flight_info(
+            flight.FlightDescriptor.for_path("rollouts", rollout_id), flight.FlightCallOptions(headers=headers)
+        )
+    return [loc.uri.decode() for loc in fi.endpoints[0].locations]
+
+
+def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of ``path`` (from /proc/self/maps)."""
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(str(path)):
+            lo, hi = line.split()[0].split("-")
+            out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+def _equal(a: object, b: object) -> None:
+    for name in ("latents", "log_probs", "steps", "seeds", "sigmas", "timesteps"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert torch.equal(x, y) or (x.dtype.is_floating_point and torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))), name
+
+
+def test_real_server_offers_the_file_and_a_same_host_client_reads_it_without_a_stream(tmp_path, caplog):
+    shm, data = tmp_path / "shm", tmp_path / "data"
+    server = ServerProcess("--shm-dir", str(shm), "--data-dir", str(data))
+    try:
+        with server.client() as c:
+            t = c.post("/v1/rollouts", json=SMALL).json()
+            wait_for_status(c, t["id"], {"succeeded"})
+        rid, ticket = t["id"], t["flight"]["ticket"]
+        path = shm / f"{rid}.arrow"
+        locs = _locations(server.flight_url, rid)
+        assert locs[0] == server.flight_url and len(locs) == 2  # grpc first, then the file
+        assert parse_file_location(locs[1]) == (path, host_id())
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644  # no tokens
+        # the file is a plain trajectory/v1 IPC file: pyarrow reads it as the Flight stream gives it
+        with flight.FlightClient(server.flight_url) as fc:
+            streamed = fc.do_get(flight.Ticket(ticket.encode())).read_all()
+        assert pa.ipc.open_file(pa.memory_map(str(path))).read_all().equals(streamed)
+
+        with TrajectoryClient(server.flight_url, transport="flight") as fc:
+            over_grpc = fc.pull(ticket)
+        served = _bytes_served(server)
+        with TrajectoryClient(server.flight_url) as tc:
+            local = tc.pull(ticket)
+            chunks = list(tc.iter_chunks(rid))
+            steps = list(tc.iter_steps(ticket))
+            ranges = _mapped_ranges(path)
+            assert ranges and all(any(lo <= ch.latent.data_ptr() < hi for lo, hi in ranges) for ch in chunks)
+        assert _bytes_served(server) == served  # no gRPC stream was opened
+        _equal(local, over_grpc)
+        assert local.latents.is_contiguous() and local.latents.data_ptr() % 64 == 0
+        assert local.latents.numpy().flags.writeable
+        for st in steps:
+            assert torch.equal(st.latent, over_grpc.latent(st.step))
+
+        # a client that is told another host id, and one whose file vanished, fall back to Flight
+        caplog.set_level(logging.DEBUG, logger="dataplane.client")
+        with TrajectoryClient(server.flight_url, host="another-host") as other:
+            _equal(other.pull(ticket), over_grpc)
+        assert "not this host" in caplog.text
+        moved = _bytes_served(server)
+        assert moved > served
+        hidden = path.with_name("hidden")
+        os.rename(path, hidden)
+        with TrajectoryClient(server.flight_url) as tc:
+            _equal(tc.pull(ticket), over_grpc)
+        assert "cannot read" in caplog.text and _bytes_served(server) > moved
+        os.rename(hidden, path)
+
+        # kill -9 and restart: a stale file is removed, nothing finished is lost, the file comes back
+        server.kill()
+        (shm / "ghost.arrow").write_bytes(b"left by a dead process")
+        server = ServerProcess("--shm-dir", str(shm), "--data-dir", str(data))
+        assert "removing stale shared-memory trajectory" in server.log_text
+        assert not (shm / "ghost.arrow").exists()
+        assert parse_file_location(_locations(server.flight_url, rid)[1]) == (path, host_id())
+        with TrajectoryClient(server.flight_url) as tc:
+            _equal(tc.pull(ticket), over_grpc)
+        with TrajectoryClient(server.flight_url, transport="flight") as fc:
+            _equal(fc.pull(ticket), over_grpc)
+
+        # release removes both files
+        with server.client() as c:
+            assert c.delete(f"/v1/rollouts/{rid}").status_code in (200, 204)
+        assert not path.exists() and not (data / "trajectories" / f"{rid}.arrow").exists()
+    finally:
+        server.kill()
+
+
+def test_real_server_with_tokens_makes_the_files_0600(tmp_path):
+    shm = tmp_path / "shm"
+    with ServerProcess("--shm-dir", str(shm), "--token", TOKEN) as server, server.client(TOKEN) as c:
+        t = c.post("/v1/rollouts", json=SMALL).json()
+        wait_for_status(c, t["id"], {"succeeded"})
+        path = shm / f"{t['id']}.arrow"
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        served = _bytes_served(server, TOKEN)
+        with TrajectoryClient(server.flight_url, token=TOKEN) as tc:
+            assert tc.pull(t["flight"]["ticket"]).num_samples == 2
+        assert _bytes_served(server, TOKEN) == served
+
+
+def test_a_live_rollout_streams_over_flight_and_its_file_is_offered_once_finished(tmp_path):
+    header = build_header("live", T=3, B=2)
+    with ResultStore(memory_budget_bytes=1 << 30, shm_dir=tmp_path / "shm") as store, FlightDataServer(store) as srv:
+        w = store.create(header)
+        with TrajectoryClient(srv.locations[0]) as tc:
+            assert tc.local_file("live") is None  # running: no file yet
+            assert _locations(srv.locations[0], "live") == srv.locations
+            ref = fill_steps(w, header)
+            got = tc.pull("live")
+            assert srv.metrics()["streams_served"] == 0  # read from the file
+        for i, st in ref.items():
+            assert torch.equal(got.latent(i), st.latent)
+
+
+def fill_steps(w: TrajectoryWriter, header: TrajectoryHeader) -> dict[int, StepBatch]:
+    steps = make_steps(header)
+    for i in header.steps:
+        w.append(steps[i])
+    w.finish()
+    return steps
+
+
+def test_budget_counts_the_files_and_spill_moves_them_to_the_durable_copy(tmp_path):
+    shm, data = tmp_path / "shm", tmp_path / "data"
+    header = build_header("a", T=3, B=4, shape=(4, 16, 16))  # 4 steps x 4 x 4 KiB = 64 KiB of latents
+    with ResultStore(memory_budget_bytes=100_000, data_dir=data, shm_dir=shm) as s:
+        fill(s, header)
+        a = s.get("a")
+        assert a.shm_path == shm / "a.arrow" and a.in_memory
+        st = s.stats()
+        assert st["bytes_in_memory"] == a.num_bytes and st["bytes_in_shm"] == (shm / "a.arrow").stat().st_size
+        fill(s, build_header("b", T=3, B=4, shape=(4, 16, 16)))  # over the budget: the older one spills
+        assert not (shm / "a.arrow").exists() and a.shm_path is None and not a.in_memory
+        assert s.file_location(a) is None and s.file_location(s.get("b")) is not None
+        assert s.stats()["bytes_in_memory"] == s.get("b").num_bytes
+        # served from data_dir now, same bytes
+        assert pa.Table.from_batches(a.batches).equals(pa.ipc.open_file(str(data / "trajectories" / "a.arrow")).read_all())
+    assert not (shm / "b.arrow").exists()  # a closed store leaves no shared-memory files
+
+
+def test_without_data_dir_an_over_budget_store_keeps_its_files(tmp_path, caplog):
+    with ResultStore(memory_budget_bytes=1000, shm_dir=tmp_path / "shm") as s:
+        fill(s, build_header("a", T=3, B=4, shape=(4, 16, 16)))
+        assert (tmp_path / "shm" / "a.arrow").exists() and s.stats()["bytes_in_memory"] > 1000
+    assert "no data_dir to spill to" in caplog.text
+
+
+def test_a_second_live_store_on_the_same_directory_is_refused(tmp_path):
+    with ResultStore(memory_budget_bytes=1 << 20, shm_dir=tmp_path / "shm"):
+        with pytest.raises(RuntimeError, match="in use by another live server"):
+            ResultStore(memory_budget_bytes=1 << 20, shm_dir=tmp_path / "shm")
+    ResultStore(memory_budget_bytes=1 << 20, shm_dir=tmp_path / "shm").close()  # free again
+
+
+def test_a_file_of_another_trajectory_at_the_path_is_not_read(tmp_path, caplog):
+    with ResultStore(memory_budget_bytes=1 << 30, shm_dir=tmp_path / "shm") as s, FlightDataServer(s) as srv:
+        ref = fill(s, build_header("x", T=2, B=2))
+        other = tmp_path / "other.arrow"
+        with ResultStore(memory_budget_bytes=1 << 30, shm_dir=tmp_path / "shm2") as s2:
+            fill(s2, build_header("x", T=2, B=2), seed=5)  # same id, another ticket and values
+            os.replace(tmp_path / "shm2" / "x.arrow", other)
+        os.replace(other, tmp_path / "shm" / "x.arrow")
+        caplog.set_level(logging.DEBUG, logger="dataplane.client")
+        with TrajectoryClient(srv.locations[0]) as tc:
+            got = tc.pull("x")
+        assert "holds another trajectory" in caplog.text and srv.metrics()["streams_served"] == 1
+        assert torch.equal(got.latent(0), ref[0].latent)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_pull_from_the_file_reads_every_dtype_split_steps_and_long_batches_bit_exactly(tmp_path, dtype):
+    # 1500 samples of 2x2x2: one batch holds more rows than one preadv takes (IOV_MAX 1024);
+    # with max_batch_bytes 8 KiB a step spans several batches.
+    header = build_header("wide", T=2, B=1500, shape=(2, 2, 2), dtype=dtype)
+    for max_batch in (8 << 10, 8 << 20):
+        shm = tmp_path / f"shm{max_batch}"
+        with ResultStore(memory_budget_bytes=1 << 30, shm_dir=shm, max_batch_bytes=max_batch) as s, \
+                FlightDataServer(s) as srv:
+            ref = fill(s, header)
+            with TrajectoryClient(srv.locations[0]) as tc:
+                local = tc.local_file("wide")
+                assert local is not None
+                for batch in local.batches:  # the preadv path itself, against the mapped bytes
+                    view = batch_to_tensors(batch, dtype=dtype)
+                    dest = torch.empty_like(view.latent)
+                    assert local.source.read_latents(batch, dest) and torch.equal(dest, view.latent)
+                got = tc.pull("wide")
+            assert srv.metrics()["streams_served"] == 0
+            for i, st in ref.items():
+                assert torch.equal(got.latent(i), st.latent)
