@@ -170,7 +170,7 @@ def test_do_get_and_get_flight_info_take_a_rollout_id_as_well_as_a_ticket(store,
         w.finish()
         waiter.join(10)
         by_ticket = c.do_get(flight.Ticket(ticket.encode())).read_all()
-        assert got["t"].equals(by_ticket)  # type: ignore[union-attr]
+        assert got["t"].equals(by_ticket)  # type: ignore[attr-defined]
         for name in ("by-id", ticket):
             fi = c.get_flight_info(flight.FlightDescriptor.for_path("rollouts", name))
             assert fi.endpoints[0].ticket.ticket == ticket.encode() and fi.total_records == by_ticket.num_rows
