@@ -8,8 +8,13 @@ control/node.py, the same wiring each Ray worker uses.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from typing import Any
 
-from control.jobs.manager import Backend, JobManager
+import pyarrow.flight as flight
+import torch
+
+from control.jobs.manager import Backend, JobManager, NotFinished
 from control.node import Node, NodeConfig
 from control.settings import Settings
 
@@ -40,7 +45,7 @@ class Service:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.auth_enabled = bool(settings.tokens())
-        self.node = Node(node_config(settings), on_cancel=self._cancel_from_flight, on_release=self._cancel_from_flight)
+        self.node = Node(node_config(settings), on_cancel=self._cancel_from_flight, on_release=self._release_from_flight)
         self.registry, self.store, self.flight = self.node.registry, self.node.store, self.node.flight
         self.backend: Backend
         if settings.backend == "ray":
@@ -59,7 +64,27 @@ class Service:
         self.ready = False
 
     def _cancel_from_flight(self, rollout_id: str) -> bool:
-        return self.jobs.cancel(rollout_id) is not None
+        """Flight `cancel`: only stops a queued or running rollout (a finished one is kept)."""
+        return self.jobs.cancel_active(rollout_id)
+
+    def _release_from_flight(self, rollout_id: str) -> bool:
+        """Flight `release`: frees a finished rollout; a queued or running one is refused."""
+        try:
+            return self.jobs.release(rollout_id)
+        except NotFinished as exc:
+            raise flight.FlightServerError(str(exc)) from None
+
+    def push_weights(self, model_id: str, state: Mapping[str, torch.Tensor]) -> str:
+        """New transformer weights (already checked): the service's registry, then every
+        remote worker's (Ray), before this returns. Returns the new digest."""
+        digest = self.registry.load_weights(model_id, state)
+        push: Any = getattr(self.backend, "load_weights", None)
+        if push is not None:  # the local backend shares `self.registry`; it has none
+            for got in push(model_id, dict(state)):
+                if got != digest:
+                    log.error("a worker's digest differs after a push", extra={"model": model_id, "digest": digest,
+                                                                             "worker_digest": got})
+        return digest
 
     def start(self) -> None:
         model = self.registry.get(self.settings.model)

@@ -107,5 +107,14 @@ class LocalBackend:
         except KeyError:
             return False
 
+    def result_info(self, job_id: str) -> dict[str, Any] | None:
+        try:
+            info = self.store.info(job_id)
+        except KeyError:
+            return None
+        if info.state != "succeeded":
+            return None
+        return {"num_rows": info.num_rows, "num_bytes": info.num_bytes, "steps": list(info.steps)}
+
     def locations_for(self, job_id: str) -> list[str]:
         return self.locations()

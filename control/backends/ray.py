@@ -137,6 +137,9 @@ class RayBackend:
         self._rr = 0
         self._generation = 0
         self._closed = False
+        self._weights: dict[str, Any] = {}
+        """model id -> ObjectRef of the latest pushed state dict (a replacement worker loads it)."""
+        self._weights_version = 0
         slots = [self._spawn(i) for i in range(workers)]
         for s in slots:
             self._await_ready(s)
@@ -210,14 +213,22 @@ class RayBackend:
             try:
                 slot = self._spawn(dead.index)
                 self._await_ready(slot)
+                while True:  # the latest pushed weights, before it takes any rollout
+                    with self._lock:
+                        weights, version = dict(self._weights), self._weights_version
+                    for model_id, ref in weights.items():
+                        self._ray.get(slot.handle.load_weights.remote(model_id, ref), timeout=self._start_timeout_s)
+                    with self._lock:
+                        if self._weights_version != version:
+                            continue  # a push came meanwhile: load that too
+                        if self._closed:
+                            self._ray.kill(slot.handle)
+                            return
+                        self._slots = [slot if s is dead else s for s in self._slots]
+                        break
             except Exception:
                 log.exception("could not replace ray worker", extra={"worker": dead.index})
                 return
-            with self._lock:
-                if self._closed:
-                    self._ray.kill(slot.handle)
-                    return
-                self._slots = [slot if s is dead else s for s in self._slots]
             log.info("ray worker replaced", extra={"worker": dead.index, "actor": slot.actor_id})
 
         threading.Thread(target=start, name=f"sigmaflight-replace-{dead.index}", daemon=True).start()
@@ -260,6 +271,11 @@ class RayBackend:
                     best.load -= 1
                     self._where.pop(job_id, None)
                 self._mark_dead(best, exc)
+            except BaseException:  # a timeout: the rollout is not placed (the manager says 503)
+                with self._lock:
+                    best.load -= 1
+                    self._where.pop(job_id, None)
+                raise
         raise NoWorkers("no live ray worker to take the rollout")
 
     def run(
@@ -329,6 +345,37 @@ class RayBackend:
                     self._where[job_id] = s
                 return True
         return False
+
+    def result_info(self, job_id: str) -> dict[str, Any] | None:
+        slot = self._where.get(job_id)
+        slots = [slot] if slot is not None else list(self._slots)
+        for s in slots:
+            info = self._call(s, "result_info", job_id) if s.alive else None
+            if info is not None:
+                with self._lock:
+                    self._where[job_id] = s
+                return dict(info)
+        return None
+
+    def load_weights(self, model_id: str, state: dict[str, Any]) -> list[str]:
+        """Push new transformer weights to every live worker; returns once each has loaded them
+        (their digests), so every rollout that starts afterwards runs on them. The state dict
+        is put in the object store once; a worker started later (a replacement) loads the latest
+        before it takes rollouts. A worker that dies meanwhile is replaced as usual."""
+        ref = self._ray.put(state)
+        with self._lock:
+            self._weights[model_id] = ref
+            self._weights_version += 1
+            slots = [s for s in self._slots if s.alive]
+        pending = [(s, s.handle.load_weights.remote(model_id, ref)) for s in slots]
+        digests = []
+        for slot, call in pending:
+            try:
+                digests.append(str(self._ray.get(call, timeout=self._start_timeout_s)))
+            except self._ray.exceptions.RayActorError as exc:
+                self._mark_dead(slot, exc)
+        log.info("weights pushed to ray workers", extra={"model": model_id, "workers": len(digests)})
+        return digests
 
     def locations_for(self, job_id: str) -> list[str]:
         slot = self._where.get(job_id)

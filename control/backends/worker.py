@@ -159,6 +159,14 @@ class RolloutWorker:
     def has_result(self, job_id: str) -> bool:
         return self.backend.has_result(job_id)
 
+    def result_info(self, job_id: str) -> dict[str, Any] | None:
+        return self.backend.result_info(job_id)
+
+    def load_weights(self, model_id: str, state: dict[str, torch.Tensor]) -> str:
+        """New transformer weights for `model_id` (checked by the control plane); rollouts that
+        start after this returns run on them. Returns the model's new digest."""
+        return self.registry.load_weights(model_id, state)
+
     def table(self, job_id: str) -> pa.Table:
         """The finished trajectory as one Arrow table (same schema and batches as the Flight stream).
 

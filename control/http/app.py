@@ -29,7 +29,7 @@ from control.http.errors import HttpError, error_response, invalid
 from control.http.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from control.http.openapi import openapi_document
 from control.http.weights import WEIGHTS_PATH, WEIGHTS_PATH_REGEX, put_weights
-from control.jobs.manager import IdempotencyConflict, Job, NotAccepting, QueueFull, iso
+from control.jobs.manager import IdempotencyConflict, Job, NotAccepting, QueueFull, Unavailable, iso
 from control.service import Service
 from control.settings import Settings
 from pipeline.rollout import estimate_latent_bytes, validate_spec
@@ -155,6 +155,8 @@ async def create_rollout(request: Request) -> Response:
         ) from None
     except NotAccepting:
         raise HttpError(503, "shutting_down", "the server is shutting down") from None
+    except Unavailable as exc:  # journal unwritable, no worker to place it on: nothing was accepted
+        raise HttpError(503, exc.type, exc.message, headers={"Retry-After": "1"}) from None
     status_url = str(request.url_for("get_rollout", rollout_id=job.id))
     status = "queued" if created else job.status  # a new ticket reports the status it was accepted with
     ticket = Ticket(id=job.id, status=status, status_url=status_url, flight=flight_ticket(service, job))  # type: ignore[arg-type]
@@ -202,7 +204,8 @@ async def healthz(request: Request) -> Response:
 
 async def readyz(request: Request) -> Response:
     service = _service(request)
-    checks = {"models_loaded": service.ready, "flight_serving": service.ready and service.flight.port > 0}
+    checks = {"models_loaded": service.ready, "flight_serving": service.ready and service.flight.port > 0,
+              "journal_writable": service.jobs.journal_error() is None}
     ok = all(checks.values())
     return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks}, status_code=200 if ok else 503)
 

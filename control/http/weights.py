@@ -66,7 +66,7 @@ def _load(service: Any, model_id: str, body: bytes) -> JSONResponse:
     bad = check_state_dict(current, state)
     if bad is not None:
         return _bad(*bad)
-    digest = service.registry.load_weights(model_id, state)
+    digest = service.push_weights(model_id, state)  # with --backend ray: every worker too
     return JSONResponse({"id": model_id, "digest": digest, "tensors": len(state)})
 
 

@@ -1,8 +1,9 @@
 """Durable job records in `<data_dir>/jobs.sqlite3`, so statuses survive a restart.
 
-One row per rollout, written at each state change (never per step). On open, rollouts
-that were queued or running when the previous process died are marked failed: their
-trajectories were never finished, and saying so beats leaving them silently missing.
+One row per rollout, written at each state change (never per step). The restart scan
+(control/jobs/manager.py `recover_jobs`) reconciles the rows with the trajectories the
+backend still holds. A write can fail (full or read-only disk): `put` and `delete` raise
+`sqlite3.Error`, the connection stays usable, and `probe` tells when writes work again.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,10 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     id TEXT PRIMARY KEY,
     record TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS probe (
+    k INTEGER PRIMARY KEY,
+    at REAL NOT NULL
 )
 """
 
@@ -28,7 +34,7 @@ class Journal:
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute(_SCHEMA)
+        self._db.executescript(_SCHEMA)
 
     def put(self, job_id: str, record: dict[str, Any]) -> None:
         text = json.dumps(record, separators=(",", ":"))
@@ -38,6 +44,11 @@ class Journal:
     def delete(self, job_id: str) -> None:
         with self._lock:
             self._db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+
+    def probe(self) -> None:
+        """One small write (a row of its own table); raises sqlite3.Error while writes fail."""
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO probe (k, at) VALUES (1, ?)", (time.time(),))
 
     def load(self) -> list[dict[str, Any]]:
         with self._lock:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sqlite3
 import threading
 import time
 import uuid
@@ -40,6 +41,36 @@ class NotAccepting(Exception):
     """The manager is shutting down."""
 
 
+class Unavailable(Exception):
+    """The server cannot take the rollout now (REST 503); `type` says why, `message` in words."""
+
+    type = "unavailable"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class JournalUnavailable(Unavailable):
+    """The job journal cannot be written (full or read-only disk): nothing was accepted."""
+
+    type = "journal_unavailable"
+
+
+class PlacementFailed(Unavailable):
+    """The backend could not place the rollout (no live worker, a worker call timed out)."""
+
+    type = "no_workers"
+
+
+class NotFinished(Exception):
+    """A release asked of a rollout that is still queued or running (cancel it first)."""
+
+    def __init__(self, job_id: str, status: str) -> None:
+        super().__init__(f"rollout {job_id} is {status}; cancel it first")
+        self.status = status
+
+
 @dataclass
 class Job:
     """Internal record of one rollout (mutable; guarded by the manager's lock)."""
@@ -62,6 +93,8 @@ class Job:
     """Opaque Flight ticket, issued by the backend at submit time and kept for the job's life."""
     cancel: threading.Event = field(default_factory=threading.Event)
     stop_reason: str | None = None
+    unjournaled: bool = False
+    """Its latest state could not be written to the journal; retried until it is."""
 
     def to_record(self) -> dict[str, Any]:
         return {
@@ -129,6 +162,10 @@ class Backend(Protocol):
 
     def has_result(self, job_id: str) -> bool: ...
 
+    def result_info(self, job_id: str) -> dict[str, Any] | None:
+        """{num_rows, num_bytes, steps} of a finished, valid trajectory held here; None if none."""
+        ...
+
     def locations_for(self, job_id: str) -> list[str]:
         """Flight URIs where the rollout's trajectory is served."""
         ...
@@ -137,24 +174,45 @@ class Backend(Protocol):
 def recover_jobs(journal: Journal, backend: Backend) -> list[Job]:
     """The restart scan: every journaled job, with what a restart changed written back.
 
-    A rollout that was queued or running when the process died is failed ("server_restarted");
-    a succeeded one whose trajectory the backend no longer holds is expired."""
+    A rollout that was queued or running when the process died is failed ("server_restarted"),
+    unless the backend holds its finished, valid trajectory: the process died between the
+    file's rename into place and the journal's "succeeded" row (or that row could not be
+    written), so it is a succeeded rollout. A succeeded one whose trajectory the backend no
+    longer holds is expired. A row that cannot be written back now is written later (the
+    manager retries it)."""
     jobs = []
     for rec in journal.load():
         job = Job.from_record(rec)
-        if job.status in ("queued", "running"):
+        result = backend.result_info(job.id) if job.status in ("queued", "running") else None
+        if result is not None:
+            job.status = "succeeded"
+            job.error = None
+            job.result = result
+            job.steps_done = job.steps_total
+            job.finished_at = time.time()
+            _put_later(journal, job)
+            log.warning("rollout found finished after restart; marked succeeded",
+                        extra={"rollout": job.id, "was": rec["status"]})
+        elif job.status in ("queued", "running"):
             job.status = "failed"
             job.error = ("server_restarted", f"server restarted while the rollout was {rec['status']}")
             job.finished_at = time.time()
-            journal.put(job.id, job.to_record())
+            _put_later(journal, job)
             log.warning("rollout marked failed after restart", extra={"rollout": job.id, "was": rec["status"]})
         elif job.status == "succeeded" and not backend.has_result(job.id):
             job.status = "expired"
             job.error = None
-            journal.put(job.id, job.to_record())
+            _put_later(journal, job)
             log.warning("finished rollout has no stored trajectory; marked expired", extra={"rollout": job.id})
         jobs.append(job)
     return jobs
+
+
+def _put_later(journal: Journal, job: Job) -> None:
+    try:
+        journal.put(job.id, job.to_record())
+    except sqlite3.Error:
+        job.unjournaled = True  # the manager writes it once the journal can be written
 
 
 class JobManager:
@@ -188,6 +246,9 @@ class JobManager:
         self._accepting = True
         self._stopped = threading.Event()
         self._journal = Journal(data_dir / "jobs.sqlite3") if data_dir is not None else None
+        self._journal_error: str | None = None
+        """Why the last journal write failed; None while the journal is writable."""
+        self._unjournaled_deletes: set[str] = set()
         self.counters: Counter[str] = Counter()  # rollouts finished by status, steps done
         self._recover()
 
@@ -200,6 +261,8 @@ class JobManager:
             self._jobs[job.id] = job
             if job.idempotency_key:
                 self._idem[job.idempotency_key] = job.id
+            if job.unjournaled:
+                self._journal_error = self._journal_error or "journal write failed during the restart scan"
 
     def start(self) -> None:
         for n in range(self._workers_n):
@@ -242,39 +305,78 @@ class JobManager:
         idempotency_key: str | None = None,
         body_digest: str | None = None,
     ) -> tuple[Job, bool]:
-        """Enqueue; returns (job, created). A repeated Idempotency-Key returns the first job."""
+        """Enqueue; returns (job, created). A repeated Idempotency-Key returns the first job.
+
+        The backend places the rollout (`reserve`, a remote call with Ray) before anything is
+        registered and outside the lock; the job is registered and journaled only once placed.
+        Whatever fails leaves nothing behind: a placement failure raises PlacementFailed, a
+        journal write failure JournalUnavailable (the reservation is undone), both 503s."""
         with self._lock:
-            if not self._accepting:
-                raise NotAccepting("server shutting down")
-            if idempotency_key is not None and idempotency_key in self._idem:
-                prior = self._jobs.get(self._idem[idempotency_key])
-                if prior is not None:
-                    if prior.body_digest != body_digest:
-                        raise IdempotencyConflict(idempotency_key)
-                    return prior, False
-            if self.queue_depth() >= self._queue_size:
-                raise QueueFull(self._queue_size)
-            job = Job(
-                id=uuid.uuid4().hex,
-                model=spec.model,
-                spec=spec,
-                request=request,
-                steps_total=spec.num_inference_steps,
-                created_at=time.time(),
-                idempotency_key=idempotency_key,
-                body_digest=body_digest,
-            )
-            self._jobs[job.id] = job
-            if idempotency_key is not None:
-                self._idem[idempotency_key] = job.id
+            prior = self._admit(idempotency_key, body_digest)
+        if prior is not None:
+            return prior, False
+        job = Job(
+            id=uuid.uuid4().hex,
+            model=spec.model,
+            spec=spec,
+            request=request,
+            steps_total=spec.num_inference_steps,
+            created_at=time.time(),
+            idempotency_key=idempotency_key,
+            body_digest=body_digest,
+        )
+        try:
             job.ticket = self._backend.reserve(job.id)
-            self._persist(job)
-            self._queue.put(job)
+        except Exception as exc:
+            log.warning("rollout not placed", extra={"rollout": job.id, "cause": f"{type(exc).__name__}: {exc}"})
+            raise PlacementFailed(f"no worker could take the rollout now ({type(exc).__name__}: {exc}); "
+                                  "retry later") from None
+        try:
+            with self._lock:
+                prior = self._admit(idempotency_key, body_digest)  # the world may have moved meanwhile
+                if prior is None:
+                    error = self._write(job)
+                    if error is not None:
+                        raise JournalUnavailable(f"the job journal cannot be written ({error}); "
+                                                 "nothing was accepted; retry later")
+                    self._jobs[job.id] = job
+                    if idempotency_key is not None:
+                        self._idem[idempotency_key] = job.id
+                    self._queue.put(job)
+        except BaseException:
+            self._undo_reserve(job.id, "not accepted")
+            raise
+        if prior is not None:
+            self._undo_reserve(job.id, "a concurrent request with the same Idempotency-Key won")
+            return prior, False
         log.info(
             "rollout queued",
             extra={"rollout": job.id, "model": job.model, "samples": spec.num_samples, "steps": spec.num_inference_steps},
         )
         return job, True
+
+    def _admit(self, idempotency_key: str | None, body_digest: str | None) -> Job | None:
+        """Under the lock: the prior job of a repeated key, or None if a new one may be queued
+        (raises NotAccepting, IdempotencyConflict or QueueFull otherwise)."""
+        if not self._accepting:
+            raise NotAccepting("server shutting down")
+        if idempotency_key is not None and idempotency_key in self._idem:
+            prior = self._jobs.get(self._idem[idempotency_key])
+            if prior is not None:
+                if prior.body_digest != body_digest:
+                    raise IdempotencyConflict(idempotency_key)
+                return prior
+        if self.queue_depth() >= self._queue_size:
+            raise QueueFull(self._queue_size)
+        return None
+
+    def _undo_reserve(self, job_id: str, why: str) -> None:
+        """Forget a reservation whose job was never registered (its ticket was never handed out)."""
+        try:
+            self._backend.abandon(job_id, "failed", why)
+            self._backend.release(job_id)
+        except Exception:
+            log.exception("could not undo a reservation", extra={"rollout": job_id})
 
     def get(self, job_id: str) -> Job | None:
         with self._lock:
@@ -287,21 +389,52 @@ class JobManager:
         return jobs[:limit]
 
     def cancel(self, job_id: str) -> Job | None:
-        """Cancel a queued/running rollout, or release a finished one's result."""
+        """REST DELETE: cancel a queued/running rollout, or release a finished one's result.
+
+        A released succeeded rollout becomes expired; a failed or cancelled one keeps its
+        status (and its error), only what it held is freed."""
         with self._lock:
             job = self._jobs.get(job_id)
             if job is None:
                 return None
-            if job.status == "queued":
-                self._finish(job, "cancelled")
-                self._backend.abandon(job.id, "cancelled", "cancelled by client")
-            elif job.status == "running":
-                job.stop_reason = None
-                job.cancel.set()
-            elif job.status in ("succeeded", "failed", "cancelled"):
-                self._backend.release(job.id)
-                self._finish(job, "expired", keep_time=True)
+            if not self._cancel_active(job):
+                self._release_finished(job)
             return job
+
+    def cancel_active(self, job_id: str) -> bool:
+        """Flight `cancel`: stop a queued or running rollout; False (nothing changed) otherwise."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            return job is not None and self._cancel_active(job)
+
+    def release(self, job_id: str) -> bool:
+        """Flight `release`: free a finished rollout's result (as DELETE does); False if unknown
+        or already expired. Raises NotFinished for a queued or running one: cancel it first."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or job.status == "expired":
+                return False
+            if job.status in ("queued", "running"):
+                raise NotFinished(job.id, job.status)
+            self._release_finished(job)
+            return True
+
+    def _cancel_active(self, job: Job) -> bool:
+        if job.status == "queued":
+            self._finish(job, "cancelled")
+            self._backend.abandon(job.id, "cancelled", "cancelled by client")
+            return True
+        if job.status == "running":
+            job.stop_reason = None
+            job.cancel.set()
+            return True
+        return False
+
+    def _release_finished(self, job: Job) -> None:
+        if job.status in ("succeeded", "failed", "cancelled"):
+            self._backend.release(job.id)
+        if job.status == "succeeded":
+            self._finish(job, "expired", keep_time=True)
 
     def queue_depth(self) -> int:
         with self._lock:
@@ -311,11 +444,60 @@ class JobManager:
         with self._lock:
             return Counter(j.status for j in self._jobs.values())
 
+    def journal_error(self) -> str | None:
+        """Why the journal cannot be written now (readyz answers 503); None while it can."""
+        return self._journal_error
+
     # ---- internals ----------------------------------------------------------------------------
 
-    def _persist(self, job: Job) -> None:
-        if self._journal is not None:
+    def _write(self, job: Job) -> str | None:
+        """Write the job's row; the error in words if the journal cannot be written."""
+        if self._journal is None:
+            return None
+        try:
             self._journal.put(job.id, job.to_record())
+        except sqlite3.Error as exc:
+            self._journal_failed(exc)
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def _persist(self, job: Job) -> bool:
+        """Write the job's row; on failure keep the state in memory, mark the row for a retry
+        (the reaper writes it once the journal recovers) and return False. Never raises."""
+        if self._write(job) is None:
+            job.unjournaled = False
+            return True
+        job.unjournaled = True
+        return False
+
+    def _journal_failed(self, exc: BaseException) -> None:
+        if self._journal_error is None:
+            log.error("job journal cannot be written; /readyz answers 503 until it can",
+                      extra={"cause": f"{type(exc).__name__}: {exc}"})
+        self._journal_error = f"{type(exc).__name__}: {exc}"
+
+    def retry_journal(self) -> bool:
+        """Write every row that could not be written, then probe; True once the journal is
+        writable again (or never failed)."""
+        with self._lock:
+            journal = self._journal
+            if journal is None or self._journal_error is None:
+                return True
+            try:
+                for job in self._jobs.values():
+                    if job.unjournaled:
+                        journal.put(job.id, job.to_record())
+                        job.unjournaled = False
+                for job_id in list(self._unjournaled_deletes):
+                    journal.delete(job_id)
+                    self._unjournaled_deletes.discard(job_id)
+                journal.probe()
+            except sqlite3.Error as exc:
+                self._journal_error = f"{type(exc).__name__}: {exc}"
+                return False
+            self._journal_error = None
+        log.info("job journal writable again")
+        return True
 
     def _finish(
         self, job: Job, status: str, *, error: tuple[str, str] | None = None, keep_time: bool = False
@@ -332,13 +514,26 @@ class JobManager:
             job = self._queue.get()
             if job is None:
                 return
-            with self._lock:
-                if job.status != "queued":
-                    continue
-                job.status = "running"
-                job.started_at = time.time()
-                self._persist(job)
-            self._run(job)
+            try:  # a worker thread never dies: it is the only one that runs rollouts
+                self._take(job)
+            except Exception:
+                log.exception("worker error outside a rollout", extra={"rollout": job.id})
+
+    def _take(self, job: Job) -> None:
+        with self._lock:
+            if job.status != "queued":
+                return
+            job.status = "running"
+            job.started_at = time.time()
+            error = self._write(job)
+            if error is not None:  # a rollout the journal cannot record does not run
+                job.status = "queued"
+                message = f"the job journal cannot be written ({error})"
+                self._finish(job, "failed", error=("journal_unavailable", message))
+                self._backend.abandon(job.id, "failed", message)
+                log.error("rollout failed: journal unwritable", extra={"rollout": job.id})
+                return
+        self._run(job)
 
     def _run(self, job: Job) -> None:
         assert job.spec is not None
@@ -381,7 +576,11 @@ class JobManager:
 
     def _reaper(self) -> None:
         while not self._stopped.wait(0.5):
-            self.reap()
+            try:
+                self.retry_journal()
+                self.reap()
+            except Exception:
+                log.exception("reaper error")
 
     def reap(self, now: float | None = None) -> None:
         """Expire finished results past their TTL and forget the oldest records beyond the cap."""
@@ -404,4 +603,8 @@ class JobManager:
                     if j.idempotency_key:
                         self._idem.pop(j.idempotency_key, None)
                     if self._journal is not None:
-                        self._journal.delete(j.id)
+                        try:
+                            self._journal.delete(j.id)
+                        except sqlite3.Error as exc:
+                            self._journal_failed(exc)
+                            self._unjournaled_deletes.add(j.id)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import math
+import sqlite3
 import time
 
 import pytest
 
 from control.backends.local import LocalBackend
-from control.jobs.manager import IdempotencyConflict, Job, JobManager, QueueFull
+from control.jobs.manager import IdempotencyConflict, Job, JobManager, NotFinished, QueueFull
 from dataplane.store import ResultStore
 from pipeline.models import ModelRegistry
 from pipeline.spec import RolloutSpec
@@ -52,7 +55,14 @@ def test_a_failing_rollout_is_marked_failed_and_the_next_one_runs(registry):
         assert bad.error is not None and bad.error[1]
         assert wait(jobs, good.id, {"failed", "succeeded"}) == "succeeded"
         assert good.result is not None
-        assert good.result == {"num_rows": 3, "num_bytes": good.result["num_bytes"], "steps": [0, 1, 2]}
+        # num_bytes against pyarrow's own count of the batches the store serves, and at least
+        # the raw float32 latents of 3 captured steps (shape from the trajectory's own column).
+        batches = list(store.get(good.id).iter_batches())
+        served = sum(b.nbytes for b in batches)
+        latent = batches[0].column("latent")
+        per_row = math.prod(latent.type.shape) * 4
+        assert good.result == {"num_rows": 3, "num_bytes": served, "steps": [0, 1, 2]}
+        assert sum(b.num_rows for b in batches) == 3 and served >= 3 * per_row > 0
         assert good.steps_done == good.steps_total == 2
     finally:
         jobs.stop()
@@ -108,3 +118,57 @@ def test_restart_marks_unfinished_rollouts_failed_and_keeps_finished_ones(regist
     assert failed.status == "failed" and failed.error is not None
     assert failed.error[0] == "server_restarted" and "queued" in failed.error[1]
     again.stop()
+
+
+def test_cancel_only_cancels_and_release_refuses_unfinished(registry):
+    """Flight's `cancel` keeps a finished rollout; its `release` refuses a queued one."""
+    jobs, store = manager(registry)
+    queued, _ = jobs.submit(spec(), {})  # not started yet: stays queued
+    with pytest.raises(NotFinished, match="queued; cancel it first"):
+        jobs.release(queued.id)
+    assert known(jobs.get(queued.id)).status == "queued"
+    jobs.start()
+    try:
+        wait(jobs, queued.id, {"succeeded"})
+        assert jobs.cancel_active(queued.id) is False
+        assert known(jobs.get(queued.id)).status == "succeeded"
+        assert store.info(queued.id).state == "succeeded"
+        assert jobs.release(queued.id) is True
+        assert known(jobs.get(queued.id)).status == "expired"
+        assert jobs.release(queued.id) is False
+    finally:
+        jobs.stop()
+
+
+def test_delete_of_a_cancelled_rollout_keeps_it_cancelled(registry):
+    jobs, _ = manager(registry)  # not started
+    job, _ = jobs.submit(spec(), {})
+    assert known(jobs.cancel(job.id)).status == "cancelled"
+    assert known(jobs.cancel(job.id)).status == "cancelled"
+    assert jobs.release(job.id) is True
+    assert known(jobs.get(job.id)).status == "cancelled"
+    jobs.stop()
+
+
+def test_restart_reconciles_a_finished_file_the_journal_calls_running(registry, tmp_path):
+    """kill -9 between the trajectory's rename and the journal's success row: the row (edited
+    with plain sqlite3) says running, the file is complete, so the rollout is succeeded."""
+    jobs, store = manager(registry, tmp_path)
+    jobs.start()
+    done, _ = jobs.submit(spec(), {})
+    wait(jobs, done.id, {"succeeded"})
+    jobs.stop()
+    store.close()
+    db = sqlite3.connect(str(tmp_path / "jobs.sqlite3"))
+    record = json.loads(db.execute("SELECT record FROM jobs WHERE id = ?", (done.id,)).fetchone()[0])
+    record.update(status="running", result=None, finished_at=None)
+    db.execute("UPDATE jobs SET record = ? WHERE id = ?", (json.dumps(record), done.id))
+    db.commit()
+    db.close()
+    again, store2 = manager(registry, tmp_path)
+    job = known(again.get(done.id))
+    assert job.status == "succeeded" and job.error is None
+    info = store2.info(done.id)
+    assert job.result == {"num_rows": info.num_rows, "num_bytes": info.num_bytes, "steps": [0, 1, 2]}
+    again.stop()
+    store2.close()

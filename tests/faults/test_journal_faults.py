@@ -27,7 +27,6 @@ def _readyz(server: ServerProcess) -> int:
         return c.get("/readyz").status_code
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 4: a failed journal write kills the only worker")
 @pytest.mark.timeout(180)
 def test_worker_survives_a_full_data_dir(tmpfs) -> None:
     """The journal's filesystem fills up while a rollout runs; its trajectory file (on a
@@ -49,7 +48,6 @@ def test_worker_survives_a_full_data_dir(tmpfs) -> None:
         assert "Exception in thread" not in server.log_text
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 4: /readyz says ready while the journal is unwritable")
 @pytest.mark.timeout(180)
 def test_readyz_503_while_journal_unwritable_then_recovers(tmpfs) -> None:
     data = tmpfs("data", "8m")
@@ -72,7 +70,6 @@ def test_readyz_503_while_journal_unwritable_then_recovers(tmpfs) -> None:
             time.sleep(0.2)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 5: POST on an unwritable journal is a 500 and a zombie job")
 @pytest.mark.timeout(180)
 def test_post_while_journal_full_is_503_and_leaves_nothing(tmpfs) -> None:
     data = tmpfs("data", "8m")
@@ -94,7 +91,6 @@ def test_post_while_journal_full_is_503_and_leaves_nothing(tmpfs) -> None:
         pull(server.flight_url, again.json()["flight"]["ticket"], timeout=10)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 9: trajectory renamed into place before the journal says so")
 @pytest.mark.timeout(240)
 def test_finished_file_and_journal_agree_after_kill_9(tmpfs) -> None:
     """The crash window between the trajectory rename and the journal's 'succeeded' row,
