@@ -62,7 +62,6 @@ def test_consumers_that_leave_a_queued_ticket_free_their_slots(server: ServerPro
         assert table.num_rows > 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 10: Flight cancel on a finished rollout deletes it")
 @pytest.mark.timeout(60)
 def test_flight_cancel_of_a_finished_rollout_keeps_it(server: ServerProcess) -> None:
     with server.client() as c:
@@ -75,7 +74,6 @@ def test_flight_cancel_of_a_finished_rollout_keeps_it(server: ServerProcess) -> 
         assert latent_bytes(pull(server.flight_url, done["flight"]["ticket"])) == before
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 10: Flight release of a running rollout cancels it")
 @pytest.mark.timeout(120)
 def test_flight_release_of_a_running_rollout_is_refused(server: ServerProcess) -> None:
     mid = {"prompts": ["mid"], "num_inference_steps": 1500, "seed": 52, "return": {"steps": [0, 1500]}}

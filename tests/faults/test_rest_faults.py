@@ -76,7 +76,6 @@ def test_client_disconnect_mid_body_is_not_a_server_error(server: ServerProcess)
         assert c.post("/v1/rollouts", json=SMALL).status_code == 202  # and it keeps serving
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 19: DELETE on a cancelled rollout turns it into expired")
 @pytest.mark.timeout(120)
 def test_delete_of_a_cancelled_rollout_keeps_it_cancelled(server: ServerProcess) -> None:
     with server.client() as c:
