@@ -64,7 +64,6 @@ def _changed_weights() -> tuple[bytes, dict]:
     return save(new), new
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 15: with --backend ray, pushed weights never reach the workers")
 @pytest.mark.timeout(400)
 def test_pushed_weights_reach_every_ray_worker(ray_server: ServerProcess) -> None:
     body, _ = _changed_weights()
@@ -93,7 +92,6 @@ def test_pushed_weights_reach_every_ray_worker(ray_server: ServerProcess) -> Non
             assert latent_bytes(table) == latent_bytes(reference)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 8: a failed placement leaves the job queued forever")
 @pytest.mark.timeout(300)
 def test_failed_placement_leaves_no_queued_job(ray_server: ServerProcess) -> None:
     server = ray_server
