@@ -196,3 +196,36 @@ def test_a_killed_worker_fails_its_rollout_naming_it_and_a_replacement_takes_new
     assert any(backend.locations_for(j.id) == replacement["locations"] for j in placed)
     for j in placed:
         assert wait(jobs, j.id, {"succeeded", "failed"}) == "succeeded", j.error
+
+
+def test_pushed_weights_reach_every_worker_and_a_replacement_loads_them(jobs, backend):
+    """load_weights returns once each live worker has the new weights; a worker started
+    later (replacing a killed one) loads them before it takes rollouts. Reference digest:
+    the same state dict loaded by a plain in-process ModelRegistry."""
+    import torch
+
+    reference = ModelRegistry()
+    state = reference.get("tiny-sd3").pipeline.transformer.state_dict()
+    g = torch.Generator().manual_seed(11)
+    new = {k: v + 0.01 * torch.randn(v.shape, generator=g, dtype=v.dtype) if v.is_floating_point() else v.clone()
+           for k, v in state.items()}
+    digest = reference.load_weights("tiny-sd3", new)
+    assert backend.load_weights("tiny-sd3", new) == [digest, digest]
+
+    before = {w["actor"] for w in backend.workers()}
+    victim = backend.workers()[0]
+    ray.kill(backend._slots[0].handle)
+    deadline = time.monotonic() + 120
+    while len(backend.workers()) < 2 or victim["actor"] in {w["actor"] for w in backend.workers()}:
+        if victim["actor"] in {w["actor"] for w in backend.workers()}:
+            backend.has_result("nothing")  # a call notices the dead worker and starts a replacement
+        assert time.monotonic() < deadline, backend.workers()
+        time.sleep(0.2)
+    replacement = next(w for w in backend.workers() if w["actor"] not in before)
+    placed = [jobs.submit(spec(seed=300 + k), {})[0] for k in range(2)]
+    on_replacement = [j for j in placed if backend.locations_for(j.id) == replacement["locations"]]
+    assert on_replacement
+    for j in placed:
+        assert wait(jobs, j.id, {"succeeded", "failed"}) == "succeeded", j.error
+        traj = pull(backend.locations_for(j.id)[0], j.ticket)
+        assert traj.metadata["model"]["digest"] == digest
