@@ -223,7 +223,8 @@ def attach_adapter(
     inject_config = dataclasses.replace(config, init_lora_weights=True)
     try:
         with torch.random.fork_rng(devices=[]):
-            inject_adapter_in_model(inject_config, transformer, adapter_name=ADAPTER_NAME)
+            # low_cpu_mem_usage: the factors start on the meta device (no init) and the values are assigned below
+            inject_adapter_in_model(inject_config, transformer, adapter_name=ADAPTER_NAME, low_cpu_mem_usage=True)
     except ValueError as exc:
         raise RolloutInputError("lora_config.target_modules", f"peft cannot place the adapter: {exc}") from None
     expected = get_peft_model_state_dict(transformer, adapter_name=ADAPTER_NAME)
@@ -235,10 +236,12 @@ def attach_adapter(
         raise RolloutInputError(name, "missing from the adapter: lora_config targets this module")
     device = next(iter(base.parameters())).device
     values = {k: v.detach().to(device=device, dtype=dtype).contiguous() for k, v in given.items()}
-    result = set_peft_model_state_dict(transformer, values, adapter_name=ADAPTER_NAME)
+    result = set_peft_model_state_dict(transformer, values, adapter_name=ADAPTER_NAME, low_cpu_mem_usage=True)
     unexpected = list(getattr(result, "unexpected_keys", []) or [])
     if unexpected:  # every key was checked against peft's own names above: this is a bug, not bad input
         raise RuntimeError(f"peft did not load {unexpected[:3]}")
+    if any(p.is_meta for p in transformer.parameters()):  # peft left a factor unassigned: a bug, not bad input
+        raise RuntimeError("an adapter factor was not loaded")
     transformer.eval()
     transformer.requires_grad_(False)
     cfg_json = config_json(config)
