@@ -269,3 +269,16 @@ def test_all_flow_grpo_targets_are_wrapped_where_the_model_has_them():
     reg.load_lora("small-sd3", adapter, _wire(config))
     lora_layers = {n for n, m in model.pipeline.transformer.named_modules() if isinstance(m, LoraLayer)}
     assert {t for t in TARGETS if any(n.endswith("." + t) for n in lora_layers)} == set(TARGETS)
+
+
+def test_bf16_model_and_per_sample_calls_run_with_an_adapter():
+    reg = ModelRegistry(dtype=torch.bfloat16)
+    model = reg.get("tiny-sd3")
+    _, adapter, config = _trainer(ModelRegistry().get("tiny-sd3").pipeline.transformer, "add_adapter")
+    reg.load_lora("tiny-sd3", adapter, _wire(config))  # float32 factors, cast to the model's bf16
+    lora_params = [p for n, p in model.pipeline.transformer.named_parameters() if "lora_" in n]
+    assert lora_params and all(p.dtype == torch.bfloat16 for p in lora_params)
+    batched = run_rollout(model, SPEC)
+    row_by_row = run_rollout(model, SPEC, per_sample_model_calls=True)
+    assert torch.isfinite(batched.log_probs).all() and torch.isfinite(row_by_row.log_probs).all()
+    assert batched.digest == row_by_row.digest == model.digest
