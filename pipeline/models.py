@@ -1,47 +1,78 @@
-"""Model registry: built-in tiny diffusers pipelines and local flow-match pipelines.
+"""Model registry: built-in tiny diffusers pipelines and local flow-match pipelines, and their policy.
 
-Built-in models are assembled from the real diffusers / transformers classes with tiny
-configs and seeded random weights, created inside `torch.random.fork_rng` so that the
-same id gives the same weights bit for bit on every build and the caller's RNG is untouched.
-Every module is put in eval mode. Nothing is downloaded.
+Built-in models (pipeline/builtins.py) are assembled from the real diffusers / transformers
+classes with tiny configs and seeded random weights, created inside `torch.random.fork_rng` so
+that the same id gives the same weights bit for bit on every build and the caller's RNG is
+untouched. Every module is put in eval mode. Nothing is downloaded.
+
+Policy version (contract, "Policy version"): each model has a `digest` of the weights a
+rollout runs with and a `weights_version`, 0 at load and +1 per accepted change of weights
+(`replace_weights` / `load_weights`, `load_lora`, `unload_lora`). A change never touches a
+pipeline in use: it builds a new pipeline object around a new transformer whose unchanged
+tensors are the old ones (shared, not copied) and swaps it in under the model's lock, so a
+rollout that read `LoadedModel.policy()` keeps its weights to the end and the next one sees
+the new. Changes of one model are serialised (`LoadedModel.push_lock`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline.builtins import _BUILTINS, _CLIP_LEN, _T5_LEN, ModelDefaults
+from pipeline.lora import LoraAdapter, attach_adapter, share_tensors_copy
 from pipeline.spec import RolloutInputError
 
-__all__ = ["LoadedModel", "ModelDefaults", "ModelRegistry", "weights_digest"]
+__all__ = [
+    "LoadedModel",
+    "LoraNotLoaded",
+    "ModelDefaults",
+    "ModelLoadError",
+    "ModelRegistry",
+    "Policy",
+    "max_image_size",
+    "weights_digest",
+]
+
+_ = _BUILTINS  # re-exported: control/plot.py reads pipeline.models._BUILTINS
+
+
+class ModelLoadError(ValueError):
+    """A local model directory sigmaflight cannot serve (the message names the directory and why)."""
+
+
+class LoraNotLoaded(LookupError):
+    """`unload_lora` on a model that has no adapter: nothing changed, the version did not move."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelDefaults:
-    height: int
-    width: int
-    num_inference_steps: int
-    guidance_scale: float
-    num_frames: int | None = None
-    """Video models only."""
-    size_multiple: int = 1
-    """height and width must be multiples of this."""
-    is_video: bool = False
-    call_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments every pipeline call gets (e.g. a short max_sequence_length)."""
+class Policy:
+    """What one rollout runs with, read at once: the pipeline and the (digest, version) of its weights."""
+
+    pipeline: Any
+    digest: str
+    """weights_digest of the base weights, or the adapter digest (base + adapter) while a LoRA is loaded."""
+    weights_version: int
+    """0 at load, +1 per accepted change of weights (full push, LoRA put, LoRA delete)."""
+    base_digest: str
+    """The digest of the weights without the adapter (== digest when no LoRA is loaded)."""
+    lora: LoraAdapter | None = None
 
 
 @dataclass(kw_only=True)
 class LoadedModel:
     """A ready pipeline plus what a rollout needs to know about it.
 
-    `pipeline` and `digest` change together (under `lock`) when `ModelRegistry.load_weights`
-    swaps in new transformer weights; a rollout reads both once with `snapshot()`.
+    `pipeline`, `digest`, `weights_version` (and the base and adapter behind them) change together
+    under `lock` when the registry changes the weights; a rollout reads them once with `policy()`
+    (or `snapshot()`, the older (pipeline, digest) pair).
     """
 
     id: str
@@ -52,294 +83,119 @@ class LoadedModel:
     dtype: torch.dtype
     digest: str
     defaults: ModelDefaults
+    weights_version: int = 0
+    base_pipeline: Any = None
+    """The pipeline without the adapter while a LoRA is loaded; None otherwise (then `pipeline` is the base)."""
+    base_digest: str = ""
+    """Digest of the base weights ("" until set: then `digest`)."""
+    lora: LoraAdapter | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    push_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held for the whole of a change of weights: changes of one model run one at a time."""
     tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
     """Fast tokenizers mutate their padding/truncation state per call: one call at a time."""
+    digest_prefix: Any = None
+    """sha256 state after the components sorted before "transformer" (they never change): pushes hash the rest."""
+
+    def __post_init__(self) -> None:
+        if not self.base_digest:
+            self.base_digest = self.digest
+
+    def policy(self) -> Policy:
+        with self.lock:
+            return Policy(pipeline=self.pipeline, digest=self.digest, weights_version=self.weights_version,
+                          base_digest=self.base_digest, lora=self.lora)
 
     def snapshot(self) -> tuple[Any, str]:
         with self.lock:
             return self.pipeline, self.digest
+
+    def base_transformer(self) -> Any:
+        """The transformer without the adapter (what a full weights push replaces)."""
+        with self.lock:
+            return (self.base_pipeline if self.base_pipeline is not None else self.pipeline).transformer
+
+
+def _hash_module(h: Any, name: str, module: torch.nn.Module) -> None:
+    for key, tensor in sorted(module.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(f"{name}.{key}:{t.dtype}:{tuple(t.shape)}\n".encode())
+        h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")
 
 
 def weights_digest(pipeline: Any) -> str:
     """sha256 over the state dicts of all torch modules of a pipeline (names, dtypes, shapes, bytes)."""
     h = hashlib.sha256()
     for name, module in sorted(pipeline.components.items()):
-        if not isinstance(module, torch.nn.Module):
-            continue
-        for key, tensor in sorted(module.state_dict().items()):
-            t = tensor.detach().to("cpu").contiguous()
-            h.update(f"{name}.{key}:{t.dtype}:{tuple(t.shape)}\n".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if isinstance(module, torch.nn.Module):
+            _hash_module(h, name, module)
     return h.hexdigest()
 
 
-# --------------------------------------------------------------------------- tokenizers
-
-_LETTERS = "abcdefghijklmnopqrstuvwxyz"
-
-
-def _clip_tokenizer(max_length: int) -> Any:
-    from transformers import CLIPTokenizer
-
-    vocab: dict[str, int] = {"<|startoftext|>": 0, "<|endoftext|>": 1, "!": 2}
-    for ch in _LETTERS:
-        vocab[ch] = len(vocab)
-        vocab[ch + "</w>"] = len(vocab)
-    merges: Any = [("a", "t</w>"), ("t", "h"), ("th", "e</w>")]  # tuples (transformers 5), not strings
-    for a, b in merges:
-        vocab[a + b] = len(vocab)
-    return CLIPTokenizer(
-        vocab=vocab,
-        merges=merges,
-        model_max_length=max_length,
-        pad_token="<|endoftext|>",
-    )
+def _digest_prefix(pipeline: Any) -> Any:
+    h = hashlib.sha256()
+    for name, module in sorted(pipeline.components.items()):
+        if name < "transformer" and isinstance(module, torch.nn.Module):
+            _hash_module(h, name, module)
+    return h
 
 
-def _t5_tokenizer(max_length: int) -> Any:
-    from transformers import T5Tokenizer
-
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
-    pieces += [(ch, -2.0) for ch in _LETTERS]
-    pieces += [("\u2581" + ch, -1.5) for ch in _LETTERS]
-    return T5Tokenizer(vocab=pieces, model_max_length=max_length, extra_ids=0)
-
-
-def _clip_encoder(hidden: int, proj: int, max_pos: int, vocab: int, layers: int, *, projection: bool = True) -> Any:
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
-    cfg = CLIPTextConfig(
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_attention_heads=2,
-        num_hidden_layers=layers,
-        max_position_embeddings=max_pos,
-        vocab_size=vocab,
-        hidden_act="gelu",
-        projection_dim=proj,
-    )
-    return CLIPTextModelWithProjection(cfg) if projection else CLIPTextModel(cfg)
+def _digest_from(prefix: Any, pipeline: Any) -> str:
+    """weights_digest(pipeline), given the hash state of the components before "transformer"."""
+    h = prefix.copy()
+    for name, module in sorted(pipeline.components.items()):
+        if name >= "transformer" and isinstance(module, torch.nn.Module):
+            _hash_module(h, name, module)
+    return str(h.hexdigest())
 
 
-def _t5_encoder(d_model: int, vocab: int) -> Any:
-    from transformers import T5Config, T5EncoderModel
-
-    kwargs: dict[str, Any] = dict(
-        vocab_size=vocab,
-        d_model=d_model,
-        d_kv=8,
-        d_ff=2 * d_model,
-        num_layers=1,
-        num_heads=2,
-        relative_attention_num_buckets=8,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    return T5EncoderModel(T5Config(**kwargs))
+def _with_transformer(pipeline: Any, transformer: Any) -> Any:
+    new = type(pipeline)(**{**pipeline.components, "transformer": transformer})
+    new.set_progress_bar_config(disable=True)
+    return new
 
 
-def _tiny_vae(latent_channels: int, **kw: Any) -> Any:
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(4, 4),
-        layers_per_block=1,
-        latent_channels=latent_channels,
-        norm_num_groups=1,
-        sample_size=32,
-        **kw,
-    )
-
-
-# --------------------------------------------------------------------------- built-ins
-
-_CLIP_LEN = 16
-_T5_LEN = 16
+def check_state_dict(current: Mapping[str, torch.Tensor], new: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(key, why) of the first tensor that cannot replace `current`; None when all fit."""
+    for key in sorted(set(current) - set(new)):
+        return key, "missing from the upload (the whole transformer state dict is required)"
+    for key in sorted(set(new) - set(current)):
+        return key, "not a parameter or buffer of this model's transformer"
+    for key in sorted(new):
+        have, got = current[key], new[key]
+        if not isinstance(got, torch.Tensor):
+            return key, f"not a tensor ({type(got).__name__})"
+        if tuple(got.shape) != tuple(have.shape):
+            return key, f"shape {list(got.shape)} does not match the model's {list(have.shape)}"
+        if got.dtype != have.dtype:
+            return key, f"dtype {str(got.dtype).removeprefix('torch.')} does not match the model's " \
+                        f"{str(have.dtype).removeprefix('torch.')}"
+        if got.is_floating_point() and not bool(torch.isfinite(got).all()):
+            return key, "holds NaN or infinite values"
+    return None
 
 
-def _build_sd3(*, dim_heads: int, heads: int, layers: int) -> Any:
-    from diffusers import (
-        FlowMatchEulerDiscreteScheduler,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-    )
+def check_flow_match(path: str) -> None:
+    """Refuse a local pipeline directory whose scheduler is not flow-match (before loading it).
 
-    clip_vocab = len(_clip_tokenizer(_CLIP_LEN).get_vocab())
-    t5_vocab = len(_t5_tokenizer(_T5_LEN).get_vocab())
-    transformer = SD3Transformer2DModel(
-        sample_size=32,
-        patch_size=2,
-        in_channels=4,
-        out_channels=4,
-        num_layers=layers,
-        attention_head_dim=dim_heads,
-        num_attention_heads=heads,
-        joint_attention_dim=32,
-        caption_projection_dim=dim_heads * heads,
-        pooled_projection_dim=32,
-        pos_embed_max_size=32,
-    )
-    return StableDiffusion3Pipeline(
-        transformer=transformer,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=_tiny_vae(4, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035),
-        text_encoder=_clip_encoder(16, 16, _CLIP_LEN, clip_vocab, 1),
-        tokenizer=_clip_tokenizer(_CLIP_LEN),
-        text_encoder_2=_clip_encoder(16, 16, _CLIP_LEN, clip_vocab, 1),
-        tokenizer_2=_clip_tokenizer(_CLIP_LEN),
-        text_encoder_3=_t5_encoder(32, t5_vocab),
-        tokenizer_3=_t5_tokenizer(_T5_LEN),
-    )
-
-
-def _build_flux() -> Any:
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-
-    clip_vocab = len(_clip_tokenizer(_CLIP_LEN).get_vocab())
-    t5_vocab = len(_t5_tokenizer(_T5_LEN).get_vocab())
-    transformer = FluxTransformer2DModel(
-        patch_size=1,
-        in_channels=16,
-        out_channels=16,
-        num_layers=1,
-        num_single_layers=1,
-        attention_head_dim=8,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        pooled_projection_dim=16,
-        guidance_embeds=True,
-        axes_dims_rope=(2, 2, 4),
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0,
-        use_dynamic_shifting=True,
-        base_shift=0.5,
-        max_shift=1.15,
-        base_image_seq_len=16,
-        max_image_seq_len=256,
-    )
-    return FluxPipeline(
-        transformer=transformer,
-        scheduler=scheduler,
-        vae=_tiny_vae(4, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035),
-        text_encoder=_clip_encoder(16, 16, _CLIP_LEN, clip_vocab, 1, projection=False),
-        tokenizer=_clip_tokenizer(_CLIP_LEN),
-        text_encoder_2=_t5_encoder(32, t5_vocab),
-        tokenizer_2=_t5_tokenizer(_T5_LEN),
-    )
-
-
-def _build_wan() -> Any:
-    """WanPipeline with a 2-layer transformer, a 1-layer UMT5 encoder and a base_dim-3 Wan VAE.
-
-    The VAE keeps Wan's factors (spatial 8, temporal 4; latent [16, (F - 1) // 4 + 1, H / 8, W / 8]).
-    Real Wan ships UniPCMultistepScheduler; sigmaflight's rollout path wraps
-    FlowMatchEulerDiscreteScheduler only, so the tiny Wan gets that with Wan's static flow shift 5.0.
+    sigmaflight's rollout scheduler is a FlowMatchEulerDiscreteScheduler; a DDIM/PNDM/... pipeline
+    would load and then fail on every request.
     """
-    from diffusers import (
-        AutoencoderKLWan,
-        FlowMatchEulerDiscreteScheduler,
-        WanPipeline,
-        WanTransformer3DModel,
-    )
-    from transformers import UMT5Config, UMT5EncoderModel
+    import diffusers
 
-    t5_vocab = len(_t5_tokenizer(_T5_LEN).get_vocab())
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=t5_vocab,
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=1,
-            num_heads=2,
-            relative_attention_num_buckets=8,
-            decoder_start_token_id=0,
-            pad_token_id=0,
-            eos_token_id=1,
+    index_path = Path(path) / "model_index.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"model directory {path}: cannot read model_index.json ({exc})") from None
+    entry = index.get("scheduler") if isinstance(index, dict) else None
+    name = entry[1] if isinstance(entry, (list, tuple)) and len(entry) == 2 else None
+    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.FlowMatchEulerDiscreteScheduler)):
+        raise ModelLoadError(
+            f"model directory {path}: scheduler {name or entry!r} is not a flow-match scheduler "
+            f"(sigmaflight serves pipelines whose scheduler is FlowMatchEulerDiscreteScheduler)"
         )
-    )
-    vae = AutoencoderKLWan(
-        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-    )
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
-        in_channels=16,
-        out_channels=16,
-        text_dim=32,
-        freq_dim=256,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    )
-    return WanPipeline(
-        tokenizer=_t5_tokenizer(_T5_LEN),
-        text_encoder=text_encoder,
-        vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
-        transformer=transformer,
-    )
-
-
-@dataclass(frozen=True)
-class _BuiltIn:
-    family: str
-    seed: int
-    build: Callable[[], Any]
-    defaults: ModelDefaults
-
-
-_BUILTINS: dict[str, _BuiltIn] = {
-    "tiny-sd3": _BuiltIn(
-        "sd3",
-        1,
-        lambda: _build_sd3(dim_heads=8, heads=2, layers=1),
-        ModelDefaults(
-            height=32, width=32, num_inference_steps=4, guidance_scale=4.5, size_multiple=4,
-            call_kwargs={"max_sequence_length": _T5_LEN},
-        ),
-    ),
-    "small-sd3": _BuiltIn(
-        "sd3",
-        2,
-        lambda: _build_sd3(dim_heads=32, heads=8, layers=6),
-        ModelDefaults(
-            height=64, width=64, num_inference_steps=8, guidance_scale=4.5, size_multiple=4,
-            call_kwargs={"max_sequence_length": _T5_LEN},
-        ),
-    ),
-    "tiny-flux": _BuiltIn(
-        "flux",
-        3,
-        _build_flux,
-        ModelDefaults(
-            height=32, width=32, num_inference_steps=4, guidance_scale=3.5, size_multiple=4,
-            call_kwargs={"max_sequence_length": _T5_LEN},
-        ),
-    ),
-    "tiny-wan": _BuiltIn(
-        "wan",
-        4,
-        _build_wan,
-        ModelDefaults(
-            height=32, width=32, num_inference_steps=4, guidance_scale=5.0, num_frames=9, size_multiple=16,
-            is_video=True, call_kwargs={"max_sequence_length": _T5_LEN},
-        ),
-    ),
-}
 
 
 def _family_of(pipeline: Any) -> str:
@@ -420,47 +276,103 @@ class ModelRegistry:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
     ) -> LoadedModel:
-        """Load a diffusers flow-match pipeline from a local directory (no network) under `model_id`."""
+        """Load a diffusers flow-match pipeline from a local directory (no network) under `model_id`.
+
+        Raises ModelLoadError (naming the directory and the scheduler class) when the pipeline's
+        scheduler is not a FlowMatchEulerDiscreteScheduler: it could not run a rollout.
+        """
         model = self._load_local(model_id, str(path), torch.device(device), dtype)
         with self._lock:
             self._local[model_id] = (str(path), torch.device(device), dtype)
             self._loaded[model_id] = model
         return model
 
-    def load_weights(self, model_id: str, state_dict: Mapping[str, torch.Tensor]) -> str:
-        """Replace the transformer's weights; returns the new digest.
+    # ------------------------------------------------------------------ changes of weights
 
-        Copy-on-write: the new weights go into a copy of the transformer and a new pipeline
-        object, swapped in under the model's lock, so rollouts already running keep the
-        weights (and digest) they started with.
+    def replace_weights(self, model_id: str, state_dict: Mapping[str, torch.Tensor]) -> Policy:
+        """Replace the transformer's weights with `state_dict` (the whole state dict); drops any LoRA.
+
+        Raises RolloutInputError(key, why) for a missing or unknown key, another shape or dtype,
+        or NaN/Inf values, before anything changes. The new transformer takes the given tensors
+        as they are when they are already on the model's device (no copy): the caller hands them
+        over and must not change them afterwards. Running rollouts keep the old weights; the
+        next rollout sees the new ones. Returns the new Policy (digest, weights_version + 1).
         """
-        import copy
-
         model = self.get(model_id)
-        pipeline, _ = model.snapshot()
-        transformer = copy.deepcopy(pipeline.transformer)
-        transformer.load_state_dict(dict(state_dict), strict=True)
-        transformer.eval()
-        new_pipeline = type(pipeline)(**{**pipeline.components, "transformer": transformer})
-        new_pipeline.set_progress_bar_config(disable=True)
-        digest = weights_digest(new_pipeline)
-        with model.lock:
-            model.pipeline = new_pipeline
-            model.digest = digest
-        return digest
+        with model.push_lock:
+            base = model.base_transformer()
+            bad = check_state_dict(base.state_dict(), state_dict)
+            if bad is not None:
+                raise RolloutInputError(*bad)
+            new = {k: v.detach().to(model.device) for k, v in state_dict.items()}
+            transformer = share_tensors_copy(base)
+            transformer.load_state_dict(new, strict=True, assign=True)
+            transformer.eval()
+            transformer.requires_grad_(False)
+            del new
+            current = model.base_pipeline if model.base_pipeline is not None else model.pipeline
+            pipeline = _with_transformer(current, transformer)
+            digest = _digest_from(self._prefix(model, pipeline), pipeline)
+            with model.lock:
+                model.pipeline, model.base_pipeline, model.lora = pipeline, None, None
+                model.digest = model.base_digest = digest
+                model.weights_version += 1
+            return model.policy()
+
+    def load_weights(self, model_id: str, state_dict: Mapping[str, torch.Tensor]) -> str:
+        """`replace_weights(...).digest` (the older API)."""
+        return self.replace_weights(model_id, state_dict).digest
+
+    def load_lora(self, model_id: str, tensors: Mapping[str, torch.Tensor], lora_config: object) -> Policy:
+        """Put a peft LoRA adapter on the transformer, unfused, replacing any adapter.
+
+        tensors: keyed as `peft.get_peft_model_state_dict(transformer)` gives them, with or without
+        peft's `base_model.model.` prefix. lora_config: a peft LoraConfig as a dict (`to_dict()`,
+        JSON-decoded). Raises RolloutInputError naming the key or `lora_config[.field]`: unknown
+        target module, wrong rank or shape, NaN/Inf, missing or invalid lora_config, a key that is
+        not a LoRA tensor, a missing factor. The base tensors are shared, not copied. Returns the
+        new Policy: digest = adapter digest of (base digest, config, tensors), weights_version + 1.
+        """
+        model = self.get(model_id)
+        with model.push_lock:
+            base_pipeline = model.base_pipeline if model.base_pipeline is not None else model.pipeline
+            transformer, adapter = attach_adapter(base_pipeline.transformer, model.base_digest, tensors, lora_config,
+                                                  dtype=model.dtype)
+            pipeline = _with_transformer(base_pipeline, transformer)
+            with model.lock:
+                model.pipeline, model.base_pipeline, model.lora = pipeline, base_pipeline, adapter
+                model.digest = adapter.digest
+                model.weights_version += 1
+            return model.policy()
+
+    def unload_lora(self, model_id: str) -> Policy:
+        """Remove the adapter: the base pipeline (the same modules as before `load_lora`) runs again,
+        the digest is the base digest, weights_version + 1. Raises LoraNotLoaded when there is none."""
+        model = self.get(model_id)
+        with model.push_lock:
+            with model.lock:
+                if model.base_pipeline is None:
+                    raise LoraNotLoaded(f"model {model_id!r} has no LoRA adapter")
+                model.pipeline, model.base_pipeline, model.lora = model.base_pipeline, None, None
+                model.digest = model.base_digest
+                model.weights_version += 1
+            return model.policy()
 
     def describe(self) -> list[dict[str, Any]]:
         out = []
         for model_id in self.ids():
             m = self.get(model_id)
             d = m.defaults
+            policy = m.policy()
             out.append(
                 {
                     "id": m.id,
                     "family": m.family,
                     "dtype": str(m.dtype).removeprefix("torch."),
                     "device": str(m.device),
-                    "digest": m.snapshot()[1],
+                    "digest": policy.digest,
+                    "weights_version": policy.weights_version,
+                    "lora": policy.lora.describe() if policy.lora is not None else None,
                     "defaults": {
                         "height": d.height,
                         "width": d.width,
@@ -476,25 +388,34 @@ class ModelRegistry:
 
     # ------------------------------------------------------------------ internals
 
+    @staticmethod
+    def _prefix(model: LoadedModel, pipeline: Any) -> Any:
+        if model.digest_prefix is None:
+            model.digest_prefix = _digest_prefix(pipeline)
+        return model.digest_prefix
+
     def _build_builtin(self, model_id: str) -> LoadedModel:
         spec = _BUILTINS[model_id]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed)
             pipeline = spec.build()
         _prepare(pipeline, self._device, self._dtype)
+        prefix = _digest_prefix(pipeline)
         return LoadedModel(
             id=model_id,
             family=spec.family,
             pipeline=pipeline,
             device=self._device,
             dtype=self._dtype,
-            digest=weights_digest(pipeline),
+            digest=_digest_from(prefix, pipeline),
             defaults=spec.defaults,
+            digest_prefix=prefix,
         )
 
     def _load_local(self, model_id: str, path: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
         from diffusers import DiffusionPipeline
 
+        check_flow_match(path)
         pipeline = DiffusionPipeline.from_pretrained(path, local_files_only=True, dtype=dtype)
         _prepare(pipeline, device, dtype)
         family = _family_of(pipeline)
@@ -512,14 +433,16 @@ class ModelRegistry:
             num_frames=9 if family == "wan" else None,
             call_kwargs=builtin_kwargs,
         )
+        prefix = _digest_prefix(pipeline)
         return LoadedModel(
             id=model_id,
             family=family,
             pipeline=pipeline,
             device=device,
             dtype=dtype,
-            digest=weights_digest(pipeline),
+            digest=_digest_from(prefix, pipeline),
             defaults=defaults,
+            digest_prefix=prefix,
         )
 
 
