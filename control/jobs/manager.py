@@ -276,13 +276,13 @@ class JobManager:
         )
         return job, True
 
+    # get/list take no lock (issue 12 item 22): a dict lookup and a copy of its values are atomic
+    # under the GIL, and a status read must not wait while a worker fsyncs the journal under _lock.
     def get(self, job_id: str) -> Job | None:
-        with self._lock:
-            return self._jobs.get(job_id)
+        return self._jobs.get(job_id)
 
     def list(self, status: str | None = None, limit: int = 100) -> list[Job]:
-        with self._lock:
-            jobs = [j for j in self._jobs.values() if status is None or j.status == status]
+        jobs = [j for j in list(self._jobs.values()) if status is None or j.status == status]
         jobs.sort(key=lambda j: j.created_at, reverse=True)
         return jobs[:limit]
 
