@@ -303,13 +303,11 @@ class JobManager:
                 self._finish(job, "expired", keep_time=True)
             return job
 
-    def queue_depth(self) -> int:
-        with self._lock:
-            return sum(1 for j in self._jobs.values() if j.status == "queued")
+    def queue_depth(self) -> int:  # lock-free like get/list (a /metrics scrape never waits on a journal write)
+        return sum(1 for j in list(self._jobs.values()) if j.status == "queued")
 
     def status_counts(self) -> Counter[str]:
-        with self._lock:
-            return Counter(j.status for j in self._jobs.values())
+        return Counter(j.status for j in list(self._jobs.values()))
 
     # ---- internals ----------------------------------------------------------------------------
 
