@@ -2,7 +2,8 @@
 
 Imported only by the `serve` command (sigmaflight/cli.py), so the users' side never loads
 the server. Startup mistakes (unknown --model, a missing --model-dir, a pipeline directory
-diffusers cannot load) end in one line on stderr and exit status 2, before uvicorn starts.
+diffusers cannot load, a --token-file that is missing, unreadable or holds no token) end in
+one line on stderr and exit status 2, before uvicorn starts.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, get_args
 
-from control.settings import Settings
+from control.settings import Settings, TokenFileError, token_file_exposed
 
 log = logging.getLogger("sigmaflight")
 
@@ -60,6 +61,12 @@ def serve(settings: Settings) -> int:
     from control.http.app import create_app
 
     logs.configure(settings.log_level, settings.log_format)
+    if settings.token_file is not None and token_file_exposed(settings.token_file):
+        log.warning(
+            f"--token-file {settings.token_file} is readable by group or others; "
+            f"run: chmod 600 {settings.token_file}",
+            extra={"token_file": str(settings.token_file)},
+        )
     app = create_app(settings)
     tls = {}
     if settings.tls_cert is not None and settings.tls_key is not None:
@@ -107,6 +114,10 @@ def preflight(settings: Settings) -> None:
     from control.node import local_model_dirs
     from pipeline.models import ModelRegistry
 
+    try:
+        settings.tokens()  # a --token-file that is missing, unreadable or empty: fail closed
+    except TokenFileError as exc:
+        raise StartupError(str(exc)) from None
     local: list[str] = []
     if settings.model_dir is not None:
         root = settings.model_dir

@@ -6,6 +6,7 @@ is generated from the field descriptions below, so they are the documentation.
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 from typing import Literal
 
@@ -111,13 +112,50 @@ class Settings(BaseSettings):
         return ((Path(self.tls_cert).read_bytes(), Path(self.tls_key).read_bytes()),)
 
     def tokens(self) -> list[str]:
-        """All configured bearer tokens (file and variable); empty = no auth."""
+        """All configured bearer tokens (file and variable); empty = no auth (neither is set).
+
+        A --token-file that is missing, unreadable or holds no token raises TokenFileError:
+        naming a token file asks for auth, so it never silently turns auth off."""
         found: list[str] = []
         if self.token is not None:
             found += [t.strip() for t in self.token.get_secret_value().split(",") if t.strip()]
         if self.token_file is not None:
-            for line in self.token_file.read_text().splitlines():
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    found.append(line)
+            found += read_token_file(self.token_file)
         return found
+
+
+class TokenFileError(ValueError):
+    """A --token-file the server cannot use; the message names the file and why (never a token)."""
+
+
+def read_token_file(path: Path) -> list[str]:
+    """The tokens of `path`, one a line (# comments and blank lines ignored).
+
+    Raises TokenFileError when the file is missing, unreadable, not text, or holds no token."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TokenFileError(f"--token-file {path}: no such file") from None
+    except IsADirectoryError:
+        raise TokenFileError(f"--token-file {path}: is a directory, not a file") from None
+    except UnicodeDecodeError:
+        raise TokenFileError(f"--token-file {path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise TokenFileError(f"--token-file {path}: cannot be read ({exc.strerror or exc})") from None
+    found = [line.strip() for line in text.splitlines()]
+    found = [line for line in found if line and not line.startswith("#")]
+    if not found:
+        raise TokenFileError(
+            f"--token-file {path}: holds no token (only blank or # comment lines); "
+            "refusing to start without auth. Put one token a line, or drop --token-file to serve without auth"
+        )
+    return found
+
+
+def token_file_exposed(path: Path) -> bool:
+    """Whether anyone but the owner has any permission on `path` (mode & 0o077: group or others)."""
+    try:
+        mode = Path(path).stat().st_mode
+    except OSError:
+        return False
+    return bool(stat.S_IMODE(mode) & 0o077)

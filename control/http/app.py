@@ -65,6 +65,63 @@ def _service(request: Request) -> Service:
     return request.state.service  # type: ignore[no-any-return]
 
 
+# ---- request checks -----------------------------------------------------------------------
+
+MAX_IDEMPOTENCY_KEY = 255
+"""Longest accepted Idempotency-Key, in characters (printable ASCII)."""
+
+QUERY_PARAMETERS = {"list_rollouts": ("status", "limit")}
+
+
+def require_json(request: Request) -> None:
+    """415 unless the body is declared `application/json` (parameters such as charset allowed).
+
+    A browser can POST text/plain, form or multipart bodies cross-site without a preflight;
+    refusing them keeps a page from starting rollouts on a server without tokens."""
+    declared = request.headers.get("content-type")
+    media = (declared or "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        got = f"Content-Type {declared!r}" if declared is not None else "no Content-Type"
+        raise HttpError(
+            415, "unsupported_media_type",
+            f"the body must be JSON sent with Content-Type: application/json (got {got})",
+            [{"loc": ["header", "content-type"], "msg": "must be application/json", "type": "media_type"}],
+        )
+
+
+def idempotency_key(request: Request) -> str | None:
+    """The Idempotency-Key header: 1..255 printable ASCII characters, else 422 naming it."""
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        return None
+    if not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY or not all(" " < c <= "~" for c in key):
+        raise invalid(
+            ["header", "idempotency-key"],
+            f"must be 1..{MAX_IDEMPOTENCY_KEY} printable ASCII characters without spaces (got {len(key)} characters)",
+            "string_too_long" if len(key) > MAX_IDEMPOTENCY_KEY else "value_error",
+        )
+    return key
+
+
+def query_int(request: Request, name: str, default: int, low: int, high: int) -> int:
+    """The integer query parameter `name` in low..high (ASCII digits only), else 422 naming it."""
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if not (raw.isascii() and raw.isdigit()) or not low <= int(raw) <= high:
+        raise invalid(["query", name], f"must be an integer in {low}..{high}", "int_parsing")
+    return int(raw)
+
+
+def check_query(request: Request, route: str) -> None:
+    """422 naming the first query parameter the route does not take."""
+    allowed = QUERY_PARAMETERS.get(route, ())
+    for name in request.query_params:
+        if name not in allowed:
+            takes = f"takes only {', '.join(allowed)}" if allowed else "takes no query parameters"
+            raise invalid(["query", name], f"unknown query parameter; this route {takes}", "extra_forbidden")
+
+
 # ---- conversions --------------------------------------------------------------------------
 
 
@@ -97,6 +154,8 @@ async def create_rollout(request: Request) -> Response:
     (body, validation, limits, idempotency, queue), each answering its own status."""
     service = _service(request)
     settings = service.settings
+    require_json(request)
+    key = idempotency_key(request)
     body = await request.body()
     try:
         req = RolloutRequest.model_validate_json(body or b"{}")
@@ -141,9 +200,10 @@ async def create_rollout(request: Request) -> Response:
         )
     canonical = req.model_dump(mode="json", by_alias=True)
     digest = hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
-    key = request.headers.get("idempotency-key")
-    try:
-        job, created = service.jobs.submit(spec, canonical, idempotency_key=key, body_digest=digest)
+    try:  # off the event loop: the journal write (sqlite, synchronous=FULL) and the manager's lock
+        job, created = await run_in_threadpool(
+            service.jobs.submit, spec, canonical, idempotency_key=key, body_digest=digest
+        )
     except QueueFull as exc:
         raise HttpError(
             429, "queue_full", f"the queue holds {exc.args[0]} rollouts already; retry later",
@@ -165,7 +225,7 @@ async def create_rollout(request: Request) -> Response:
 
 async def get_rollout(request: Request) -> Response:
     service = _service(request)
-    job = service.jobs.get(request.path_params["rollout_id"])
+    job = await run_in_threadpool(service.jobs.get, request.path_params["rollout_id"])
     if job is None:
         raise unknown_rollout(request.path_params["rollout_id"])
     return _model(status_of(service, job))
@@ -173,19 +233,19 @@ async def get_rollout(request: Request) -> Response:
 
 async def list_rollouts(request: Request) -> Response:
     service = _service(request)
+    check_query(request, "list_rollouts")
     status = request.query_params.get("status")
     if status is not None and status not in STATES:
         raise invalid(["query", "status"], f"must be one of {', '.join(STATES)}", "enum")
-    raw_limit = request.query_params.get("limit", "100")
-    if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= 1000:
-        raise invalid(["query", "limit"], "must be an integer in 1..1000", "int_parsing")
-    jobs = service.jobs.list(status, int(raw_limit))
+    limit = query_int(request, "limit", 100, 1, 1000)
+    jobs = await run_in_threadpool(service.jobs.list, status, limit)
     return _model(RolloutList(rollouts=[status_of(service, j) for j in jobs]))
 
 
 async def delete_rollout(request: Request) -> Response:
     service = _service(request)
-    job = service.jobs.cancel(request.path_params["rollout_id"])
+    # off the event loop: releasing a result unlinks its file and trims the heap; the journal writes
+    job = await run_in_threadpool(service.jobs.cancel, request.path_params["rollout_id"])
     if job is None:
         raise unknown_rollout(request.path_params["rollout_id"])
     return _model(status_of(service, job))
@@ -212,7 +272,7 @@ async def readyz(request: Request) -> Response:
 
 async def get_metrics(request: Request) -> Response:
     service = _service(request)
-    text = metrics.render(service, request.app.state.http_counts)
+    text = await run_in_threadpool(metrics.render, service, request.app.state.http_counts)
     return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
 
 

@@ -9,6 +9,7 @@ import uuid
 from collections import Counter
 from collections.abc import Collection, Sequence
 
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from control.http.errors import error_body
@@ -33,7 +34,11 @@ async def send_error(
 
 
 class RequestIdMiddleware:
-    """Gives every request an id (or keeps the caller's X-Request-ID), echoes it, counts responses."""
+    """Gives every request an id (or keeps the caller's X-Request-ID), echoes it, counts responses.
+
+    A client that leaves before its body arrived (ClientDisconnect while a route reads it) is
+    logged at info and answered with nothing: no one is left to read a response, and it is no
+    server error (nothing counted, nothing reaches the 500 handler)."""
 
     def __init__(self, app: ASGIApp, counts: Counter[str] | None = None) -> None:
         self.app = app
@@ -56,7 +61,13 @@ class RequestIdMiddleware:
                 self.counts[f'{scope["method"]},{message["status"]}'] += 1
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except ClientDisconnect:
+            log.info(
+                "client disconnected before its request body arrived",
+                extra={"method": scope["method"], "path": scope["path"], "request_id": rid},
+            )
 
 
 class BearerAuthMiddleware:

@@ -25,6 +25,7 @@ def _errors(*codes: int) -> dict[str, Any]:
         404: "Unknown rollout id (or model id).",
         409: "Idempotency-Key reused with another body.",
         413: "Request body, or the trajectory it asks for, is too large.",
+        415: "The body is not sent as Content-Type: application/json.",
         422: "Validation error; details name each bad field and why.",
         429: "Queue full; see Retry-After.",
         503: "Shutting down.",
@@ -56,11 +57,13 @@ def openapi_document(*, auth: bool = False) -> dict[str, Any]:
                 "operationId": "create_rollout",
                 "summary": "Validate a rollout request, enqueue it and answer at once with a ticket.",
                 "parameters": [
-                    {"name": "Idempotency-Key", "in": "header", "required": False, "schema": {"type": "string"}}
+                    {"name": "Idempotency-Key", "in": "header", "required": False,
+                     "description": "Repeat a POST safely: the same key and body answer the first ticket.",
+                     "schema": {"type": "string", "minLength": 1, "maxLength": 255, "pattern": "^[!-~]+$"}}
                 ],
                 "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("RolloutRequest")}}},
                 "responses": {"202": _json("Ticket", "Accepted; pull the trajectory with the Flight ticket."),
-                              **_errors(*secured, 409, 413, 422, 429, 503)},
+                              **_errors(*secured, 409, 413, 415, 422, 429, 503)},
             },
             "get": {
                 "operationId": "list_rollouts",

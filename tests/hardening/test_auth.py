@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pyarrow.flight as flight
@@ -17,6 +20,7 @@ BODY = {"prompts": ["a red cube"], "num_inference_steps": 2, "seed": 3}
 def secured(tmp_path_factory):
     path = tmp_path_factory.mktemp("auth") / "tokens.txt"
     path.write_text(f"# tokens\n\n{TOKEN}\n{OTHER_TOKEN}\n")
+    os.chmod(path, 0o600)
     with ServerProcess("--token-file", str(path)) as server:
         yield server
 
@@ -38,10 +42,25 @@ def test_rest_refuses_missing_and_wrong_tokens(secured, method, path, token):
     assert error["message"] == ("missing bearer token" if token is None else "invalid bearer token")
 
 
-@pytest.mark.parametrize("header", [f"Basic {TOKEN}", TOKEN, f"bearer{TOKEN}", "Bearer", f"Bearer  {WRONG_TOKEN}"])
+@pytest.mark.parametrize("header", [f"Basic {TOKEN}", TOKEN, f"bearer{TOKEN}", "Bearer", f"Bearer  {WRONG_TOKEN}",
+                                    f"Bearer {TOKEN} {TOKEN}", f"Bearer\t{TOKEN}"])
 def test_rest_refuses_other_schemes(secured, header):
     with secured.client() as c:
         assert c.get("/v1/models", headers={"authorization": header}).status_code == 401
+
+
+def test_double_space_after_the_scheme_is_accepted_with_the_right_token_on_both_planes(secured):
+    """RFC 6750 section 2.1: credentials = "Bearer" 1*SP b64token, so two spaces are still the scheme
+    and the right token; the wrong token with two spaces stays refused (above). Both planes agree."""
+    header = f"Bearer  {TOKEN}"
+    with secured.client() as c:
+        assert c.get("/v1/models", headers={"authorization": header}).status_code == 200
+    opts = flight.FlightCallOptions(headers=[(b"authorization", header.encode())])
+    with flight.FlightClient(secured.flight_url) as fc:
+        assert {a.type for a in fc.list_actions(options=opts)} == {"cancel", "release"}
+    wrong = flight.FlightCallOptions(headers=[(b"authorization", f"Bearer  {WRONG_TOKEN}".encode())])
+    with flight.FlightClient(secured.flight_url) as fc, pytest.raises(flight.FlightUnauthenticatedError):
+        list(fc.list_actions(options=wrong))
 
 
 def test_rest_scheme_is_case_insensitive_like_flight(secured):
@@ -125,3 +144,13 @@ def test_token_from_environment_variable_and_help_hides_it():
             list(fc.list_flights())
         assert list(flight.FlightClient(server.flight_url).list_flights(options=call_options(TOKEN))) == []
         assert TOKEN not in server.log_text
+    # `sigmaflight serve --help` with the token in the environment: the flag is documented, its value is not shown
+    env = {**os.environ, "SIGMAFLIGHT_TOKEN": f"{TOKEN},{OTHER_TOKEN}"}
+    help_ = subprocess.run([sys.executable, "-m", "sigmaflight.cli", "serve", "--help"], env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert help_.returncode == 0, help_.stderr
+    assert "--token TOKEN" in help_.stdout and "--token-file" in help_.stdout
+    assert "SIGMAFLIGHT_TOKEN" in help_.stdout
+    for secret in (TOKEN, OTHER_TOKEN):
+        assert secret not in help_.stdout + help_.stderr
+        assert secret[4:20] not in help_.stdout + help_.stderr

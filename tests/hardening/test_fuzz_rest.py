@@ -37,7 +37,7 @@ def test_no_input_gets_a_server_error(case, server):
         error = response.json()["error"]
         assert isinstance(error["type"], str) and isinstance(error["message"], str)
         if response.status_code == 422:
-            assert all(d["loc"][0] in ("body", "query", "path") for d in error["details"])
+            assert all(d["loc"][0] in ("body", "query", "path", "header") for d in error["details"])
 
 
 def test_server_still_serves_after_fuzzing(server):
