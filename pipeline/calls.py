@@ -45,8 +45,9 @@ def call_kwargs(
     x_0 is drawn by the pipeline from one CPU generator per sample seed. A branch
     (`spec.branch_from`) passes `latents=` its parent rows' x_k, each repeated
     num_outputs_per_prompt times, and one prompt per parent row (the pipeline repeats it,
-    parent-major). `conditioning` (B rows, `pipeline.conditioning` names; a branch's own
-    `BranchStart.conditioning` otherwise) replaces the prompts: one output per row, no text encoder.
+    parent-major; `run_rollout` and the replay pass a branch its `branch_conditioning` instead,
+    which is bit-exact). `conditioning` (B rows, `pipeline.conditioning` names) replaces the
+    prompts: one output per row, no text encoder.
     """
     d = model.defaults
     n = spec.num_outputs_per_prompt
@@ -61,8 +62,6 @@ def call_kwargs(
     }
     per_prompt = "num_videos_per_prompt" if d.is_video else "num_images_per_prompt"
     branch = spec.branch_from
-    if conditioning is None and branch is not None and branch.conditioning is not None:
-        conditioning = {k: v.repeat_interleave(n, dim=0) for k, v in branch.conditioning.items()}
     if conditioning is not None:
         kw.update(conditioning_call_kwargs(conditioning, model.device))
         kw[per_prompt] = 1

@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
-from pipeline.spec import RolloutInputError
+from pipeline.models import LoadedModel
+from pipeline.spec import RolloutInputError, RolloutSpec
 
 __all__ = ["CONDITIONING_NAMES", "TransformerRecorder", "conditioning_from_calls", "check_conditioning",
-           "conditioning_call_kwargs"]
+           "conditioning_call_kwargs", "encode_prompts", "branch_conditioning"]
 
 CONDITIONING_NAMES: dict[str, tuple[str, ...]] = {
     "sd3": ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds"),
@@ -107,3 +108,44 @@ def check_conditioning(family: str, conditioning: Mapping[str, torch.Tensor], ba
 def conditioning_call_kwargs(conditioning: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
     """`__call__` keywords that replace the prompts: the tensors on `device`, one row per sample."""
     return {name: t.to(device) for name, t in conditioning.items()}
+
+
+def encode_prompts(model: LoadedModel, pipe: Any, spec: RolloutSpec) -> dict[str, torch.Tensor]:
+    """The conditioning of `spec.prompts`, one row per prompt, from the pipeline's own `encode_prompt`
+    called exactly as its `__call__` calls it (the same text-encoder batches: the rows are the
+    bits a rollout of these prompts feeds the transformer, whatever rows are picked later)."""
+    d = model.defaults
+    guidance = d.guidance_scale if spec.guidance_scale is None else float(spec.guidance_scale)
+    cfg = guidance > 1
+    extra = {k: v for k, v in d.call_kwargs.items() if k == "max_sequence_length"}
+    prompts, neg, device = list(spec.prompts), spec.negative_prompt, model.device
+    if model.family == "sd3":
+        pe, ne, pp, npp = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=device,
+                                             num_images_per_prompt=1, do_classifier_free_guidance=cfg,
+                                             negative_prompt=neg, **extra)
+        out = {"prompt_embeds": pe, "pooled_prompt_embeds": pp}
+        if cfg:
+            out.update(negative_prompt_embeds=ne, negative_pooled_prompt_embeds=npp)
+        return out
+    if model.family == "flux":
+        pe, pp, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=device, num_images_per_prompt=1, **extra)
+        return {"prompt_embeds": pe, "pooled_prompt_embeds": pp}
+    if model.family == "wan":
+        pe, ne = pipe.encode_prompt(prompt=prompts, negative_prompt=neg, do_classifier_free_guidance=cfg,
+                                    num_videos_per_prompt=1, device=device, **extra)
+        dtype = pipe.transformer.dtype  # WanPipeline.__call__ casts to the transformer's dtype
+        return {"prompt_embeds": pe.to(dtype), **({"negative_prompt_embeds": ne.to(dtype)} if cfg else {})}
+    raise RolloutInputError("model", f"conditioning is not available for family {model.family!r}")
+
+
+def branch_conditioning(model: LoadedModel, pipe: Any, spec: RolloutSpec) -> dict[str, torch.Tensor]:
+    """B rows of conditioning for a branch: each parent row's, repeated num_outputs_per_prompt
+    times (parent-major). From `BranchStart.conditioning` when given, else from `encode_prompts`
+    (rows `prompt_index`), so the branch's transformer sees the parent's tensors bit for bit."""
+    b = spec.branch_from
+    assert b is not None
+    n = spec.num_outputs_per_prompt
+    if b.conditioning is not None:
+        return {k: v.repeat_interleave(n, dim=0) for k, v in b.conditioning.items()}
+    rows = torch.tensor(b.prompt_index, dtype=torch.long).repeat_interleave(n)
+    return {k: v[rows.to(v.device)] for k, v in encode_prompts(model, pipe, spec).items()}

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from pipeline.calls import call_kwargs, call_overrides
-from pipeline.conditioning import check_conditioning
+from pipeline.conditioning import branch_conditioning, check_conditioning
 from pipeline.kernels import step_log_prob, stochastic_transitions
 from pipeline.models import LoadedModel
 from pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
@@ -139,6 +139,9 @@ class Replayer:
         pipeline, _ = self.model.snapshot()
         scheduler = make_rollout_scheduler(pipeline.scheduler, driver)
         pipe = per_call_pipeline(pipeline, scheduler, call_overrides(self.model, pipeline, per_sample_model_calls))
+        if conditioning is None and spec.branch_from is not None:
+            with torch.inference_mode():
+                conditioning = branch_conditioning(self.model, pipe, spec)
         kwargs: dict[str, Any] = call_kwargs(self.model, spec, seeds_t, conditioning=conditioning)
         start = spec.start_step
         if start in by_step:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pipeline.calls import call_kwargs, call_overrides
-from pipeline.conditioning import TransformerRecorder, conditioning_from_calls
+from pipeline.conditioning import TransformerRecorder, branch_conditioning, conditioning_from_calls
 from pipeline.kernels import step_log_prob, stochastic_transitions
 from pipeline.models import LoadedModel
 from pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
@@ -249,7 +249,8 @@ def run_rollout(
         overrides["transformer"] = driver.recorder
     pipe = per_call_pipeline(pipeline, scheduler, overrides)
     with torch.inference_mode():
-        out = pipe(**call_kwargs(model, spec, seeds))
+        cond = branch_conditioning(model, pipe, spec) if spec.branch_from is not None else None
+        out = pipe(**call_kwargs(model, spec, seeds, conditioning=cond))
     final = out.frames if model.defaults.is_video else out.images
     assert driver.snapshot is not None
     return RolloutResult(

@@ -57,6 +57,8 @@ class RolloutScheduler(_FlowMatchBase):
     timesteps_snapshot: torch.Tensor | None = None
     set_timesteps_kwargs: dict[str, Any] | None = None
     index_offset: int = 0
+    sigmas: torch.Tensor
+    timesteps: torch.Tensor
     """k after `start_at(k)`: the pipeline loops over timesteps[k:], step indices stay absolute."""
 
     def set_timesteps(  # type: ignore[override]
@@ -97,7 +99,8 @@ class RolloutScheduler(_FlowMatchBase):
             return super().step(model_output, timestep, sample, generator=generator, return_dict=return_dict)
         if self.step_index is None:
             self._init_step_index(timestep)  # exact float lookup, as the stock scheduler
-            self._step_index = int(self.step_index) + self.index_offset  # absolute (0 unless start_at)
+            found: Any = self.step_index
+            self._step_index = int(found) + self.index_offset  # absolute (0 unless start_at)
         i = int(self.step_index)
         prev_sample = self.driver.step(self, i, sample, model_output)
         self._step_index = i + 1
@@ -125,7 +128,7 @@ class RolloutScheduler(_FlowMatchBase):
         loops over timesteps[k:] only, and `step` numbers its steps k, k+1, ... The snapshot
         is the full recorded schedule with `kwargs` as its set_timesteps arguments.
         """
-        device = self.sigmas.device
+        device = self.timesteps.device
         self.sigmas = sigmas.to(device=device, dtype=torch.float32)
         self.timesteps = timesteps[step:].to(device=device, dtype=torch.float32)
         self.index_offset = step

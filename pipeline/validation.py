@@ -150,6 +150,8 @@ def _validate_branch(model: LoadedModel, spec: RolloutSpec) -> None:
     parent's schedule with T+1 sigmas and T timesteps."""
     b, t = spec.branch_from, spec.num_inference_steps
     assert b is not None
+    if model.family not in CONDITIONING_NAMES:
+        raise RolloutInputError("branch_from", f"branch rollouts are not available for family {model.family!r}")
     if not isinstance(b.step, int) or isinstance(b.step, bool) or not 0 <= b.step < t:
         raise RolloutInputError("branch_from.step", f"{b.step!r} is out of range: must be in 0..{t - 1} (T={t})")
     if not b.samples or any(not isinstance(j, int) or j < 0 for j in b.samples):
