@@ -95,9 +95,22 @@ class Replayer:
     def __init__(self, model: LoadedModel) -> None:
         self.model = model
 
-    def log_probs(self, spec: RolloutSpec, **kwargs: Any) -> torch.Tensor:
-        """float32 [B, T] log-probs: `replay(spec, **kwargs).log_probs` (same arguments)."""
-        return self.replay(spec, **kwargs).log_probs
+    def log_probs(
+        self,
+        spec: RolloutSpec,
+        *,
+        latents: torch.Tensor,
+        steps: Sequence[int],
+        sigmas: torch.Tensor,
+        timesteps: torch.Tensor,
+        seeds: Sequence[int],
+        conditioning: Mapping[str, torch.Tensor] | None = None,
+        per_sample_model_calls: bool = False,
+        grad: bool = False,
+    ) -> torch.Tensor:
+        """float32 [B, T] log-probs: `replay(...).log_probs` with the same arguments."""
+        return self.replay(spec, latents=latents, steps=steps, sigmas=sigmas, timesteps=timesteps, seeds=seeds,
+                           conditioning=conditioning, per_sample_model_calls=per_sample_model_calls, grad=grad).log_probs
 
     def replay(
         self,
@@ -142,6 +155,8 @@ class Replayer:
         if conditioning is None and spec.branch_from is not None:
             with torch.inference_mode():
                 conditioning = branch_conditioning(self.model, pipe, spec)
+        if conditioning is not None and grad:  # inference tensors (a rollout's): autograd may not save them
+            conditioning = {k: v.clone() for k, v in conditioning.items()}
         kwargs: dict[str, Any] = call_kwargs(self.model, spec, seeds_t, conditioning=conditioning)
         start = spec.start_step
         if start in by_step:

@@ -7,6 +7,7 @@ at the branching transition, and the stock pipeline's step count.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -110,6 +111,12 @@ def test_sde_only_at_the_branching_transition(registry):
     rep = Replayer(model).replay(bspec, latents=latents, steps=res.snapshot.steps, sigmas=res.snapshot.sigmas,
                                  timesteps=res.snapshot.timesteps, seeds=res.seeds)
     assert torch.equal(rep.log_probs[:, k], res.log_probs[:, k]) and torch.equal(rep.velocities[k], v)
+    trainer = dataclasses.replace(model, pipeline=type(model.pipeline)(**{
+        **model.pipeline.components, "transformer": copy.deepcopy(model.pipeline.transformer).requires_grad_(True)}))
+    with_grad = Replayer(trainer).log_probs(bspec, latents=latents, steps=res.snapshot.steps, sigmas=res.snapshot.sigmas,
+                                            timesteps=res.snapshot.timesteps, seeds=res.seeds, grad=True)
+    assert with_grad.requires_grad and torch.equal(with_grad.detach()[:, k], res.log_probs[:, k])
+    with_grad[:, k].sum().backward()
 
 
 def test_branch_metadata_names_the_parent(registry):

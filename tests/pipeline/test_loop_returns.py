@@ -7,6 +7,7 @@ prompts; and the replay with the text encoders deleted.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -128,8 +129,10 @@ def test_conditioning_given_to_the_stock_pipeline_reproduces_the_ode_rollout(reg
 
 
 def _without_text_encoders(model: LoadedModel) -> LoadedModel:
+    """A trainer's pipeline: its own trainable copy of the transformer, no text encoders."""
     pipe = model.pipeline
-    stripped = type(pipe)(**{**pipe.components, **{name: None for name in TEXT_ENCODERS[model.id]}})
+    own = copy.deepcopy(pipe.transformer).requires_grad_(True)
+    stripped = type(pipe)(**{**pipe.components, "transformer": own, **{name: None for name in TEXT_ENCODERS[model.id]}})
     return LoadedModel(id=model.id, family=model.family, pipeline=stripped, device=model.device, dtype=model.dtype,
                        digest=model.digest, defaults=model.defaults)
 
@@ -149,6 +152,11 @@ def test_replay_from_conditioning_needs_no_text_encoders(registry, model_id):
         Replayer(trainer).log_probs(spec, **args)
     replayed = Replayer(trainer).log_probs(spec, conditioning=res.conditioning, **args)
     assert torch.isfinite(res.log_probs).all() and torch.equal(replayed, res.log_probs)
+    # A trainer's policy loss: the same bits with a graph back to the transformer.
+    with_grad = Replayer(trainer).log_probs(spec, conditioning=res.conditioning, grad=True, **args)
+    assert with_grad.requires_grad and torch.equal(with_grad.detach(), res.log_probs)
+    with_grad.sum().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trainer.pipeline.transformer.parameters())
 
 
 def test_bad_conditioning_names_the_key(registry):
