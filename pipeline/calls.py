@@ -7,11 +7,12 @@ a rollout with a plain `__call__`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from pipeline.conditioning import conditioning_call_kwargs
 from pipeline.models import LoadedModel
 from pipeline.seeds import sample_generators
 from pipeline.spec import RolloutInputError, RolloutSpec
@@ -32,12 +33,25 @@ _TEXT_ENCODERS: dict[str, tuple[str, ...]] = {
 }
 
 
-def call_kwargs(model: LoadedModel, spec: RolloutSpec, seeds: Sequence[int]) -> dict[str, Any]:
-    """Keyword arguments of the stock pipeline `__call__` for `spec` (x_0 drawn by the pipeline
-    from one CPU generator per sample seed; `output_type="latent"`)."""
+def call_kwargs(
+    model: LoadedModel,
+    spec: RolloutSpec,
+    seeds: Sequence[int],
+    *,
+    conditioning: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments of the stock pipeline `__call__` for `spec` (`output_type="latent"`).
+
+    x_0 is drawn by the pipeline from one CPU generator per sample seed. A branch
+    (`spec.branch_from`) passes `latents=` its parent rows' x_k, each repeated
+    num_outputs_per_prompt times, and one prompt per parent row (the pipeline repeats it,
+    parent-major; `run_rollout` and the replay pass a branch its `branch_conditioning` instead,
+    which is bit-exact). `conditioning` (B rows, `pipeline.conditioning` names) replaces the
+    prompts: one output per row, no text encoder.
+    """
     d = model.defaults
+    n = spec.num_outputs_per_prompt
     kw: dict[str, Any] = {
-        "prompt": list(spec.prompts),
         "num_inference_steps": spec.num_inference_steps,
         "height": spec.height or d.height,
         "width": spec.width or d.width,
@@ -46,11 +60,20 @@ def call_kwargs(model: LoadedModel, spec: RolloutSpec, seeds: Sequence[int]) -> 
         "output_type": "latent",
         **d.call_kwargs,
     }
-    kw["num_videos_per_prompt" if d.is_video else "num_images_per_prompt"] = spec.num_outputs_per_prompt
+    per_prompt = "num_videos_per_prompt" if d.is_video else "num_images_per_prompt"
+    branch = spec.branch_from
+    if conditioning is not None:
+        kw.update(conditioning_call_kwargs(conditioning, model.device))
+        kw[per_prompt] = 1
+    else:
+        kw["prompt"] = list(spec.prompts) if branch is None else [spec.prompts[j] for j in branch.prompt_index]
+        kw[per_prompt] = n
+        if spec.negative_prompt is not None:
+            kw["negative_prompt"] = spec.negative_prompt
     if d.is_video:
         kw["num_frames"] = spec.num_frames or d.num_frames
-    if spec.negative_prompt is not None:
-        kw["negative_prompt"] = spec.negative_prompt
+    if branch is not None:
+        kw["latents"] = branch.latents.repeat_interleave(n, dim=0).to(model.device)  # [B, ...] parent-major
     return kw
 
 

@@ -14,12 +14,13 @@ pipeline call: pipeline/calls.py. Their public names are re-exported here, as be
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
 
 from pipeline.calls import call_kwargs, call_overrides
+from pipeline.conditioning import TransformerRecorder, branch_conditioning, conditioning_from_calls
 from pipeline.kernels import step_log_prob, stochastic_transitions
 from pipeline.models import LoadedModel
 from pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
@@ -51,6 +52,7 @@ __all__ = [
     "estimate_latent_bytes",
     "run_rollout",
     "rollout_metadata",
+    "parent_metadata",
 ]
 
 
@@ -66,6 +68,13 @@ class RolloutResult:
     """x_T [B, *latent_shape] in the model's dtype, on the model's device."""
     digest: str
     """Weights digest of the model that ran."""
+    conditioning: Mapping[str, torch.Tensor] | None = None
+    """With `return_conditioning`: the tensors the transformer consumed, keyed by the stock
+    `__call__` keyword (`pipeline.conditioning.CONDITIONING_NAMES`), B rows prompt-major, on CPU."""
+    prompt_index: tuple[int, ...] = ()
+    """Index into the prompts of each sample (the parent row's for a branch)."""
+    parent_sample: tuple[int, ...] | None = None
+    """Branch rollouts: the parent sample of each sample; None otherwise."""
 
 
 class _Driver:
@@ -104,9 +113,18 @@ class _Driver:
         self.log_probs = torch.full((len(seeds), self.T), float("nan"), dtype=torch.float32)
         self.snapshot: ScheduleSnapshot | None = None
         self.sigmas: torch.Tensor | None = None
+        self.recorder: TransformerRecorder | None = None
+        self.conditioning: dict[str, torch.Tensor] | None = None
 
     def on_set_timesteps(self, scheduler: RolloutScheduler) -> None:
         self.snapshot = None  # the last schedule wins; reported at the first step
+        b = self.spec.branch_from
+        if b is not None:  # the parent's schedule, bit for bit, from step k
+            scheduler.start_at(b.step, b.sigmas, b.timesteps, dict(b.set_timesteps_kwargs))
+
+    def _take_conditioning(self) -> None:
+        if self.recorder is not None and self.conditioning is None:
+            self.conditioning = conditioning_from_calls(self.model.family, self.recorder.stop(), len(self.seeds))
 
     def _report_schedule(self, scheduler: RolloutScheduler, sample: torch.Tensor) -> None:
         assert scheduler.sigmas_snapshot is not None and scheduler.timesteps_snapshot is not None
@@ -129,6 +147,10 @@ class _Driver:
             latent_dtype=self.capture_dtype,
             native_dtype=sample.dtype,
             model_digest=self.digest,
+            start_step=self.spec.start_step,
+            prompt_index=self.spec.prompt_indices(),
+            parent_sample=self.spec.parent_samples(),
+            conditioning=self.conditioning,
         )
         if self.on_schedule is not None:
             self.on_schedule(self.snapshot)
@@ -137,15 +159,17 @@ class _Driver:
         """x on CPU in the capture dtype: a reference on CPU/native, one copy otherwise."""
         return x.to("cpu", self.capture_dtype).contiguous()
 
-    def _emit(self, step: int, latent: torch.Tensor, log_prob: torch.Tensor | None) -> None:
-        cap = StepCapture(step=step, latent=latent, log_prob=log_prob)
+    def _emit(self, step: int, latent: torch.Tensor, log_prob: torch.Tensor | None,
+              velocity: torch.Tensor | None = None) -> None:
+        cap = StepCapture(step=step, latent=latent, log_prob=log_prob, velocity=velocity)
         if self.keep:
             self.captures.append(cap)
         if self.on_step is not None:
             self.on_step(cap)
 
     def step(self, scheduler: RolloutScheduler, i: int, sample: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
-        if i == 0 or self.snapshot is None:
+        if self.snapshot is None:
+            self._take_conditioning()
             self._report_schedule(scheduler, sample)
         assert self.sigmas is not None
         stored_i = self._store(sample) if i in self.steps else None  # [B, ...]
@@ -162,7 +186,8 @@ class _Driver:
         if not bool(torch.isfinite(x_next).all()):
             raise RolloutNonFinite(i + 1, "latent")
         if stored_i is not None:
-            self._emit(i, stored_i, lp)
+            v = velocity.to("cpu", torch.float32).contiguous() if self.spec.return_velocities else None
+            self._emit(i, stored_i, lp, v)
         if i == self.T - 1 and self.T in self.steps:
             self._emit(self.T, self._store(x_next), None)
         if self.on_progress is not None:
@@ -219,9 +244,13 @@ def run_rollout(
     )
     scheduler = make_rollout_scheduler(pipeline.scheduler, driver)
     overrides = call_overrides(model, pipeline, per_sample_model_calls)
+    if spec.return_conditioning:
+        driver.recorder = TransformerRecorder(overrides.get("transformer", pipeline.transformer))
+        overrides["transformer"] = driver.recorder
     pipe = per_call_pipeline(pipeline, scheduler, overrides)
     with torch.inference_mode():
-        out = pipe(**call_kwargs(model, spec, seeds))
+        cond = branch_conditioning(model, pipe, spec) if spec.branch_from is not None else None
+        out = pipe(**call_kwargs(model, spec, seeds, conditioning=cond))
     final = out.frames if model.defaults.is_video else out.images
     assert driver.snapshot is not None
     return RolloutResult(
@@ -231,18 +260,37 @@ def run_rollout(
         seeds=seeds,
         final_latents=final,
         digest=digest,
+        conditioning=driver.conditioning,
+        prompt_index=driver.snapshot.prompt_index,
+        parent_sample=driver.snapshot.parent_sample,
     )
 
 
-def rollout_metadata(model: LoadedModel, spec: RolloutSpec, snapshot: ScheduleSnapshot) -> dict[str, Any]:
-    """The contract's `sigmaflight.rollout` object (without `id`, which control/ assigns)."""
-    request = asdict(spec)
+def _request_metadata(spec: RolloutSpec) -> dict[str, Any]:
+    """The request as JSON: every RolloutSpec field, `branch_from` as its parent reference."""
+    request: dict[str, Any] = {f.name: getattr(spec, f.name) for f in fields(spec) if f.name not in ("sampler", "branch_from")}
     request["sampler"] = asdict(spec.sampler)
     for key in ("prompts", "seeds", "return_steps"):
         if request[key] is not None:
             request[key] = list(request[key])
     if request["sampler"]["sde_steps"] is not None:
         request["sampler"]["sde_steps"] = list(request["sampler"]["sde_steps"])
+    request["branch_from"] = parent_metadata(spec)
+    return request
+
+
+def parent_metadata(spec: RolloutSpec) -> dict[str, Any] | None:
+    """The contract's `sigmaflight.parent` object of a branch rollout, {"rollout", "step",
+    "samples"}; None for a rollout from x_0. A separate metadata entry for the data plane."""
+    b = spec.branch_from
+    if b is None:
+        return None
+    return {"rollout": b.rollout, "step": b.step, "samples": [int(j) for j in b.samples]}
+
+
+def rollout_metadata(model: LoadedModel, spec: RolloutSpec, snapshot: ScheduleSnapshot) -> dict[str, Any]:
+    """The contract's `sigmaflight.rollout` object (without `id`, which control/ assigns)."""
+    request = _request_metadata(spec)
     return {
         "model": {
             "id": model.id,

@@ -56,6 +56,10 @@ class RolloutScheduler(_FlowMatchBase):
     sigmas_snapshot: torch.Tensor | None = None
     timesteps_snapshot: torch.Tensor | None = None
     set_timesteps_kwargs: dict[str, Any] | None = None
+    index_offset: int = 0
+    sigmas: torch.Tensor
+    timesteps: torch.Tensor
+    """k after `start_at(k)`: the pipeline loops over timesteps[k:], step indices stay absolute."""
 
     def set_timesteps(  # type: ignore[override]
         self,
@@ -95,6 +99,8 @@ class RolloutScheduler(_FlowMatchBase):
             return super().step(model_output, timestep, sample, generator=generator, return_dict=return_dict)
         if self.step_index is None:
             self._init_step_index(timestep)  # exact float lookup, as the stock scheduler
+            found: Any = self.step_index
+            self._step_index = int(found) + self.index_offset  # absolute (0 unless start_at)
         i = int(self.step_index)
         prev_sample = self.driver.step(self, i, sample, model_output)
         self._step_index = i + 1
@@ -107,10 +113,28 @@ class RolloutScheduler(_FlowMatchBase):
         saved = self._step_index
         self._step_index = i
         try:
-            out = FlowMatchEulerDiscreteScheduler.step(self, velocity, self.timesteps[i], sample, return_dict=False)
+            t = self.timesteps[i - self.index_offset]  # unused by the stock step once _step_index is set
+            out = FlowMatchEulerDiscreteScheduler.step(self, velocity, t, sample, return_dict=False)
         finally:
             self._step_index = saved
         return out[0]
+
+
+    def start_at(self, step: int, sigmas: torch.Tensor, timesteps: torch.Tensor, kwargs: dict[str, Any]) -> None:
+        """Run a recorded schedule from absolute step k: call from `StepDriver.on_set_timesteps`.
+
+        The scheduler takes `sigmas` [T+1] and `timesteps` [T] as they are (float32, bit for
+        bit); the pipeline, which reads `scheduler.timesteps` right after `set_timesteps`, then
+        loops over timesteps[k:] only, and `step` numbers its steps k, k+1, ... The snapshot
+        is the full recorded schedule with `kwargs` as its set_timesteps arguments.
+        """
+        device = self.timesteps.device
+        self.sigmas = sigmas.to(device=device, dtype=torch.float32)
+        self.timesteps = timesteps[step:].to(device=device, dtype=torch.float32)
+        self.index_offset = step
+        self.sigmas_snapshot = sigmas.detach().to("cpu", torch.float32).clone()
+        self.timesteps_snapshot = timesteps.detach().to("cpu", torch.float32).clone()
+        self.set_timesteps_kwargs = dict(kwargs)
 
 
 def make_rollout_scheduler(original: Any, driver: StepDriver) -> RolloutScheduler:

@@ -66,6 +66,38 @@ class SamplerSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class BranchStart:
+    """Start a rollout at step k from a parent's x_k (TempFlow-GRPO / BranchGRPO branches).
+
+    Each of the P parent rows is repeated `RolloutSpec.num_outputs_per_prompt` times,
+    parent-major: branch sample = p * num_outputs_per_prompt + b. The loop runs steps k..T on
+    the parent's schedule, bit for bit; noise comes from the branch's own seeds.
+    """
+
+    step: int
+    """k: the absolute latent index the branch starts from, in 0..T-1."""
+    latents: torch.Tensor
+    """[P, *latent_shape]: the parent's x_k for the chosen samples, in the dtype it was captured
+    in (the model's dtype for a bit-exact continuation)."""
+    sigmas: torch.Tensor
+    """float32 [T+1]: the parent's `ScheduleSnapshot.sigmas`, as recorded."""
+    timesteps: torch.Tensor
+    """float32 [T]: the parent's `ScheduleSnapshot.timesteps`, as recorded."""
+    set_timesteps_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """The parent's `set_timesteps` keyword arguments (reported again in the branch's metadata)."""
+    samples: tuple[int, ...]
+    """The parent sample index of each of the P rows (`parent_sample` of the branch rows)."""
+    prompt_index: tuple[int, ...]
+    """Index into `RolloutSpec.prompts` (the parent's prompts) of each of the P rows."""
+    rollout: str = ""
+    """The parent's rollout id (metadata `sigmaflight.parent.rollout`); control/ fills it."""
+    conditioning: Mapping[str, torch.Tensor] | None = None
+    """Optional: the parent's conditioning rows for the P samples (`RolloutResult.conditioning`
+    rows `samples`). Given, the branch uses them instead of encoding the prompts again, so its
+    transformer sees the parent's tensors bit for bit; None: the prompts are encoded again."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RolloutSpec:
     model: str
     """Registry id of the model to run."""
@@ -90,10 +122,37 @@ class RolloutSpec:
     latent_dtype: LatentDType = "native"
     capture: bool = True
     """False: run the loop and capture nothing (pays nothing for capture)."""
+    return_velocities: bool = False
+    """REST `return.velocities`: each captured step i < T carries the CFG-combined velocity."""
+    return_conditioning: bool = False
+    """REST `return.conditioning`: the result carries the tensors the transformer consumed."""
+    branch_from: BranchStart | None = None
+    """REST `branch_from`: start at a parent's x_k (see `BranchStart`); None = from x_0."""
 
     @property
     def num_samples(self) -> int:
+        """B: prompts x outputs, or for a branch parent rows x branches per parent row."""
+        if self.branch_from is not None:
+            return len(self.branch_from.samples) * self.num_outputs_per_prompt
         return len(self.prompts) * self.num_outputs_per_prompt
+
+    @property
+    def start_step(self) -> int:
+        """The first absolute latent index the loop runs from: k for a branch, else 0."""
+        return 0 if self.branch_from is None else self.branch_from.step
+
+    def prompt_indices(self) -> tuple[int, ...]:
+        """Index into `prompts` of each sample (B entries): prompt-major, or the parent row's."""
+        n = self.num_outputs_per_prompt
+        if self.branch_from is not None:
+            return tuple(p for p in self.branch_from.prompt_index for _ in range(n))
+        return tuple(j for j in range(len(self.prompts)) for _ in range(n))
+
+    def parent_samples(self) -> tuple[int, ...] | None:
+        """The parent sample of each sample (B entries) for a branch; None otherwise."""
+        if self.branch_from is None:
+            return None
+        return tuple(s for s in self.branch_from.samples for _ in range(self.num_outputs_per_prompt))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +182,14 @@ class ScheduleSnapshot:
     """dtype the loop consumed."""
     model_digest: str = ""
     """Weights digest of the model that ran (the trajectory's policy)."""
+    start_step: int = 0
+    """k for a branch rollout (steps k..T ran), else 0."""
+    prompt_index: tuple[int, ...] = ()
+    """Index into the request's prompts of each sample (B entries; the parent row's for a branch)."""
+    parent_sample: tuple[int, ...] | None = None
+    """Branch rollouts: the parent sample of each sample (B entries); None otherwise."""
+    conditioning: Mapping[str, torch.Tensor] | None = None
+    """With `return_conditioning`: the tensors the transformer consumed (see `RolloutResult.conditioning`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,3 +201,6 @@ class StepCapture:
     """[B, *latent_shape] on CPU, contiguous: x_i exactly as the loop consumed it (or converted)."""
     log_prob: torch.Tensor | None
     """float32 [B]; None at i = T, on deterministic transitions, or when not requested."""
+    velocity: torch.Tensor | None = None
+    """float32 [B, *latent_shape] on CPU with `return_velocities`: the CFG-combined velocity the
+    kernel used at step i; None at i = T or when not requested."""

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pipeline.conditioning import CONDITIONING_NAMES, check_conditioning
 from pipeline.models import LoadedModel, max_image_size
 from pipeline.seeds import SEED_MASK
 from pipeline.spec import RolloutInputError, RolloutSpec
@@ -36,7 +37,7 @@ combined velocity (1e308 made NaN latents) and are refused up front."""
 def captured_steps(spec: RolloutSpec) -> tuple[int, ...]:
     """Absolute latent indices the rollout captures: `return_steps`, or all 0..T."""
     t = spec.num_inference_steps
-    return tuple(range(t + 1)) if spec.return_steps is None else tuple(spec.return_steps)
+    return tuple(range(spec.start_step, t + 1)) if spec.return_steps is None else tuple(spec.return_steps)
 
 
 def requested_sde_steps(spec: RolloutSpec) -> tuple[int, ...]:
@@ -44,14 +45,16 @@ def requested_sde_steps(spec: RolloutSpec) -> tuple[int, ...]:
     if spec.sampler.type == "ode":
         return ()
     t = spec.num_inference_steps
-    return tuple(range(t)) if spec.sampler.sde_steps is None else tuple(sorted(spec.sampler.sde_steps))
+    if spec.sampler.sde_steps is None:
+        return tuple(range(spec.start_step, t))
+    return tuple(sorted(spec.sampler.sde_steps))
 
 
-def _indices_ok(values: Sequence[int], hi: int) -> str | None:
+def _indices_ok(values: Sequence[int], hi: int, lo: int = 0) -> str | None:
     if any(not isinstance(v, int) or isinstance(v, bool) for v in values):
         return "must be integers"
-    if any(v < 0 or v > hi for v in values):
-        return f"each must be in 0..{hi}"
+    if any(v < lo or v > hi for v in values):
+        return f"each must be in {lo}..{hi}"
     if len(set(values)) != len(values):
         return "each index at most once"
     return None
@@ -73,7 +76,7 @@ def _validate_sampler(spec: RolloutSpec) -> None:
     if s.log_prob not in ("density", "no_const"):
         raise RolloutInputError("sampler.log_prob", f"unknown log_prob {s.log_prob!r}; use 'density' or 'no_const'")
     if s.sde_steps is not None:
-        why = _indices_ok(s.sde_steps, t - 1)
+        why = _indices_ok(s.sde_steps, t - 1, spec.start_step)
         if why:
             raise RolloutInputError("sampler.sde_steps", f"{why} (absolute transition indices, T={t})")
 
@@ -122,9 +125,11 @@ def validate_spec(model: LoadedModel, spec: RolloutSpec) -> None:
     t = spec.num_inference_steps
     if not isinstance(t, int) or t < 1:
         raise RolloutInputError("num_inference_steps", "must be an integer >= 1")
+    if spec.branch_from is not None:
+        _validate_branch(model, spec)
     _validate_sampler(spec)
     if spec.return_steps is not None:
-        why = _indices_ok(spec.return_steps, t)
+        why = _indices_ok(spec.return_steps, t, spec.start_step)
         if why:
             raise RolloutInputError("return.steps", f"{why} (absolute latent indices, T={t})")
         if list(spec.return_steps) != sorted(spec.return_steps):
@@ -136,6 +141,31 @@ def validate_spec(model: LoadedModel, spec: RolloutSpec) -> None:
     if g is not None and (not _is_number(g) or not 0 <= g <= GUIDANCE_SCALE_MAX):
         raise RolloutInputError("guidance_scale", f"must be a finite number in [0, {GUIDANCE_SCALE_MAX:g}]")
     _validate_seeds(spec)
+    if spec.return_conditioning and model.family not in CONDITIONING_NAMES:
+        raise RolloutInputError("return.conditioning", f"not available for family {model.family!r}")
+
+
+def _validate_branch(model: LoadedModel, spec: RolloutSpec) -> None:
+    """`branch_from.*`: k in 0..T-1, one prompt index and one x_k row per parent sample, the
+    parent's schedule with T+1 sigmas and T timesteps."""
+    b, t = spec.branch_from, spec.num_inference_steps
+    assert b is not None
+    if model.family not in CONDITIONING_NAMES:
+        raise RolloutInputError("branch_from", f"branch rollouts are not available for family {model.family!r}")
+    if not isinstance(b.step, int) or isinstance(b.step, bool) or not 0 <= b.step < t:
+        raise RolloutInputError("branch_from.step", f"{b.step!r} is out of range: must be in 0..{t - 1} (T={t})")
+    if not b.samples or any(not isinstance(j, int) or j < 0 for j in b.samples):
+        raise RolloutInputError("branch_from.samples", "must be one or more parent sample indices >= 0")
+    if len(b.prompt_index) != len(b.samples) or any(not 0 <= j < len(spec.prompts) for j in b.prompt_index):
+        raise RolloutInputError("branch_from.prompt_index", f"need one index into the {len(spec.prompts)} prompts per parent sample")
+    shape = (len(b.samples), *latent_shape(model, spec))
+    if not isinstance(b.latents, torch.Tensor) or tuple(b.latents.shape) != shape:
+        got = tuple(b.latents.shape) if isinstance(b.latents, torch.Tensor) else type(b.latents).__name__
+        raise RolloutInputError("branch_from.latents", f"must be the parent's x_k rows {shape}, got {got}")
+    if tuple(b.sigmas.shape) != (t + 1,) or tuple(b.timesteps.shape) != (t,):
+        raise RolloutInputError("branch_from.sigmas", f"the parent's schedule must have T+1 = {t + 1} sigmas and T timesteps")
+    if b.conditioning is not None:
+        check_conditioning(model.family, b.conditioning, len(b.samples), field="branch_from.conditioning")
 
 
 def capture_dtype(model: LoadedModel, spec: RolloutSpec) -> torch.dtype:
@@ -163,8 +193,13 @@ def latent_shape(model: LoadedModel, spec: RolloutSpec) -> tuple[int, ...]:
 
 
 def estimate_latent_bytes(model: LoadedModel, spec: RolloutSpec) -> int:
-    """Bytes of the captured latents (all requested steps, all samples), before running."""
+    """Bytes of the captured latents (all requested steps, all samples) and, with
+    `return_velocities`, of the float32 velocities, before running."""
     if not spec.capture:
         return 0
-    per = math.prod(latent_shape(model, spec)) * capture_dtype(model, spec).itemsize
-    return len(captured_steps(spec)) * spec.num_samples * per
+    elements = math.prod(latent_shape(model, spec)) * spec.num_samples
+    steps = captured_steps(spec)
+    total = len(steps) * elements * capture_dtype(model, spec).itemsize
+    if spec.return_velocities:  # float32, at every captured step but T
+        total += sum(1 for s in steps if s < spec.num_inference_steps) * elements * 4
+    return total
