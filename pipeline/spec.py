@@ -90,6 +90,10 @@ class RolloutSpec:
     latent_dtype: LatentDType = "native"
     capture: bool = True
     """False: run the loop and capture nothing (pays nothing for capture)."""
+    return_outputs: bool = False
+    """Decode x_T after the last step and publish the "outputs/v1" stream (control/ does it)."""
+    expected_digest: str | None = None
+    """The weights digest the request expects; a rollout that starts with other weights fails."""
 
     @property
     def num_samples(self) -> int:

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from control.http.errors import error_response
+from control.policy import note_weights_change, policy
 from pipeline.spec import RolloutInputError
 
 WEIGHTS_PATH = "/v1/models/{model_id}/weights"
@@ -66,8 +67,11 @@ def _load(service: Any, model_id: str, body: bytes) -> JSONResponse:
     bad = check_state_dict(current, state)
     if bad is not None:
         return _bad(*bad)
-    digest = service.registry.load_weights(model_id, state)
-    return JSONResponse({"id": model_id, "digest": digest, "tensors": len(state)})
+    _, before = policy(model)
+    service.registry.load_weights(model_id, state)
+    note_weights_change(model, before)
+    digest, version = policy(model)
+    return JSONResponse({"id": model_id, "digest": digest, "weights_version": version, "tensors": len(state)})
 
 
 async def put_weights(request: Request) -> Response:
