@@ -190,6 +190,13 @@ class FlightDataServer(flight.FlightServerBase):
         descriptor = flight.FlightDescriptor.for_path(DESCRIPTOR_ROOT, entry.rollout_id)
         return flight.FlightInfo(entry.schema, descriptor, endpoints, entry.total_records, entry.total_bytes)
 
+    def _waiting_entry(self, rollout_id: str) -> Entry:
+        """The entry of a rollout id; waits while it is queued (as do_get on its ticket does)."""
+        try:
+            return self.store.lookup_ticket(rollout_id)[0]
+        except TicketNotFound as e:
+            raise flight.FlightServerError(_clip(str(e), 300)) from None
+
     def _stream_table(self, entry: Entry, stream: str) -> pa.Table:
         """An extra stream's table (waits while the rollout runs); Flight errors otherwise."""
         try:
@@ -293,13 +300,15 @@ class FlightDataServer(flight.FlightServerBase):
     ) -> flight.FlightInfo:
         """``for_path("rollouts", id)``: one endpoint streaming the whole rollout.
         ``for_path("rollouts", id, "partitions", n)``: n endpoints (batches k, k+n, ...)
-        that a client may pull concurrently; concatenated in step order they are the rollout."""
+        that a client may pull concurrently; concatenated in step order they are the rollout.
+        ``for_path("rollouts", id, "outputs" | "conditioning")``: that extra stream; waits until
+        the rollout publishes it (after its last step), as do_get does."""
         rid, n = _partitioned(descriptor)
         if rid is not None:
             return self._flight_info(self._entry(rid), n)
         rid, stream = _rollout_stream(descriptor)
         if stream is not None:
-            return self._stream_info(self._entry(rid), stream)
+            return self._stream_info(self._waiting_entry(rid), stream)
         return self._flight_info(self._entry(_rollout_id(descriptor)))
 
     def get_schema(
@@ -307,7 +316,7 @@ class FlightDataServer(flight.FlightServerBase):
     ) -> flight.SchemaResult:
         rid, stream = _rollout_stream(descriptor)
         if stream is not None:
-            return flight.SchemaResult(self._stream_table(self._entry(rid), stream).schema)
+            return flight.SchemaResult(self._stream_table(self._waiting_entry(rid), stream).schema)
         return flight.SchemaResult(self._entry(_rollout_id(descriptor)).schema)
 
     def list_flights(self, context: flight.ServerCallContext, criteria: bytes) -> Iterator[flight.FlightInfo]:
