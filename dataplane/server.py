@@ -380,9 +380,11 @@ def _rollout_stream(descriptor: flight.FlightDescriptor) -> tuple[str, str | Non
         return "", None
     name = parts[2].decode("utf-8", errors="replace")
     if name not in EXTRA_STREAMS:
+        shown = [p.decode("utf-8", errors="replace") for p in parts]
         raise flight.FlightServerError(
-            _clip(f"unknown stream {name!r}", 120) + f" in the descriptor path; known: trajectory (2 parts), "
-            f"{', '.join(EXTRA_STREAMS)}"
+            _clip(f"bad descriptor path {shown!r}: unknown stream {name!r}", 300)
+            + f"; expected [{DESCRIPTOR_ROOT!r}, <rollout id>] or [{DESCRIPTOR_ROOT!r}, <rollout id>, "
+            f"{' | '.join(repr(n) for n in EXTRA_STREAMS)}]"
         )
     return parts[1].decode("utf-8", errors="replace"), name
 
