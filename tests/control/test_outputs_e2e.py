@@ -96,7 +96,7 @@ def test_outputs_equal_the_stock_pipelines_decode(server, registry, model_id):
     with Client(server.rest_url) as client:
         served = {m["id"]: m for m in client.models()}
         ticket = client.submit(model=model_id, num_inference_steps=steps, seed=11, sampler={"type": "ode"},
-                               **{"return": {"outputs": True, "steps": [0, steps]}}, **case)
+                               return_={"outputs": True, "steps": [0, steps]}, **case)
         assert set(ticket.flight.streams) == {"trajectory", "outputs"}
         assert ticket.flight.streams["trajectory"].ticket == ticket.flight.ticket
         assert ticket.flight.streams["outputs"].descriptor_path == ["rollouts", ticket.id, "outputs"]
@@ -127,7 +127,7 @@ def test_a_reward_from_the_outputs_stream(server):
     """DDPO's JPEG compressibility: the size of each decoded image's JPEG encoding."""
     with Client(server.rest_url) as client:
         ticket = client.submit(prompts=["a red cube", "a dog"], num_outputs_per_prompt=2, num_inference_steps=2,
-                               seed=5, **{"return": {"outputs": True, "steps": [0]}})
+                               seed=5, return_={"outputs": True, "steps": [0]})
         client.wait(ticket, timeout=60)
         images = client.pull_outputs(ticket)
 

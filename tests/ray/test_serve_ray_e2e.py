@@ -50,7 +50,7 @@ def test_ray_workers_serve_the_outputs_stream_and_the_policy_version():
     flags = ("--backend", "ray", "--ray-address", "local", "--workers", "1", "--ray-num-cpus", "1")
     with ServerProcess(*flags, timeout=180) as server, Client(server.rest_url) as client:
         ticket = client.submit(num_inference_steps=2, seed=4, sampler={"type": "ode"}, expected_digest=model.digest,
-                               **{"return": {"outputs": True, "steps": [0, 2]}}, **case)
+                               return_={"outputs": True, "steps": [0, 2]}, **case)
         assert ticket.flight.locations[0] != server.flight_url  # the worker's Flight server
         client.wait(ticket, timeout=120)
         with flight.FlightClient(ticket.flight.locations[0]) as fc:
