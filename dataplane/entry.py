@@ -16,6 +16,7 @@ from typing import Literal, NamedTuple
 import pyarrow as pa
 
 from dataplane.record import TrajectoryHeader
+from dataplane.streams import StreamNotFound, requested_streams
 
 State = Literal["running", "succeeded", "failed", "cancelled"]
 EndedState = Literal["failed", "cancelled", "released", "expired", "closed"]
@@ -61,6 +62,11 @@ class Entry:
         self.in_memory = True
         self.finished_at: float | None = None
         self.cond = threading.Condition()
+        self.streams_requested = requested_streams(header)
+        """Extra streams asked for ("outputs", "conditioning"); each published once, whole."""
+        self.extras: dict[str, pa.Table] = {}
+        self.extra_bytes = 0
+        """Bytes of the published extra streams (always in memory; counted in the budget)."""
 
     @classmethod
     def finished(
@@ -102,6 +108,40 @@ class Entry:
             self.cond.notify_all()
         return nbytes
 
+    def publish(self, name: str, table: pa.Table) -> int:
+        """Add one extra stream (whole) and wake its consumers; returns its bytes."""
+        with self.cond:
+            if name not in self.streams_requested:
+                raise ValueError(f"rollout {self.rollout_id}: stream {name!r} was not requested")
+            if name in self.extras:
+                raise ValueError(f"rollout {self.rollout_id}: stream {name!r} was published already")
+            if self.state != "running":
+                raise RuntimeError(f"rollout {self.rollout_id} is {self.state}; cannot publish {name!r}")
+            self.extras[name] = table
+            self.extra_bytes += table.nbytes
+            self.cond.notify_all()
+        return int(table.nbytes)
+
+    def stream_table(self, name: str, *, stop: threading.Event | None = None) -> pa.Table:
+        """An extra stream's table; waits while the rollout runs and has not published it yet.
+
+        Raises StreamNotFound when it was not requested (or is not held any more), RolloutEnded
+        when the rollout failed, was cancelled, released or expired."""
+        if name not in self.streams_requested:
+            raise StreamNotFound(self.rollout_id, name, f"not requested: ask for it with return.{name}")
+        with self.cond:
+            while name not in self.extras and self.state == "running":
+                if stop is not None and stop.is_set():
+                    raise RolloutEnded(self.rollout_id, "closed", "server shutting down")
+                self.cond.wait(timeout=1.0)
+            if self.state not in ("running", "succeeded"):
+                raise RolloutEnded(self.rollout_id, self.state, self.message or self.state)
+            table = self.extras.get(name)
+        if table is None:
+            raise StreamNotFound(self.rollout_id, name, "not held any more: extra streams live in memory only "
+                                                        "and do not survive a server restart")
+        return table
+
     def succeed(self) -> None:
         with self.cond:
             self.state = "succeeded"
@@ -121,6 +161,8 @@ class Entry:
             self.state = state
             self.message = message
             self.batches = []
+            self.extras = {}
+            self.extra_bytes = 0
             self.in_memory = False
             if self.finished_at is None:
                 self.finished_at = time.time()

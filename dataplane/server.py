@@ -3,6 +3,8 @@
 Errors (all FlightError subclasses, with a message naming what was wrong):
 - unknown / released / expired ticket or rollout id: FlightServerError "ticket '...' not
   found (unknown|released|expired)" -- answered at once, never a hang;
+- an extra stream ("outputs", "conditioning") the rollout was not asked for: FlightServerError
+  "stream 'outputs' of rollout <id> not found (not requested: ...)";
 - malformed descriptor (CMD, wrong path shape, non-UTF-8): FlightServerError;
 - rollout failed: FlightInternalError "rollout <id> failed: <reason>";
 - rollout cancelled: FlightServerError "rollout <id> cancelled: <reason>" (not
@@ -25,7 +27,9 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from dataplane.auth import TokenSet
-from dataplane.store import Entry, ResultStore, RolloutEnded, TicketNotFound
+from dataplane.store import Entry, ResultStore, RolloutEnded, StreamNotFound, TicketNotFound
+from dataplane.streams import EXTRA_STREAMS
+from dataplane.tickets import stream_ticket
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +190,32 @@ class FlightDataServer(flight.FlightServerBase):
         descriptor = flight.FlightDescriptor.for_path(DESCRIPTOR_ROOT, entry.rollout_id)
         return flight.FlightInfo(entry.schema, descriptor, endpoints, entry.total_records, entry.total_bytes)
 
+    def _waiting_entry(self, rollout_id: str) -> Entry:
+        """The entry of a rollout id; waits while it is queued (as do_get on its ticket does)."""
+        try:
+            return self.store.lookup_ticket(rollout_id)[0]
+        except TicketNotFound as e:
+            raise flight.FlightServerError(_clip(str(e), 300)) from None
+
+    def _stream_table(self, entry: Entry, stream: str) -> pa.Table:
+        """An extra stream's table (waits while the rollout runs); Flight errors otherwise."""
+        try:
+            return entry.stream_table(stream, stop=self.store.stop_event)
+        except StreamNotFound as e:
+            raise flight.FlightServerError(_clip(str(e), 300)) from None
+        except RolloutEnded as e:
+            if e.state == "failed":
+                raise flight.FlightInternalError(str(e)) from None
+            raise flight.FlightServerError(str(e)) from None
+
+    def _stream_info(self, entry: Entry, stream: str) -> flight.FlightInfo:
+        table = self._stream_table(entry, stream)
+        locations = [flight.Location(u) for u in self.locations]
+        ticket = stream_ticket(entry.ticket, stream).encode()
+        descriptor = flight.FlightDescriptor.for_path(DESCRIPTOR_ROOT, entry.rollout_id, stream)
+        return flight.FlightInfo(table.schema, descriptor, [flight.FlightEndpoint(ticket, locations)],
+                                 table.num_rows, table.nbytes)
+
     def stream_closed(self) -> None:
         """A stream slot came back (called by _StreamSlot)."""
         with self._lock:
@@ -217,6 +247,8 @@ class FlightDataServer(flight.FlightServerBase):
             self.active_streams += 1
             self.streams_served += 1
         slot = _StreamSlot(self)
+        if self.store.stream_of(ticket.ticket) is not None:
+            return self._do_get_stream(context, ticket, slot)
         try:
             entry, start, stride = self.store.lookup_ticket(ticket.ticket)
             if entry.state not in ("running", "succeeded"):
@@ -241,24 +273,55 @@ class FlightDataServer(flight.FlightServerBase):
             return flight.RecordBatchStream(pa.Table.from_batches(done, schema=entry.schema))
         return flight.GeneratorStream(entry.schema, self._serve(entry, start, stride, slot))
 
+    def _do_get_stream(
+        self, context: flight.ServerCallContext, ticket: flight.Ticket, slot: _StreamSlot
+    ) -> flight.FlightDataStream:
+        """An extra stream: one finished table, streamed by a C++ table reader."""
+        try:
+            entry, stream = self.store.lookup_stream(ticket.ticket)
+            table = self._stream_table(entry, stream)
+        except TicketNotFound as e:
+            slot.free()
+            raise flight.FlightServerError(str(e)) from None
+        except BaseException:
+            slot.free()
+            raise
+        call = context.get_middleware("slots")
+        if isinstance(call, _CallSlot):
+            call.slot = slot
+        else:
+            slot.free()
+        with self._lock:
+            self.bytes_served += table.nbytes
+        return flight.RecordBatchStream(table)
+
     def get_flight_info(
         self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor
     ) -> flight.FlightInfo:
         """``for_path("rollouts", id)``: one endpoint streaming the whole rollout.
         ``for_path("rollouts", id, "partitions", n)``: n endpoints (batches k, k+n, ...)
-        that a client may pull concurrently; concatenated in step order they are the rollout."""
+        that a client may pull concurrently; concatenated in step order they are the rollout.
+        ``for_path("rollouts", id, "outputs" | "conditioning")``: that extra stream; waits until
+        the rollout publishes it (after its last step), as do_get does."""
         rid, n = _partitioned(descriptor)
         if rid is not None:
             return self._flight_info(self._entry(rid), n)
+        rid, stream = _rollout_stream(descriptor)
+        if stream is not None:
+            return self._stream_info(self._waiting_entry(rid), stream)
         return self._flight_info(self._entry(_rollout_id(descriptor)))
 
     def get_schema(
         self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor
     ) -> flight.SchemaResult:
+        rid, stream = _rollout_stream(descriptor)
+        if stream is not None:
+            return flight.SchemaResult(self._stream_table(self._waiting_entry(rid), stream).schema)
         return flight.SchemaResult(self._entry(_rollout_id(descriptor)).schema)
 
     def list_flights(self, context: flight.ServerCallContext, criteria: bytes) -> Iterator[flight.FlightInfo]:
-        """Every rollout that can be streamed (running or succeeded)."""
+        """Every rollout that can be streamed (running or succeeded), each followed by its
+        published extra streams."""
         for rid in self.store.ids():
             try:
                 e = self.store.get(rid)
@@ -266,6 +329,11 @@ class FlightDataServer(flight.FlightServerBase):
                 continue
             if e.state in ("running", "succeeded"):
                 yield self._flight_info(e)
+                for stream in [s for s in e.streams_requested if s in e.extras]:
+                    try:
+                        yield self._stream_info(e, stream)
+                    except flight.FlightError:
+                        continue  # released meanwhile
 
     def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
         return list(ACTIONS.items())
@@ -297,9 +365,28 @@ def _rollout_id(descriptor: flight.FlightDescriptor) -> str:
         raise flight.FlightServerError("descriptor path is not UTF-8") from None
     if len(path) != 2 or path[0] != DESCRIPTOR_ROOT or not path[1]:
         raise flight.FlightServerError(
-            _clip(f"bad descriptor path {path[:4]!r}", 300) + f": expected [{DESCRIPTOR_ROOT!r}, <rollout id>]"
+            _clip(f"bad descriptor path {path[:4]!r}", 300) + f": expected [{DESCRIPTOR_ROOT!r}, <rollout id>] or "
+            f"[{DESCRIPTOR_ROOT!r}, <rollout id>, <stream>]"
         )
     return path[1]
+
+
+def _rollout_stream(descriptor: flight.FlightDescriptor) -> tuple[str, str | None]:
+    """(id, stream) for ``for_path("rollouts", id, "outputs" | "conditioning")``; ("", None) for any other."""
+    if descriptor.descriptor_type != flight.DescriptorType.PATH or len(descriptor.path) != 3:
+        return "", None
+    parts = [bytes(p) for p in descriptor.path]
+    if parts[0] != DESCRIPTOR_ROOT.encode():
+        return "", None
+    name = parts[2].decode("utf-8", errors="replace")
+    if name not in EXTRA_STREAMS:
+        shown = [p.decode("utf-8", errors="replace") for p in parts]
+        raise flight.FlightServerError(
+            _clip(f"bad descriptor path {shown!r}: unknown stream {name!r}", 300)
+            + f"; expected [{DESCRIPTOR_ROOT!r}, <rollout id>] or [{DESCRIPTOR_ROOT!r}, <rollout id>, "
+            f"{' | '.join(repr(n) for n in EXTRA_STREAMS)}]"
+        )
+    return parts[1].decode("utf-8", errors="replace"), name
 
 
 def _partitioned(descriptor: flight.FlightDescriptor) -> tuple[str | None, int]:

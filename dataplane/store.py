@@ -26,7 +26,8 @@ from dataplane.entry import EndedState, Entry, EntryInfo, RolloutEnded, State
 from dataplane.record import TrajectoryHeader
 from dataplane.schema import trajectory_schema
 from dataplane.shm import ShmDir
-from dataplane.tickets import TICKET_PREFIX, Resolved, TicketNotFound, TicketRegistry
+from dataplane.streams import EXTRA_STREAMS, StreamNotFound
+from dataplane.tickets import TICKET_PREFIX, Resolved, TicketNotFound, TicketRegistry, split_stream_ticket
 from dataplane.writer import TrajectoryWriter
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "ResultStore",
     "RolloutEnded",
     "State",
+    "StreamNotFound",
     "TicketNotFound",
     "TrajectoryWriter",
     "malloc_trim",
@@ -193,6 +195,23 @@ class ResultStore:
                 return self._entries[found.rollout_id], found.start, found.stride
         raise TicketNotFound(f"ticket {shown}", found)
 
+    def stream_of(self, ticket: bytes | str) -> str | None:
+        """The extra stream an extra stream's ticket names ("outputs", ...); None for any other ticket."""
+        key = ticket.decode("utf-8", errors="replace") if isinstance(ticket, bytes) else ticket
+        return split_stream_ticket(key, EXTRA_STREAMS)[1]
+
+    def lookup_stream(self, ticket: bytes | str) -> tuple[Entry, str]:
+        """(entry, stream name) for an extra stream's ticket; waits like ``lookup_ticket`` while
+        the rollout is reserved. Raises TicketNotFound naming it (partition tickets have no streams)."""
+        key = ticket.decode("utf-8", errors="replace") if isinstance(ticket, bytes) else ticket
+        base, stream = split_stream_ticket(key, EXTRA_STREAMS)
+        if stream is None:
+            raise TicketNotFound(f"ticket {key[:80]!r}", "not an extra stream's ticket")
+        entry, start, stride = self.lookup_ticket(base)
+        if (start, stride) != (0, 1):
+            raise TicketNotFound(f"ticket {key[:80]!r}", "a partition ticket has no extra streams")
+        return entry, stream
+
     def find(self, ticket_or_id: str) -> Entry:
         """The entry a rollout id or a (whole-rollout) ticket names; never waits."""
         self.expire_now()
@@ -240,7 +259,7 @@ class ResultStore:
                 return False
             del self._entries[rollout_id]
             self._tickets.forget(rollout_id, e.ticket, reason)
-            freed = e.num_bytes if e.in_memory else 0
+            freed = (e.num_bytes if e.in_memory else 0) + e.extra_bytes
             self.budget.add(-freed)
         e.end(reason, f"rollout was {reason}")
         for path in (e.path, e.shm_path):

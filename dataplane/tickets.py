@@ -22,6 +22,26 @@ def mint_ticket() -> str:
     return TICKET_PREFIX + secrets.token_urlsafe(18)
 
 
+STREAM_SEP = ":"
+"""Joins a rollout's ticket and an extra stream's name (never in a minted ticket or a rollout id)."""
+
+
+def stream_ticket(ticket: str, stream: str) -> str:
+    """The ticket of one extra stream ("outputs", "conditioning") of the rollout ``ticket`` names.
+
+    Whoever holds the rollout's ticket may read all its streams; the store looks the rollout
+    part up like any ticket (so release and expiry end the extra streams with it)."""
+    return f"{ticket}{STREAM_SEP}{stream}"
+
+
+def split_stream_ticket(key: str, streams: tuple[str, ...]) -> tuple[str, str | None]:
+    """(rollout ticket or id, stream name) of an extra stream's ticket; (key, None) for any other."""
+    base, sep, name = key.rpartition(STREAM_SEP)
+    if sep and base and name in streams:
+        return base, name
+    return key, None
+
+
 def is_minted(ticket: str) -> bool:
     """Whether ``ticket`` has the shape mint_ticket gives (used to check a file footer)."""
     return ticket.startswith(TICKET_PREFIX) and len(ticket) > len(TICKET_PREFIX)

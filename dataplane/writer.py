@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Literal, Protocol
 
+import pyarrow as pa
+
 from dataplane.codec import encode_step
 from dataplane.entry import Entry
 from dataplane.files import TrajectoryFileWriter
@@ -53,6 +55,11 @@ class TrajectoryWriter:
         self._pending.pop(0)
         self._store.appended(e, e.append(batch.step, batches))
 
+    def publish(self, name: str, table: pa.Table) -> None:
+        """Add one extra stream of the rollout (whole table; see dataplane/streams.py), before
+        ``finish``. Its consumers, waiting since the rollout was reserved, get it at once."""
+        self._store.appended(self._entry, self._entry.publish(name, table))
+
     def finish(self) -> None:
         e = self._entry
         if self._pending:
@@ -76,6 +83,6 @@ class TrajectoryWriter:
         self.abort_file()
         if e.state != "running":
             return
-        freed = e.num_bytes
+        freed = e.num_bytes + e.extra_bytes
         e.end(kind, message)
         self._store.failed(e, freed)

@@ -87,6 +87,7 @@ class _Driver:
         seeds: tuple[int, ...],
         digest: str,
         *,
+        weights_version: int = 0,
         on_schedule: Callable[[ScheduleSnapshot], None] | None,
         on_step: Callable[[StepCapture], None] | None,
         on_progress: Callable[[int, int], None] | None,
@@ -99,6 +100,7 @@ class _Driver:
         self.sampler = spec.sampler
         self.seeds = seeds
         self.digest = digest
+        self.weights_version = weights_version
         self.T = spec.num_inference_steps
         self.steps = frozenset(captured_steps(spec)) if spec.capture else frozenset()
         self.sde_steps = frozenset(requested_sde_steps(spec))
@@ -147,6 +149,7 @@ class _Driver:
             latent_dtype=self.capture_dtype,
             native_dtype=sample.dtype,
             model_digest=self.digest,
+            model_weights_version=self.weights_version,
             start_step=self.spec.start_step,
             prompt_index=self.spec.prompt_indices(),
             parent_sample=self.spec.parent_samples(),
@@ -227,7 +230,8 @@ def run_rollout(
     """
     validate_spec(model, spec)
     seeds = sample_seeds(spec)
-    pipeline, digest = model.snapshot()
+    policy = model.policy()  # pipeline, digest and weights_version read together
+    pipeline, digest = policy.pipeline, policy.digest
     if should_stop is not None and should_stop():
         raise RolloutCancelled("cancelled before the first step")
     driver = _Driver(
@@ -235,6 +239,7 @@ def run_rollout(
         spec,
         seeds,
         digest,
+        weights_version=policy.weights_version,
         on_schedule=on_schedule,
         on_step=on_step,
         on_progress=on_progress,
@@ -296,6 +301,7 @@ def rollout_metadata(model: LoadedModel, spec: RolloutSpec, snapshot: ScheduleSn
             "id": model.id,
             "dtype": str(model.dtype).removeprefix("torch."),
             "digest": snapshot.model_digest or model.digest,
+            "weights_version": snapshot.model_weights_version,
         },
         "scheduler": {
             "class": snapshot.scheduler_class,

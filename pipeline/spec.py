@@ -128,6 +128,10 @@ class RolloutSpec:
     """REST `return.conditioning`: the result carries the tensors the transformer consumed."""
     branch_from: BranchStart | None = None
     """REST `branch_from`: start at a parent's x_k (see `BranchStart`); None = from x_0."""
+    return_outputs: bool = False
+    """Decode x_T after the last step and publish the "outputs/v1" stream (control/ does it)."""
+    expected_digest: str | None = None
+    """The weights digest the request expects; a rollout that starts with other weights fails."""
 
     @property
     def num_samples(self) -> int:
@@ -182,6 +186,8 @@ class ScheduleSnapshot:
     """dtype the loop consumed."""
     model_digest: str = ""
     """Weights digest of the model that ran (the trajectory's policy)."""
+    model_weights_version: int = 0
+    """weights_version of the model that ran, read with the digest and the weights (contract "Policy version")."""
     start_step: int = 0
     """k for a branch rollout (steps k..T ran), else 0."""
     prompt_index: tuple[int, ...] = ()

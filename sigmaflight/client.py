@@ -5,6 +5,7 @@
     ticket = client.submit(prompts=["a red cube"], num_outputs_per_prompt=4, num_inference_steps=8, seed=7)
     status = client.wait(ticket, timeout=60)          # RolloutFailed (RolloutCancelled) unless it succeeded
     traj = client.pull(ticket)                        # dataplane.client.Trajectory (torch)
+    images = client.pull_outputs(ticket)              # uint8 [B, H, W, 3], with return={"outputs": True}
     for i, x, x_next, sigma, sigma_next, log_prob in traj.transitions():
         ...
 
@@ -22,6 +23,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import httpx
+import numpy as np
+import pyarrow as pa
 import torch
 from pyarrow import flight
 
@@ -186,6 +189,31 @@ class Client:
             return self.flight(location).pull(flight_ticket)
         except flight.FlightError as exc:
             raise self.flight_error(ticket, exc) from None
+
+    def stream_ticket(self, ticket: str | Ticket, stream: str) -> tuple[str, str]:
+        """(Flight location, Flight ticket) of one named stream of a rollout ("trajectory",
+        "outputs", "conditioning"); NotFound naming it when the rollout did not ask for it."""
+        flight_ticket = ticket.flight if isinstance(ticket, Ticket) else self.status(ticket).flight
+        found = flight_ticket.streams.get(stream)
+        if found is None:
+            raise NotFound(None, "not_found", f"rollout {_id(ticket)} has no {stream!r} stream (streams: "
+                           f"{', '.join(flight_ticket.streams) or 'none'}); ask for it with return.{stream}")
+        return flight_ticket.locations[0], found.ticket
+
+    def pull_stream(self, ticket: str | Ticket, stream: str) -> pa.Table:
+        """One stream of a rollout as a pyarrow Table (waits while the rollout runs)."""
+        location, flight_ticket = self.stream_ticket(ticket, stream)
+        try:
+            return self.flight(location).reader(flight_ticket).read_all()
+        except flight.FlightError as exc:
+            raise self.flight_error(ticket, exc) from None
+
+    def pull_outputs(self, ticket: str | Ticket) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        """The decoded outputs of a rollout asked with `return={"outputs": True}`: uint8
+        [B, H, W, 3] images (image models) or [B, F, H, W, 3] video frames, row b = sample b."""
+        table = self.pull_stream(ticket, "outputs")
+        column = "video" if "video" in table.column_names else "image"
+        return np.asarray(table.column(column).combine_chunks().to_numpy_ndarray())
 
     def flight_error(self, ticket: str | Ticket, exc: Exception) -> ApiError:
         """The typed error for a Flight error on `ticket`: from the rollout's REST status when there

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from pipeline.spec import RolloutSpec, SamplerSpec
 
@@ -41,6 +41,9 @@ class Return(_Wire):
     latent_dtype: Literal["native", "float32", "float16", "bfloat16"] = Field(
         "native", description='"native" = exactly what the loop consumed; anything else is a lossy conversion.'
     )
+    outputs: StrictBool = Field(
+        False, description='Decode x_T with the model\'s VAE and publish the "outputs/v1" stream (flight.streams).'
+    )
 
 
 class RolloutRequest(_Wire):
@@ -57,6 +60,12 @@ class RolloutRequest(_Wire):
     seeds: list[int] | None = Field(None, description="Exactly one per sample (0 <= seed < 2^63).")
     sampler: Sampler = Field(default_factory=Sampler)
     return_: Return = Field(default_factory=Return, alias="return")
+    expected_digest: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="The model's weights digest this request is for (GET /v1/models): 409 stale_policy when "
+        "it differs at POST; the rollout fails with stale_policy when the weights change before it starts.",
+    )
 
     @model_validator(mode="after")
     def _seed_xor_seeds(self) -> RolloutRequest:
@@ -95,16 +104,29 @@ def to_spec(request: RolloutRequest, *, model_id: str, default_steps: int, seed:
         return_steps=tuple(r.steps) if r.steps is not None else None,
         return_log_probs=r.log_probs,
         latent_dtype=r.latent_dtype,
+        return_outputs=r.outputs,
+        expected_digest=request.expected_digest,
     )
 
 
 # ---- responses ----------------------------------------------------------------------------
 
 
+class StreamTicket(_Wire):
+    ticket: str = Field(..., description="Opaque Flight ticket of this stream for do_get.")
+    descriptor_path: list[str] = Field(
+        ..., description='["rollouts", id] (trajectory) or ["rollouts", id, "outputs" | "conditioning"].'
+    )
+
+
 class FlightTicket(_Wire):
-    ticket: str = Field(..., description="Opaque Flight ticket for do_get.")
+    ticket: str = Field(..., description="Opaque Flight ticket for do_get (the trajectory's).")
     locations: list[str] = Field(..., description="Flight URIs that serve the ticket.")
     descriptor_path: list[str] = Field(..., description='FlightDescriptor.for_path(*descriptor_path): ["rollouts", id].')
+    streams: dict[str, StreamTicket] = Field(
+        default_factory=dict,
+        description='Every stream of the rollout by name: "trajectory" always, "outputs" / "conditioning" when requested.',
+    )
 
 
 class Ticket(_Wire):

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from control.jobs.manager import Job
+from control.policy import check_started_with
+from control.streams import outputs_table, stream_names
 from dataplane.record import StepBatch, TrajectoryHeader
 from dataplane.store import ResultStore
 from pipeline.models import ModelRegistry
@@ -56,18 +58,22 @@ class LocalBackend:
         assert spec is not None
         model = self.registry.get(spec.model)
         writer = None
+        header: TrajectoryHeader | None = None
 
         def on_schedule(snapshot: ScheduleSnapshot) -> None:
-            nonlocal writer
+            nonlocal writer, header
+            check_started_with(spec.expected_digest, snapshot.model_digest)
             rollout = {"id": job.id, **rollout_metadata(model, spec, snapshot)}
-            writer = self.store.create(header_for(job.id, snapshot, rollout, spec.return_log_probs))
+            rollout["streams"] = stream_names(spec)
+            header = header_for(job.id, snapshot, rollout, spec.return_log_probs)
+            writer = self.store.create(header)
 
         def on_step(capture: StepCapture) -> None:
             assert writer is not None
             writer.append(StepBatch(step=capture.step, latent=capture.latent, log_prob=capture.log_prob))
 
         try:
-            run_rollout(
+            result = run_rollout(
                 model,
                 spec,
                 on_schedule=on_schedule,
@@ -77,6 +83,10 @@ class LocalBackend:
                 keep=False,
                 per_sample_model_calls=self.batch_invariant,
             )
+            if spec.return_outputs:  # after the last step, on the rollout's device; nothing otherwise
+                assert writer is not None and header is not None
+                writer.publish("outputs", outputs_table(model, spec, header, result.final_latents,
+                                                        max_batch_bytes=self.store.max_batch_bytes))
         except BaseException as exc:
             kind: Literal["failed", "cancelled"] = "cancelled" if isinstance(exc, RolloutCancelled) else "failed"
             message = "cancelled by client" if kind == "cancelled" else f"{type(exc).__name__}: {exc}"

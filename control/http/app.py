@@ -30,8 +30,10 @@ from control.http.middleware import BearerAuthMiddleware, BodyLimitMiddleware, R
 from control.http.openapi import openapi_document
 from control.http.weights import WEIGHTS_PATH, WEIGHTS_PATH_REGEX, put_weights
 from control.jobs.manager import IdempotencyConflict, Job, NotAccepting, QueueFull, Unavailable, iso
+from control.policy import policy
 from control.service import Service
 from control.settings import Settings
+from control.streams import output_bytes, stream_tickets, streams_of_request, validate_outputs
 from pipeline.rollout import estimate_latent_bytes, validate_spec
 from pipeline.spec import RolloutInputError
 from sigmaflight.wire import (
@@ -126,8 +128,10 @@ def check_query(request: Request, route: str) -> None:
 
 
 def flight_ticket(service: Service, job: Job) -> FlightTicket:
+    streams = stream_tickets(job.ticket, job.id, streams_of_request(job.request))
     return FlightTicket(
-        ticket=job.ticket, locations=service.backend.locations_for(job.id), descriptor_path=["rollouts", job.id]
+        ticket=job.ticket, locations=service.backend.locations_for(job.id), descriptor_path=["rollouts", job.id],
+        streams=streams,  # type: ignore[arg-type]
     )
 
 
@@ -187,9 +191,19 @@ async def create_rollout(request: Request) -> Response:
     spec = to_spec(req, model_id=model_id, default_steps=model.defaults.num_inference_steps, seed=seed)
     try:
         validate_spec(model, spec)
+        validate_outputs(model, spec)
     except RolloutInputError as exc:
         raise invalid(["body", *exc.field.split(".")], exc.reason) from None
-    estimate = estimate_latent_bytes(model, spec)
+    if req.expected_digest is not None:
+        digest, version = policy(model)
+        if digest != req.expected_digest:
+            raise HttpError(
+                409, "stale_policy",
+                f"expected_digest {req.expected_digest[:12]}... is not the model's current weights {digest[:12]}... "
+                f"(weights_version {version}); pull the new weights or resubmit with the current digest",
+                {"expected_digest": req.expected_digest, "digest": digest, "weights_version": version},
+            )
+    estimate = estimate_latent_bytes(model, spec) + output_bytes(model, spec)
     if estimate > settings.max_rollout_bytes:
         raise HttpError(
             413,
@@ -253,7 +267,14 @@ async def delete_rollout(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     service = _service(request)
-    described = await run_in_threadpool(service.registry.describe)
+    def describe() -> list[dict[str, Any]]:
+        out = []
+        for d in service.registry.describe():
+            digest, version = policy(service.registry.get(d["id"]))
+            out.append({**d, "digest": digest, "weights_version": version})
+        return out
+
+    described = await run_in_threadpool(describe)
     infos = [ModelInfo(**{**d, "default": d["id"] == service.settings.model}) for d in described]
     return _model(ModelList(models=infos))
 

@@ -23,7 +23,7 @@ def _errors(*codes: int) -> dict[str, Any]:
     text = {
         401: "Bearer token missing or wrong.",
         404: "Unknown rollout id (or model id).",
-        409: "Idempotency-Key reused with another body.",
+        409: "Idempotency-Key reused with another body, or expected_digest is not the model's digest (stale_policy).",
         413: "Request body, or the trajectory it asks for, is too large.",
         415: "The body is not sent as Content-Type: application/json.",
         422: "Validation error; details name each bad field and why.",

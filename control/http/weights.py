@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from control.http.errors import error_response
+from control.policy import policy
 from pipeline.spec import RolloutInputError
 
 WEIGHTS_PATH = "/v1/models/{model_id}/weights"
@@ -61,13 +62,13 @@ def _load(service: Any, model_id: str, body: bytes) -> JSONResponse:
     except (SafetensorError, ValueError, RuntimeError) as exc:
         return error_response(422, "validation_error", f"body: not a safetensors file ({exc})",
                       [{"loc": ["body"], "msg": f"not a safetensors file ({exc})", "type": "value_error"}])
-    pipeline, _ = model.snapshot()
-    current = pipeline.transformer.state_dict()
+    current = model.base_transformer().state_dict()  # a push replaces the base (any LoRA is dropped)
     bad = check_state_dict(current, state)
     if bad is not None:
         return _bad(*bad)
-    digest = service.push_weights(model_id, state)  # with --backend ray: every worker too
-    return JSONResponse({"id": model_id, "digest": digest, "tensors": len(state)})
+    service.push_weights(model_id, state)  # with --backend ray: every worker too
+    digest, version = policy(model)
+    return JSONResponse({"id": model_id, "digest": digest, "weights_version": version, "tensors": len(state)})
 
 
 async def put_weights(request: Request) -> Response:

@@ -31,3 +31,33 @@ def test_serve_with_ray_workers_hands_out_worker_locations(tmp_path):
             fc.do_get(flight.Ticket(tickets[0]["flight"]["ticket"].encode())).read_all()  # released on the worker
         assert server.terminate(timeout=30) in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown
         assert '"stopped"' in server.log_text  # the graceful path ran: ray.init must not steal SIGTERM
+
+
+def test_ray_workers_serve_the_outputs_stream_and_the_policy_version():
+    """return.outputs on a Ray worker: the worker's Flight server holds the stream, equal to the stock
+    pipeline's own decode of the same latents; the metadata carries digest and weights_version."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from pipeline.models import ModelRegistry
+    from sigmaflight import Client
+    from tests.control.test_outputs_e2e import CASES, _stock_outputs
+
+    case = CASES["tiny-sd3"]
+    model = ModelRegistry().get("tiny-sd3")
+    flags = ("--backend", "ray", "--ray-address", "local", "--workers", "1", "--ray-num-cpus", "1")
+    with ServerProcess(*flags, timeout=180) as server, Client(server.rest_url) as client:
+        ticket = client.submit(num_inference_steps=2, seed=4, sampler={"type": "ode"}, expected_digest=model.digest,
+                               return_={"outputs": True, "steps": [0, 2]}, **case)
+        assert ticket.flight.locations[0] != server.flight_url  # the worker's Flight server
+        client.wait(ticket, timeout=120)
+        with flight.FlightClient(ticket.flight.locations[0]) as fc:
+            table = fc.do_get(flight.Ticket(ticket.flight.streams["outputs"].ticket.encode())).read_all()
+        traj = client.pull(ticket)
+    want, x_t = _stock_outputs(model, case, 2, traj.latent(0))
+    assert torch.equal(x_t, traj.latent(2))
+    assert np.array_equal(table.column("image").combine_chunks().to_numpy_ndarray(), want)
+    meta = json.loads(table.schema.metadata[b"sigmaflight.rollout"])["model"]
+    assert meta["digest"] == model.digest and meta["weights_version"] == 0
