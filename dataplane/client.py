@@ -464,29 +464,49 @@ class TrajectoryClient:
         """Like ``iter_steps`` but pulls ``streams`` endpoints concurrently (one
         connection each) and yields in stream order (batch j comes from endpoint
         j % streams). ``merge_steps=False`` yields one StepTensors per record batch, like
-        ``iter_chunks``."""
+        ``iter_chunks``.
+
+        Nothing starts before the first step is asked for. A consumer that stops early
+        (``break``, ``close()``, or drops the iterator) cancels the streams, ends the pump
+        threads and closes the extra connections: no stream slot stays held."""
         fi = self.flight_info(rollout_id, partitions=streams)
-        schema = fi.schema
-        clients = [self._client] + [
-            flight.FlightClient(self._location, tls_root_certs=self._tls_root_certs) for _ in fi.endpoints[1:]
-        ]
-        ordered = _round_robin([(c, ep.ticket) for c, ep in zip(clients, fi.endpoints, strict=True)], self._options, prefetch)
+        ordered = self._parallel(fi, prefetch)
         if merge_steps:
-            return iter_step_tensors(schema, ordered, copy=copy)
-        dtype = header_from_schema(schema).latent_dtype
+            return iter_step_tensors(fi.schema, ordered, copy=copy)
+        dtype = header_from_schema(fi.schema).latent_dtype
         return (batch_to_tensors(b, copy=copy, dtype=dtype) for b in ordered)
+
+    def _parallel(self, fi: flight.FlightInfo, prefetch: int) -> Iterator[pa.RecordBatch]:
+        """Every batch of ``fi``'s endpoints in stream order. A generator: nothing connects
+        before the first next(); its finally stops the pumps and closes the extra clients."""
+        extra: list[flight.FlightClient] = []
+        try:
+            extra = [flight.FlightClient(self._location, tls_root_certs=self._tls_root_certs) for _ in fi.endpoints[1:]]
+            clients = [self._client, *extra]
+            yield from _round_robin(
+                [(c, ep.ticket) for c, ep in zip(clients, fi.endpoints, strict=True)], self._options, prefetch
+            )
+        finally:
+            for c in extra:
+                c.close()
 
 
 def _round_robin(
     sources: list[tuple[flight.FlightClient, flight.Ticket]], options: flight.FlightCallOptions, prefetch: int
 ) -> Iterator[pa.RecordBatch]:
     """Pull every (client, ticket) concurrently, one thread each; yield batch j from source
-    j % n (the partition tickets' order)."""
+    j % n (the partition tickets' order). On the way out (end, error or the consumer
+    closing it) the streams are cancelled and the threads joined."""
     n = len(sources)
     queues: list[queue.Queue[Any]] = [queue.Queue(maxsize=prefetch) for _ in range(n)]
     stop = threading.Event()
-    for k, (client, ticket) in enumerate(sources):
-        threading.Thread(target=_pump, args=(client, ticket, options, queues[k], stop), daemon=True).start()
+    readers: list[flight.FlightStreamReader | None] = [None] * n
+    threads = [
+        threading.Thread(target=_pump, args=(client, ticket, options, queues[k], stop, readers, k), daemon=True)
+        for k, (client, ticket) in enumerate(sources)
+    ]
+    for t in threads:
+        t.start()
     k = 0
     try:
         while True:
@@ -503,9 +523,28 @@ def _round_robin(
             k = (k + 1) % n
     finally:
         stop.set()
+        for r in readers:
+            if r is not None:
+                try:
+                    r.cancel()
+                except (flight.FlightError, OSError):
+                    pass
+        for t in threads:
+            t.join(timeout=5)
 
 
 _DONE = object()
+
+
+def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+    """Put unless the consumer left (``stop``); False then."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 def _pump(
@@ -514,20 +553,24 @@ def _pump(
     options: flight.FlightCallOptions,
     q: queue.Queue[Any],
     stop: threading.Event,
+    readers: list[flight.FlightStreamReader | None],
+    k: int,
 ) -> None:
     try:
-        for b in _flight_batches(client.do_get(ticket, options)):
-            while not stop.is_set():
-                try:
-                    q.put(b, timeout=0.5)
-                    break
-                except queue.Full:
-                    continue
-            if stop.is_set():
+        if stop.is_set():
+            return
+        reader = client.do_get(ticket, options)
+        readers[k] = reader
+        if stop.is_set():
+            reader.cancel()
+            return
+        for b in _flight_batches(reader):
+            if not _put(q, b, stop):
                 return
-        q.put(_DONE)
-    except BaseException as e:  # handed to the consumer
-        q.put(e)
+        _put(q, _DONE, stop)
+    except BaseException as e:  # handed to the consumer (unless it left)
+        if not stop.is_set():
+            _put(q, e, stop)
 
 
 def pull_file(path: str | Path) -> Trajectory:

@@ -121,6 +121,9 @@ class FlightDataServer(flight.FlightServerBase):
         self.bytes_served = 0
         self.streams_served = 0
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        """This server's own: stop() ends its waiting streams, never the store's (a later
+        server on the same store serves on; only ResultStore.close sets the store's)."""
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -142,7 +145,7 @@ class FlightDataServer(flight.FlightServerBase):
         gRPC's shutdown waits for every open call, and a consumer that stopped reading keeps
         its call open forever (its write is blocked on flow control): after ``timeout``
         seconds we stop waiting, so SIGTERM still exits in time."""
-        self.store.stop_event.set()
+        self._stop.set()
         self.store.wake_all()
         closer = threading.Thread(target=self.shutdown, name="flight-shutdown", daemon=True)
         closer.start()
@@ -170,9 +173,24 @@ class FlightDataServer(flight.FlightServerBase):
             }
 
     # -- helpers ---------------------------------------------------------------------------
-    def _entry(self, rollout_id: str) -> Entry:
+    def _should_stop(self, context: flight.ServerCallContext | None) -> Callable[[], str | None]:
+        """Why a call waiting for a rollout must stop now: this server stops, or the call is
+        cancelled (the client left or its deadline passed), which frees its stream slot."""
+
+        def check() -> str | None:
+            if self._stop.is_set():
+                return "server shutting down"
+            if context is not None and context.is_cancelled():
+                return "call cancelled by the client (or its deadline passed)"
+            return None
+
+        return check
+
+    def _entry(self, rollout_id: str, context: flight.ServerCallContext | None = None) -> Entry:
+        """The entry a rollout id or ticket names; with ``context``, a queued (reserved)
+        rollout is waited for until it starts (the stream exists from the ticket)."""
         try:
-            return self.store.find(rollout_id)
+            return self.store.find(rollout_id, should_stop=self._should_stop(context) if context is not None else None)
         except TicketNotFound as e:
             raise flight.FlightServerError(_clip(str(e), 300)) from None
 
@@ -191,9 +209,11 @@ class FlightDataServer(flight.FlightServerBase):
         with self._lock:
             self.active_streams -= 1
 
-    def _serve(self, entry: Entry, start: int, stride: int, slot: _StreamSlot) -> Iterator[pa.RecordBatch]:
+    def _serve(
+        self, entry: Entry, start: int, stride: int, slot: _StreamSlot, should_stop: Callable[[], str | None]
+    ) -> Iterator[pa.RecordBatch]:
         try:
-            for batch in entry.iter_batches(start, stride, stop=self.store.stop_event):
+            for batch in entry.iter_batches(start, stride, stop=self.store.stop_event, should_stop=should_stop):
                 with self._lock:
                     self.bytes_served += batch.nbytes
                 yield batch
@@ -217,8 +237,13 @@ class FlightDataServer(flight.FlightServerBase):
             self.active_streams += 1
             self.streams_served += 1
         slot = _StreamSlot(self)
+        should_stop = self._should_stop(context)
         try:
-            entry, start, stride = self.store.lookup_ticket(ticket.ticket)
+            entry, start, stride = self.store.lookup_ticket(ticket.ticket, should_stop=should_stop)
+            try:
+                self.store.check_served(entry)  # a mapped file still whole and unchanged
+            except RolloutEnded:
+                pass  # the entry is failed now: answered below
             if entry.state not in ("running", "succeeded"):
                 msg = f"rollout {entry.rollout_id} {entry.state}: {entry.message or entry.state}"
                 if entry.state == "failed":
@@ -239,7 +264,7 @@ class FlightDataServer(flight.FlightServerBase):
             with self._lock:
                 self.bytes_served += sum(b.nbytes for b in done)
             return flight.RecordBatchStream(pa.Table.from_batches(done, schema=entry.schema))
-        return flight.GeneratorStream(entry.schema, self._serve(entry, start, stride, slot))
+        return flight.GeneratorStream(entry.schema, self._serve(entry, start, stride, slot, should_stop))
 
     def get_flight_info(
         self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor
@@ -249,8 +274,8 @@ class FlightDataServer(flight.FlightServerBase):
         that a client may pull concurrently; concatenated in step order they are the rollout."""
         rid, n = _partitioned(descriptor)
         if rid is not None:
-            return self._flight_info(self._entry(rid), n)
-        return self._flight_info(self._entry(_rollout_id(descriptor)))
+            return self._flight_info(self._entry(rid, context), n)
+        return self._flight_info(self._entry(_rollout_id(descriptor), context))
 
     def get_schema(
         self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor
