@@ -186,11 +186,11 @@ class FlightDataServer(flight.FlightServerBase):
 
         return check
 
-    def _entry(self, rollout_id: str, context: flight.ServerCallContext | None = None) -> Entry:
-        """The entry a rollout id or ticket names; with ``context``, a queued (reserved)
-        rollout is waited for until it starts (the stream exists from the ticket)."""
+    def _entry(self, rollout_id: str) -> Entry:
+        """The entry a rollout id or ticket names, at once (a queued rollout: not found, saying
+        so; do_get on its id or ticket is what waits for it)."""
         try:
-            return self.store.find(rollout_id, should_stop=self._should_stop(context) if context is not None else None)
+            return self.store.find(rollout_id)
         except TicketNotFound as e:
             raise flight.FlightServerError(_clip(str(e), 300)) from None
 
@@ -274,8 +274,8 @@ class FlightDataServer(flight.FlightServerBase):
         that a client may pull concurrently; concatenated in step order they are the rollout."""
         rid, n = _partitioned(descriptor)
         if rid is not None:
-            return self._flight_info(self._entry(rid, context), n)
-        return self._flight_info(self._entry(_rollout_id(descriptor), context))
+            return self._flight_info(self._entry(rid), n)
+        return self._flight_info(self._entry(_rollout_id(descriptor)))
 
     def get_schema(
         self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor

@@ -272,17 +272,8 @@ class ResultStore:
                 return self._entries[found.rollout_id], found.start, found.stride
         raise TicketNotFound(f"ticket {shown}", found)
 
-    def find(self, ticket_or_id: str, *, should_stop: StopCheck | None = None) -> Entry:
-        """The entry a rollout id or a (whole-rollout) ticket names. Never waits, unless
-        ``should_stop`` is given: then a reserved (queued) rollout is waited for until it
-        starts, like ``lookup_ticket``."""
-        if should_stop is not None:
-            with self._lock:
-                waits = self._tickets.is_reserved(ticket_or_id) or (
-                    (rid := self._tickets.rollout_of(ticket_or_id)) is not None and self._tickets.is_reserved(rid)
-                )
-            if waits:
-                return self.lookup_ticket(ticket_or_id, should_stop=should_stop)[0]
+    def find(self, ticket_or_id: str) -> Entry:
+        """The entry a rollout id or a (whole-rollout) ticket names; never waits."""
         self.expire_now()
         with self._lock:
             e = self._entries.get(ticket_or_id)
