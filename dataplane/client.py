@@ -578,4 +578,4 @@ def pull_file(path: str | Path) -> Trajectory:
     return Trajectory.from_file(path)
 
 
-__all__ = ["StepTensors", "Trajectory", "TrajectoryClient", "Transition", "iter_step_tensors", "pull_file"]
+__all__ = ["StepTensors", "Trajectory", "TrajectoryClient", "Transition", "Transport", "iter_step_tensors", "pull_file"]
