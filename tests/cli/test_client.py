@@ -142,3 +142,30 @@ def test_weights_endpoint_changes_digest_and_trajectories(server, model):
         again = _sample(client)
         assert torch.equal(again.latents, before.latents) and torch.equal(again.log_probs.nan_to_num(),
                                                                           before.log_probs.nan_to_num())
+
+
+def _bytes_served(server: ServerProcess) -> float:
+    import re
+
+    with server.client() as c:
+        m = re.search(r"^sigmaflight_flight_bytes_served_total (\S+)$", c.get("/metrics").text, re.M)
+    assert m is not None
+    return float(m.group(1))
+
+
+def test_transport_and_host_reach_the_flight_client(tmp_path):
+    """With --shm-dir, Client's default reads the same-host file (no gRPC bytes); transport="flight"
+    and a foreign host id stream over gRPC: the arguments reach the TrajectoryClient."""
+    with ServerProcess("--shm-dir", str(tmp_path / "shm")) as server, Client(server.rest_url) as client:
+        ticket = client.submit(prompts=["a red cube"], num_inference_steps=2, seed=3)
+        client.wait(ticket, timeout=60)
+        served = _bytes_served(server)
+        local = client.pull(ticket)
+        assert _bytes_served(server) == served  # read from the shared-memory file
+        for kwargs in ({"transport": "flight"}, {"host": "another-host"}):
+            with Client(server.rest_url, **kwargs) as other:  # type: ignore[arg-type]
+                assert torch.equal(other.pull(ticket).latents, local.latents)
+            assert _bytes_served(server) > served, kwargs
+            served = _bytes_served(server)
+    with pytest.raises(ValueError, match="transport"):
+        Client("http://127.0.0.1:1", transport="grpc")  # type: ignore[arg-type]
