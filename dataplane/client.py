@@ -138,15 +138,31 @@ class Trajectory:
     # -- construction ------------------------------------------------------------------
     @classmethod
     def from_batches(
-        cls, schema: pa.Schema, batches: Iterable[pa.RecordBatch], *, source: FileSource | None = None
+        cls,
+        schema: pa.Schema,
+        batches: Iterable[pa.RecordBatch],
+        *,
+        source: FileSource | None = None,
+        out: torch.Tensor | None = None,
     ) -> Trajectory:
         """Assemble (one copy per latent into one aligned, writable tensor). With ``source``
         (the batches' memory-mapped file), latents are read from the file straight into the
-        tensor (preadv: the kernel copies, no page faults on the mapping)."""
+        tensor (preadv: the kernel copies, no page faults on the mapping). ``out``: a
+        contiguous CPU tensor [B, K, *latent_shape] of the rollout's dtype to fill instead of
+        a fresh one (a warm buffer reused across pulls costs no page faults)."""
         header = header_from_schema(schema)
         b, t = header.num_samples, header.num_steps
         pos = {s: k for k, s in enumerate(header.steps)}
-        latents = empty_hugepages((b, len(header.steps), *header.latent_shape), header.latent_dtype)
+        shape = (b, len(header.steps), *header.latent_shape)
+        if out is not None:
+            if tuple(out.shape) != shape or out.dtype != header.latent_dtype:
+                raise ValueError(
+                    f"out must be {header.latent_dtype} {list(shape)} for rollout {header.rollout_id}, "
+                    f"got {out.dtype} {list(out.shape)}"
+                )
+            if out.device.type != "cpu" or not out.is_contiguous():
+                raise ValueError("out must be a contiguous CPU tensor")
+        latents = out if out is not None else empty_hugepages(shape, header.latent_dtype)
         log_probs = torch.full((b, t), float("nan"), dtype=torch.float32)
         seen = torch.zeros((b, len(header.steps)), dtype=torch.bool)
         for batch in batches:
@@ -427,12 +443,17 @@ class TrajectoryClient:
             return None
         return LocalFile(m.schema, m.batches, FileSource(path, m.base_address, m.size))
 
-    def pull(self, ticket_or_id: str | bytes | flight.Ticket) -> Trajectory:
-        """The whole rollout; waits for a running one to finish (streams as it goes)."""
+    def pull(self, ticket_or_id: str | bytes | flight.Ticket, *, out: torch.Tensor | None = None) -> Trajectory:
+        """The whole rollout; waits for a running (or queued) one to finish, streaming as it goes.
+
+        ``out``: fill this contiguous CPU tensor [B, K, *latent_shape] (the rollout's dtype)
+        instead of allocating one; ``traj.latents`` is then ``out``. Reusing one warm buffer
+        across pulls avoids the page faults of fresh memory (what dominates a same-host pull)."""
         local = self.local_file(ticket_or_id)
         if local is not None:
-            return Trajectory.from_batches(local.schema, local.batches, source=local.source)
-        return Trajectory.from_reader(self.reader(ticket_or_id))
+            return Trajectory.from_batches(local.schema, local.batches, source=local.source, out=out)
+        reader = self.reader(ticket_or_id)
+        return Trajectory.from_batches(reader.schema, _flight_batches(reader), out=out)
 
     def _batches(self, ticket_or_id: str | bytes | flight.Ticket) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
         local = self.local_file(ticket_or_id)
