@@ -256,7 +256,12 @@ def pull(kind: str, port: int, size: int, repeats: int, streams: int, warmup: in
         client = TrajectoryClient(f"grpc+tcp://127.0.0.1:{port}")
         ticket = client.info("bench")["ticket"]
         assert client.local_file(ticket) is not None, "the shm file is not readable here"
-        buffer = client.pull(ticket).latents.clone().zero_() if kind == "shm-pull-into" else None  # warm
+        buffer = None
+        if kind == "shm-pull-into":  # one warm buffer (huge pages, faulted in outside the clock)
+            from dataplane.client import empty_hugepages
+
+            shape = client.pull(ticket).latents.shape
+            buffer = empty_hugepages(tuple(shape), torch.float32).zero_()
         base = rss.reset()
         for _ in range(warmup + repeats):
             t0 = time.perf_counter()
