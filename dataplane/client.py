@@ -138,15 +138,31 @@ class Trajectory:
     # -- construction ------------------------------------------------------------------
     @classmethod
     def from_batches(
-        cls, schema: pa.Schema, batches: Iterable[pa.RecordBatch], *, source: FileSource | None = None
+        cls,
+        schema: pa.Schema,
+        batches: Iterable[pa.RecordBatch],
+        *,
+        source: FileSource | None = None,
+        out: torch.Tensor | None = None,
     ) -> Trajectory:
         """Assemble (one copy per latent into one aligned, writable tensor). With ``source``
         (the batches' memory-mapped file), latents are read from the file straight into the
-        tensor (preadv: the kernel copies, no page faults on the mapping)."""
+        tensor (preadv: the kernel copies, no page faults on the mapping). ``out``: a
+        contiguous CPU tensor [B, K, *latent_shape] of the rollout's dtype to fill instead of
+        a fresh one (a warm buffer reused across pulls costs no page faults)."""
         header = header_from_schema(schema)
         b, t = header.num_samples, header.num_steps
         pos = {s: k for k, s in enumerate(header.steps)}
-        latents = empty_hugepages((b, len(header.steps), *header.latent_shape), header.latent_dtype)
+        shape = (b, len(header.steps), *header.latent_shape)
+        if out is not None:
+            if tuple(out.shape) != shape or out.dtype != header.latent_dtype:
+                raise ValueError(
+                    f"out must be {header.latent_dtype} {list(shape)} for rollout {header.rollout_id}, "
+                    f"got {out.dtype} {list(out.shape)}"
+                )
+            if out.device.type != "cpu" or not out.is_contiguous():
+                raise ValueError("out must be a contiguous CPU tensor")
+        latents = out if out is not None else empty_hugepages(shape, header.latent_dtype)
         log_probs = torch.full((b, t), float("nan"), dtype=torch.float32)
         seen = torch.zeros((b, len(header.steps)), dtype=torch.bool)
         for batch in batches:
@@ -427,12 +443,17 @@ class TrajectoryClient:
             return None
         return LocalFile(m.schema, m.batches, FileSource(path, m.base_address, m.size))
 
-    def pull(self, ticket_or_id: str | bytes | flight.Ticket) -> Trajectory:
-        """The whole rollout; waits for a running one to finish (streams as it goes)."""
+    def pull(self, ticket_or_id: str | bytes | flight.Ticket, *, out: torch.Tensor | None = None) -> Trajectory:
+        """The whole rollout; waits for a running (or queued) one to finish, streaming as it goes.
+
+        ``out``: fill this contiguous CPU tensor [B, K, *latent_shape] (the rollout's dtype)
+        instead of allocating one; ``traj.latents`` is then ``out``. Reusing one warm buffer
+        across pulls avoids the page faults of fresh memory (what dominates a same-host pull)."""
         local = self.local_file(ticket_or_id)
         if local is not None:
-            return Trajectory.from_batches(local.schema, local.batches, source=local.source)
-        return Trajectory.from_reader(self.reader(ticket_or_id))
+            return Trajectory.from_batches(local.schema, local.batches, source=local.source, out=out)
+        reader = self.reader(ticket_or_id)
+        return Trajectory.from_batches(reader.schema, _flight_batches(reader), out=out)
 
     def _batches(self, ticket_or_id: str | bytes | flight.Ticket) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
         local = self.local_file(ticket_or_id)
@@ -464,29 +485,49 @@ class TrajectoryClient:
         """Like ``iter_steps`` but pulls ``streams`` endpoints concurrently (one
         connection each) and yields in stream order (batch j comes from endpoint
         j % streams). ``merge_steps=False`` yields one StepTensors per record batch, like
-        ``iter_chunks``."""
+        ``iter_chunks``.
+
+        Nothing starts before the first step is asked for. A consumer that stops early
+        (``break``, ``close()``, or drops the iterator) cancels the streams, ends the pump
+        threads and closes the extra connections: no stream slot stays held."""
         fi = self.flight_info(rollout_id, partitions=streams)
-        schema = fi.schema
-        clients = [self._client] + [
-            flight.FlightClient(self._location, tls_root_certs=self._tls_root_certs) for _ in fi.endpoints[1:]
-        ]
-        ordered = _round_robin([(c, ep.ticket) for c, ep in zip(clients, fi.endpoints, strict=True)], self._options, prefetch)
+        ordered = self._parallel(fi, prefetch)
         if merge_steps:
-            return iter_step_tensors(schema, ordered, copy=copy)
-        dtype = header_from_schema(schema).latent_dtype
+            return iter_step_tensors(fi.schema, ordered, copy=copy)
+        dtype = header_from_schema(fi.schema).latent_dtype
         return (batch_to_tensors(b, copy=copy, dtype=dtype) for b in ordered)
+
+    def _parallel(self, fi: flight.FlightInfo, prefetch: int) -> Iterator[pa.RecordBatch]:
+        """Every batch of ``fi``'s endpoints in stream order. A generator: nothing connects
+        before the first next(); its finally stops the pumps and closes the extra clients."""
+        extra: list[flight.FlightClient] = []
+        try:
+            extra = [flight.FlightClient(self._location, tls_root_certs=self._tls_root_certs) for _ in fi.endpoints[1:]]
+            clients = [self._client, *extra]
+            yield from _round_robin(
+                [(c, ep.ticket) for c, ep in zip(clients, fi.endpoints, strict=True)], self._options, prefetch
+            )
+        finally:
+            for c in extra:
+                c.close()
 
 
 def _round_robin(
     sources: list[tuple[flight.FlightClient, flight.Ticket]], options: flight.FlightCallOptions, prefetch: int
 ) -> Iterator[pa.RecordBatch]:
     """Pull every (client, ticket) concurrently, one thread each; yield batch j from source
-    j % n (the partition tickets' order)."""
+    j % n (the partition tickets' order). On the way out (end, error or the consumer
+    closing it) the streams are cancelled and the threads joined."""
     n = len(sources)
     queues: list[queue.Queue[Any]] = [queue.Queue(maxsize=prefetch) for _ in range(n)]
     stop = threading.Event()
-    for k, (client, ticket) in enumerate(sources):
-        threading.Thread(target=_pump, args=(client, ticket, options, queues[k], stop), daemon=True).start()
+    readers: list[flight.FlightStreamReader | None] = [None] * n
+    threads = [
+        threading.Thread(target=_pump, args=(client, ticket, options, queues[k], stop, readers, k), daemon=True)
+        for k, (client, ticket) in enumerate(sources)
+    ]
+    for t in threads:
+        t.start()
     k = 0
     try:
         while True:
@@ -503,9 +544,28 @@ def _round_robin(
             k = (k + 1) % n
     finally:
         stop.set()
+        for r in readers:
+            if r is not None:
+                try:
+                    r.cancel()
+                except (flight.FlightError, OSError):
+                    pass
+        for t in threads:
+            t.join(timeout=5)
 
 
 _DONE = object()
+
+
+def _put(q: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+    """Put unless the consumer left (``stop``); False then."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 def _pump(
@@ -514,20 +574,24 @@ def _pump(
     options: flight.FlightCallOptions,
     q: queue.Queue[Any],
     stop: threading.Event,
+    readers: list[flight.FlightStreamReader | None],
+    k: int,
 ) -> None:
     try:
-        for b in _flight_batches(client.do_get(ticket, options)):
-            while not stop.is_set():
-                try:
-                    q.put(b, timeout=0.5)
-                    break
-                except queue.Full:
-                    continue
-            if stop.is_set():
+        if stop.is_set():
+            return
+        reader = client.do_get(ticket, options)
+        readers[k] = reader
+        if stop.is_set():
+            reader.cancel()
+            return
+        for b in _flight_batches(reader):
+            if not _put(q, b, stop):
                 return
-        q.put(_DONE)
-    except BaseException as e:  # handed to the consumer
-        q.put(e)
+        _put(q, _DONE, stop)
+    except BaseException as e:  # handed to the consumer (unless it left)
+        if not stop.is_set():
+            _put(q, e, stop)
 
 
 def pull_file(path: str | Path) -> Trajectory:
@@ -535,4 +599,4 @@ def pull_file(path: str | Path) -> Trajectory:
     return Trajectory.from_file(path)
 
 
-__all__ = ["StepTensors", "Trajectory", "TrajectoryClient", "Transition", "iter_step_tensors", "pull_file"]
+__all__ = ["StepTensors", "Trajectory", "TrajectoryClient", "Transition", "Transport", "iter_step_tensors", "pull_file"]

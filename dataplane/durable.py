@@ -16,7 +16,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from dataplane.entry import Entry
-from dataplane.files import TEMP_SUFFIX, CorruptTrajectoryFile, TrajectoryFileWriter, read_trajectory
+from dataplane.files import TEMP_SUFFIX, CorruptTrajectoryFile, TrajectoryFileWriter, map_trajectory
 from dataplane.schema import header_from_schema
 from dataplane.tickets import is_minted
 
@@ -34,8 +34,9 @@ def read_entry(path: Path, *, validate: bool = True) -> Entry:
     """A succeeded Entry over the memory-mapped file at ``path`` (named ``<id>.arrow``).
 
     Raises CorruptTrajectoryFile if the file is not a complete trajectory of that id
-    with a ticket in its footer."""
-    schema, batches, footer = read_trajectory(path, validate=validate)
+    with a ticket in its footer, or (``validate``) a batch's checksum differs."""
+    m = map_trajectory(path, validate=validate)
+    schema, batches, footer = m.schema, m.batches, m.footer
     header = header_from_schema(schema)
     ticket = footer.get(FOOTER_TICKET, "")
     rollout_id = path.name.removesuffix(".arrow")
@@ -44,16 +45,21 @@ def read_entry(path: Path, *, validate: bool = True) -> Entry:
     if not is_minted(ticket):
         raise CorruptTrajectoryFile(f"{path}: no ticket in the file footer")
     e = Entry.finished(header, schema, ticket, batches, path.stat().st_mtime)
+    e.replace_batches(batches, in_memory=False, source=path, source_size=m.size, crcs=m.crcs)
     return e
 
 
 def serve_from_durable(e: Entry) -> bool:
     """Serve ``e`` memory-mapped from its durable file (dropping any shared-memory copy):
-    what spilling does. False if it has no durable file."""
+    what spilling does. False if it has no durable file. Raises CorruptTrajectoryFile if
+    the file no longer holds what was written (its checksums, or those the writer kept)."""
     if e.path is None:
         return False
-    _, batches, _ = read_trajectory(e.path, validate=False)
-    e.replace_batches(batches, in_memory=False)  # same boundaries as written: live readers keep their index
+    m = map_trajectory(e.path, validate=False, checksums=True)
+    if e.crcs is not None and m.crcs is not None and m.crcs != e.crcs:
+        raise CorruptTrajectoryFile(f"{e.path}: checksums differ from the ones written")
+    # same boundaries as written: live readers keep their index
+    e.replace_batches(m.batches, in_memory=False, source=e.path, source_size=m.size, crcs=m.crcs or e.crcs)
     shm, e.shm_path = e.shm_path, None
     if shm is not None:
         shm.unlink(missing_ok=True)  # open maps keep their pages until unmapped

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -19,6 +19,10 @@ from dataplane.record import TrajectoryHeader
 from dataplane.streams import StreamNotFound, requested_streams
 
 State = Literal["running", "succeeded", "failed", "cancelled"]
+StopCheck = Callable[[], "str | None"]
+"""Why a waiting consumer must stop now (server stopping, call cancelled), or None."""
+POLL_S = 0.2
+"""How often a waiting consumer re-checks its StopCheck (cancellation is not a notification)."""
 EndedState = Literal["failed", "cancelled", "released", "expired", "closed"]
 
 
@@ -67,6 +71,11 @@ class Entry:
         self.extras: dict[str, pa.Table] = {}
         self.extra_bytes = 0
         """Bytes of the published extra streams (always in memory; counted in the budget)."""
+        self.source: Path | None = None
+        """The file the batches are memory-mapped from (None: heap), and its size when mapped."""
+        self.source_size = 0
+        self.crcs: tuple[int, ...] | None = None
+        """Checksum of each batch as written (dataplane/files.batch_crc); None if unknown."""
 
     @classmethod
     def finished(
@@ -122,18 +131,20 @@ class Entry:
             self.cond.notify_all()
         return int(table.nbytes)
 
-    def stream_table(self, name: str, *, stop: threading.Event | None = None) -> pa.Table:
-        """An extra stream's table; waits while the rollout runs and has not published it yet.
+    def stream_table(self, name: str, *, should_stop: StopCheck | None = None) -> pa.Table:
+        """An extra stream's table; waits while the rollout runs and has not published it yet
+        (re-checking ``should_stop`` every POLL_S, as ``iter_batches`` does).
 
         Raises StreamNotFound when it was not requested (or is not held any more), RolloutEnded
-        when the rollout failed, was cancelled, released or expired."""
+        when the rollout failed, was cancelled, released or expired, or the wait must stop."""
         if name not in self.streams_requested:
             raise StreamNotFound(self.rollout_id, name, f"not requested: ask for it with return.{name}")
         with self.cond:
             while name not in self.extras and self.state == "running":
-                if stop is not None and stop.is_set():
-                    raise RolloutEnded(self.rollout_id, "closed", "server shutting down")
-                self.cond.wait(timeout=1.0)
+                why = should_stop() if should_stop is not None else None
+                if why is not None:
+                    raise RolloutEnded(self.rollout_id, "closed", why)
+                self.cond.wait(timeout=POLL_S)
             if self.state not in ("running", "succeeded"):
                 raise RolloutEnded(self.rollout_id, self.state, self.message or self.state)
             table = self.extras.get(name)
@@ -148,12 +159,25 @@ class Entry:
             self.finished_at = time.time()
             self.cond.notify_all()
 
-    def replace_batches(self, batches: list[pa.RecordBatch], *, in_memory: bool) -> None:
-        """Serve the same batches from elsewhere (a memory-mapped file). Boundaries must be the
-        ones written, so that live readers keep their index."""
+    def replace_batches(
+        self,
+        batches: list[pa.RecordBatch],
+        *,
+        in_memory: bool,
+        source: Path | None = None,
+        source_size: int = 0,
+        crcs: tuple[int, ...] | None = None,
+    ) -> None:
+        """Serve the same batches from elsewhere (a memory-mapped file ``source`` of
+        ``source_size`` bytes). Boundaries must be the ones written, so that live readers keep
+        their index."""
         with self.cond:
             self.batches = batches
             self.in_memory = in_memory
+            self.source = source
+            self.source_size = source_size
+            if crcs is not None:
+                self.crcs = crcs
 
     def end(self, state: str, message: str) -> None:
         """Drop the batches; every consumer (waiting or not) ends with RolloutEnded."""
@@ -164,6 +188,7 @@ class Entry:
             self.extras = {}
             self.extra_bytes = 0
             self.in_memory = False
+            self.source = None
             if self.finished_at is None:
                 self.finished_at = time.time()
             self.cond.notify_all()
@@ -175,13 +200,19 @@ class Entry:
 
     # -- consumer side ---------------------------------------------------------------------
     def iter_batches(
-        self, start: int = 0, stride: int = 1, *, stop: threading.Event | None = None
+        self,
+        start: int = 0,
+        stride: int = 1,
+        *,
+        stop: threading.Event | None = None,
+        should_stop: StopCheck | None = None,
     ) -> Iterator[pa.RecordBatch]:
         """Batches already produced, then the rest as they come; ends after x_T.
 
         Raises RolloutEnded if the rollout fails, is cancelled, released or expired, or
-        ``stop`` is set while waiting. Yields the stored batches themselves (no copy),
-        one at a time: a slow consumer holds no more than the batch it reads.
+        while waiting ``stop`` is set or ``should_stop()`` names a reason (checked every
+        POLL_S). Yields the stored batches themselves (no copy), one at a time: a slow
+        consumer holds no more than the batch it reads.
         """
         idx = start
         while True:
@@ -189,7 +220,10 @@ class Entry:
                 while idx >= len(self.batches) and self.state == "running":
                     if stop is not None and stop.is_set():
                         raise RolloutEnded(self.rollout_id, "closed", "server shutting down")
-                    self.cond.wait(timeout=1.0)
+                    why = should_stop() if should_stop is not None else None
+                    if why is not None:
+                        raise RolloutEnded(self.rollout_id, "closed", why)
+                    self.cond.wait(timeout=POLL_S if should_stop is not None else 1.0)
                 if self.state not in ("running", "succeeded"):
                     raise RolloutEnded(self.rollout_id, self.state, self.message or self.state)
                 if idx >= len(self.batches):

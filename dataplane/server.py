@@ -125,6 +125,9 @@ class FlightDataServer(flight.FlightServerBase):
         self.bytes_served = 0
         self.streams_served = 0
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        """This server's own: stop() ends its waiting streams, never the store's (a later
+        server on the same store serves on; only ResultStore.close sets the store's)."""
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -146,7 +149,7 @@ class FlightDataServer(flight.FlightServerBase):
         gRPC's shutdown waits for every open call, and a consumer that stopped reading keeps
         its call open forever (its write is blocked on flow control): after ``timeout``
         seconds we stop waiting, so SIGTERM still exits in time."""
-        self.store.stop_event.set()
+        self._stop.set()
         self.store.wake_all()
         closer = threading.Thread(target=self.shutdown, name="flight-shutdown", daemon=True)
         closer.start()
@@ -174,7 +177,22 @@ class FlightDataServer(flight.FlightServerBase):
             }
 
     # -- helpers ---------------------------------------------------------------------------
+    def _should_stop(self, context: flight.ServerCallContext | None) -> Callable[[], str | None]:
+        """Why a call waiting for a rollout must stop now: this server stops, or the call is
+        cancelled (the client left or its deadline passed), which frees its stream slot."""
+
+        def check() -> str | None:
+            if self._stop.is_set():
+                return "server shutting down"
+            if context is not None and context.is_cancelled():
+                return "call cancelled by the client (or its deadline passed)"
+            return None
+
+        return check
+
     def _entry(self, rollout_id: str) -> Entry:
+        """The entry a rollout id or ticket names, at once (a queued rollout: not found, saying
+        so; do_get on its id or ticket is what waits for it)."""
         try:
             return self.store.find(rollout_id)
         except TicketNotFound as e:
@@ -197,10 +215,12 @@ class FlightDataServer(flight.FlightServerBase):
         except TicketNotFound as e:
             raise flight.FlightServerError(_clip(str(e), 300)) from None
 
-    def _stream_table(self, entry: Entry, stream: str) -> pa.Table:
+    def _stream_table(
+        self, entry: Entry, stream: str, should_stop: Callable[[], str | None] | None = None
+    ) -> pa.Table:
         """An extra stream's table (waits while the rollout runs); Flight errors otherwise."""
         try:
-            return entry.stream_table(stream, stop=self.store.stop_event)
+            return entry.stream_table(stream, should_stop=should_stop or self._should_stop(None))
         except StreamNotFound as e:
             raise flight.FlightServerError(_clip(str(e), 300)) from None
         except RolloutEnded as e:
@@ -221,9 +241,11 @@ class FlightDataServer(flight.FlightServerBase):
         with self._lock:
             self.active_streams -= 1
 
-    def _serve(self, entry: Entry, start: int, stride: int, slot: _StreamSlot) -> Iterator[pa.RecordBatch]:
+    def _serve(
+        self, entry: Entry, start: int, stride: int, slot: _StreamSlot, should_stop: Callable[[], str | None]
+    ) -> Iterator[pa.RecordBatch]:
         try:
-            for batch in entry.iter_batches(start, stride, stop=self.store.stop_event):
+            for batch in entry.iter_batches(start, stride, stop=self.store.stop_event, should_stop=should_stop):
                 with self._lock:
                     self.bytes_served += batch.nbytes
                 yield batch
@@ -247,10 +269,15 @@ class FlightDataServer(flight.FlightServerBase):
             self.active_streams += 1
             self.streams_served += 1
         slot = _StreamSlot(self)
+        should_stop = self._should_stop(context)
         if self.store.stream_of(ticket.ticket) is not None:
-            return self._do_get_stream(context, ticket, slot)
+            return self._do_get_stream(context, ticket, slot, should_stop)
         try:
-            entry, start, stride = self.store.lookup_ticket(ticket.ticket)
+            entry, start, stride = self.store.lookup_ticket(ticket.ticket, should_stop=should_stop)
+            try:
+                self.store.check_served(entry)  # a mapped file still whole and unchanged
+            except RolloutEnded:
+                pass  # the entry is failed now: answered below
             if entry.state not in ("running", "succeeded"):
                 msg = f"rollout {entry.rollout_id} {entry.state}: {entry.message or entry.state}"
                 if entry.state == "failed":
@@ -271,15 +298,16 @@ class FlightDataServer(flight.FlightServerBase):
             with self._lock:
                 self.bytes_served += sum(b.nbytes for b in done)
             return flight.RecordBatchStream(pa.Table.from_batches(done, schema=entry.schema))
-        return flight.GeneratorStream(entry.schema, self._serve(entry, start, stride, slot))
+        return flight.GeneratorStream(entry.schema, self._serve(entry, start, stride, slot, should_stop))
 
     def _do_get_stream(
-        self, context: flight.ServerCallContext, ticket: flight.Ticket, slot: _StreamSlot
+        self, context: flight.ServerCallContext, ticket: flight.Ticket, slot: _StreamSlot,
+        should_stop: Callable[[], str | None],
     ) -> flight.FlightDataStream:
         """An extra stream: one finished table, streamed by a C++ table reader."""
         try:
-            entry, stream = self.store.lookup_stream(ticket.ticket)
-            table = self._stream_table(entry, stream)
+            entry, stream = self.store.lookup_stream(ticket.ticket, should_stop=should_stop)
+            table = self._stream_table(entry, stream, should_stop)
         except TicketNotFound as e:
             slot.free()
             raise flight.FlightServerError(str(e)) from None

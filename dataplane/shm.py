@@ -34,7 +34,7 @@ import pyarrow as pa
 from dataplane.budget import MemoryBudget, trim_if_large
 from dataplane.durable import open_writer
 from dataplane.entry import Entry
-from dataplane.files import TEMP_SUFFIX, read_trajectory
+from dataplane.files import TEMP_SUFFIX, MappedTrajectory, map_trajectory
 
 log = logging.getLogger("dataplane.store")
 
@@ -95,13 +95,14 @@ class ShmDir:
         """A finishing entry's heap batches become one file here, served memory-mapped (same
         bytes, still counted in the budget); on failure (e.g. /dev/shm full) they stay on the heap."""
         try:
-            path = self.write(e.rollout_id, e.schema, e.batches, e.ticket)
-            mapped = self.map(path)
-        except OSError as exc:
+            path = self.write(e.rollout_id, e.schema, e.batches, e.ticket, e.crcs)
+            m = self.map(path)
+        except (OSError, ValueError) as exc:
             log.warning("rollout %s stays on the heap: cannot write it to shm_dir (%s)", e.rollout_id, exc)
             return
         e.shm_path = path
-        e.replace_batches(mapped, in_memory=True)  # same boundaries: live readers keep their index
+        # same boundaries: live readers keep their index
+        e.replace_batches(m.batches, in_memory=True, source=path, source_size=m.size, crcs=m.crcs)
         trim_if_large(e.num_bytes)
 
     def restore(self, entries: list[Entry], budget: MemoryBudget) -> None:
@@ -109,8 +110,17 @@ class ShmDir:
         for e in sorted(entries, key=lambda e: -(e.finished_at or 0.0)):
             if e.path is None or budget.used + e.num_bytes > budget.limit_bytes:
                 continue
-            e.shm_path = self.copy_in(e.path)
-            e.replace_batches(self.map(e.shm_path), in_memory=True)
+            path = self.copy_in(e.path)
+            try:
+                m = self.map(path, checksums=True)  # the copy is what gets served: check it
+                if e.crcs is not None and m.crcs != e.crcs:
+                    raise ValueError(f"{path}: checksums differ from {e.path}")
+            except ValueError as exc:
+                log.error("rollout %s served from %s, not its shared-memory copy: %s", e.rollout_id, e.path, exc)
+                path.unlink(missing_ok=True)
+                continue
+            e.shm_path = path
+            e.replace_batches(m.batches, in_memory=True, source=path, source_size=m.size, crcs=m.crcs)
             budget.add(e.num_bytes)
 
     def file_path(self, rollout_id: str) -> Path:
@@ -119,13 +129,21 @@ class ShmDir:
     def location(self, path: Path) -> str:
         return file_location(path, self.host)
 
-    def write(self, rollout_id: str, schema: pa.Schema, batches: list[pa.RecordBatch], ticket: str) -> Path:
-        """Write the file (no fsync: memory, not disk); atomic like every trajectory file."""
+    def write(
+        self,
+        rollout_id: str,
+        schema: pa.Schema,
+        batches: list[pa.RecordBatch],
+        ticket: str,
+        crcs: tuple[int, ...] | None = None,
+    ) -> Path:
+        """Write the file (no fsync: memory, not disk); atomic like every trajectory file.
+        ``crcs``: the batches' checksums when known (else computed)."""
         w = open_writer(self.file_path(rollout_id), schema, ticket)
         try:
             self._chmod(w.temp)
-            for b in batches:
-                w.write(b)
+            for i, b in enumerate(batches):
+                w.write(b, crcs[i] if crcs is not None and len(crcs) == len(batches) else None)
             return w.commit(fsync=False)
         except BaseException:
             w.abort()
@@ -149,9 +167,9 @@ class ShmDir:
         os.chmod(path, 0o600 if self.private else 0o644)
 
     @staticmethod
-    def map(path: Path) -> list[pa.RecordBatch]:
-        """The file's batches, memory-mapped (what the store serves)."""
-        return read_trajectory(path, validate=False)[1]
+    def map(path: Path, *, checksums: bool = False) -> MappedTrajectory:
+        """The file memory-mapped (what the store serves), its checksums checked if asked."""
+        return map_trajectory(path, validate=False, checksums=checksums)
 
     def close(self) -> None:
         """Release the lock (files of a closed store are removed by the store)."""

@@ -14,15 +14,19 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dataplane.budget import MemoryBudget, malloc_trim, trim_if_large
 from dataplane.codec import DEFAULT_MAX_BATCH_BYTES
 from dataplane.durable import DurableDir, serve_from_durable
-from dataplane.entry import EndedState, Entry, EntryInfo, RolloutEnded, State
+from dataplane.entry import EndedState, Entry, EntryInfo, RolloutEnded, State, StopCheck
+from dataplane.files import CorruptTrajectoryFile, verify_batches
 from dataplane.record import TrajectoryHeader
 from dataplane.schema import trajectory_schema
 from dataplane.shm import ShmDir
@@ -43,6 +47,8 @@ __all__ = [
     "TrajectoryWriter",
     "malloc_trim",
 ]
+
+log = logging.getLogger("dataplane.store")
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -69,8 +75,15 @@ class ResultStore:
         fsync: bool = True,
         shm_dir: Path | None = None,
         shm_private: bool = False,
+        on_unavailable: Callable[[str, str], None] | None = None,
     ) -> None:
-        """``shm_private``: shared-memory files mode 0600 (set it when tokens are configured)."""
+        """``shm_private``: shared-memory files mode 0600 (set it when tokens are configured).
+
+        ``on_unavailable(rollout_id, reason)``: called (outside the store's lock) when a
+        succeeded rollout can no longer be served because its file was truncated or
+        corrupted; the entry has ended as failed with that reason. Settable later as the
+        attribute of the same name (the jobs layer marks the rollout)."""
+        self.on_unavailable = on_unavailable
         self.data_dir = Path(data_dir) if data_dir is not None else None
         self.ttl_s = ttl_s
         self.max_batch_bytes = int(max_batch_bytes)
@@ -129,7 +142,11 @@ class ResultStore:
             ticket = self._tickets.bind(header.rollout_id)
             entry = Entry(header, schema, ticket)
             self._entries[header.rollout_id] = entry
-        file = self.durable.writer(header.rollout_id, schema, ticket) if self.durable is not None else None
+        try:
+            file = self.durable.writer(header.rollout_id, schema, ticket) if self.durable is not None else None
+        except BaseException as exc:  # e.g. a read-only data dir: end the entry, never leave it running
+            entry.end("failed", f"cannot open the trajectory file: {type(exc).__name__}: {exc}")
+            raise
         writer = TrajectoryWriter(self, entry, file, fsync=self._fsync)
         with self._lock:
             self._live[entry.rollout_id] = writer
@@ -162,9 +179,62 @@ class ResultStore:
         return self.shm.location(path)
 
     def _spill(self) -> None:
+        lost: list[tuple[Entry, str]] = []
+
+        def move_out(e: Entry) -> bool:
+            try:
+                return serve_from_durable(e)
+            except (CorruptTrajectoryFile, OSError) as exc:  # its file changed: never serve other bytes
+                lost.append((e, f"trajectory file unusable when spilled back to it: {exc}"))
+                e.end("failed", lost[-1][1])  # its bytes leave memory (the budget counts them out)
+                return True
+
         with self._lock:
             entries = list(self._entries.values())
-        self.budget.spill(entries, serve_from_durable)
+        self.budget.spill(entries, move_out)
+        for e, reason in lost:
+            self._report_unavailable(e, reason)
+
+    # -- served files: checked before each stream -----------------------------------------
+    def check_served(self, entry: Entry) -> None:
+        """Before serving a finished entry from its memory-mapped file: the file still has
+        the size it was mapped with (a truncated map would fault) and every batch its
+        checksum. Otherwise the entry ends as failed naming why, the jobs layer hears of it
+        (``on_unavailable``) and RolloutEnded is raised."""
+        with entry.cond:
+            source, size, crcs, batches = entry.source, entry.source_size, entry.crcs, list(entry.batches)
+            state = entry.state
+        if source is None or state != "succeeded":
+            return
+        try:
+            try:
+                now = os.stat(source).st_size
+            except FileNotFoundError:  # renamed or unlinked: the map keeps the pages it had
+                now = size
+            if now != size:
+                raise CorruptTrajectoryFile(f"{source}: file truncated or changed size ({now} bytes, mapped {size})")
+            verify_batches(source, batches, crcs)
+        except (CorruptTrajectoryFile, OSError) as exc:
+            reason = f"trajectory file unusable: {exc}"
+            self.mark_unavailable(entry, reason)
+            raise RolloutEnded(entry.rollout_id, "failed", reason) from None
+
+    def mark_unavailable(self, entry: Entry, reason: str) -> None:
+        """End a finished entry whose file cannot be served (kept, as failed, for its reason)."""
+        with self._lock:
+            if entry.in_memory:
+                self.budget.add(-entry.num_bytes)
+        entry.end("failed", reason)
+        self._report_unavailable(entry, reason)
+
+    def _report_unavailable(self, entry: Entry, reason: str) -> None:
+        log.error("rollout %s is no longer available: %s", entry.rollout_id, reason)
+        hook = self.on_unavailable
+        if hook is not None:
+            try:
+                hook(entry.rollout_id, reason)
+            except Exception:  # the hook's failure must not break serving
+                log.exception("on_unavailable hook failed for rollout %s", entry.rollout_id)
 
     # -- consumer side -------------------------------------------------------------------
     def ticket_for(self, rollout_id: str) -> str:
@@ -182,15 +252,24 @@ class ResultStore:
         with self._lock:
             return self._tickets.partitions(rollout_id, entry.ticket, n)
 
-    def lookup_ticket(self, ticket: bytes | str) -> tuple[Entry, int, int]:
+    def _stopping(self, should_stop: StopCheck | None) -> StopCheck:
+        def check() -> str | None:
+            if self.stop_event.is_set():
+                return "server shutting down"
+            return should_stop() if should_stop is not None else None
+
+        return check
+
+    def lookup_ticket(self, ticket: bytes | str, *, should_stop: StopCheck | None = None) -> tuple[Entry, int, int]:
         """(entry, start, stride) for a ticket (or a rollout id); raises TicketNotFound naming it.
 
-        Waits while it names a rollout that is reserved but not started yet."""
+        Waits while it names a rollout that is reserved but not started yet, until the store
+        closes or ``should_stop()`` names a reason (a cancelled call, a stopping server)."""
         self.expire_now()
         key = ticket.decode("utf-8", errors="replace") if isinstance(ticket, bytes) else ticket
         shown = repr(key[:80]) + ("..." if len(key) > 80 else "")
         with self._lock:
-            found = self._tickets.resolve(key, self._entries.__contains__, self.stop_event)
+            found = self._tickets.resolve(key, self._entries.__contains__, self._stopping(should_stop))
             if isinstance(found, Resolved):
                 return self._entries[found.rollout_id], found.start, found.stride
         raise TicketNotFound(f"ticket {shown}", found)
@@ -200,14 +279,14 @@ class ResultStore:
         key = ticket.decode("utf-8", errors="replace") if isinstance(ticket, bytes) else ticket
         return split_stream_ticket(key, EXTRA_STREAMS)[1]
 
-    def lookup_stream(self, ticket: bytes | str) -> tuple[Entry, str]:
+    def lookup_stream(self, ticket: bytes | str, *, should_stop: StopCheck | None = None) -> tuple[Entry, str]:
         """(entry, stream name) for an extra stream's ticket; waits like ``lookup_ticket`` while
         the rollout is reserved. Raises TicketNotFound naming it (partition tickets have no streams)."""
         key = ticket.decode("utf-8", errors="replace") if isinstance(ticket, bytes) else ticket
         base, stream = split_stream_ticket(key, EXTRA_STREAMS)
         if stream is None:
             raise TicketNotFound(f"ticket {key[:80]!r}", "not an extra stream's ticket")
-        entry, start, stride = self.lookup_ticket(base)
+        entry, start, stride = self.lookup_ticket(base, should_stop=should_stop)
         if (start, stride) != (0, 1):
             raise TicketNotFound(f"ticket {key[:80]!r}", "a partition ticket has no extra streams")
         return entry, stream
@@ -240,8 +319,9 @@ class ResultStore:
         return self.get(rollout_id).info()
 
     def wake_all(self) -> None:
-        """Wake every waiting consumer (they re-check ``stop_event``)."""
+        """Wake every waiting consumer (they re-check ``stop_event`` and their stop checks)."""
         with self._lock:
+            self._tickets.wake()
             entries = list(self._entries.values())
         for e in entries:
             e.wake()

@@ -116,18 +116,23 @@ class TicketRegistry:
             out.append(t)
         return out
 
-    def resolve(self, key: str, known: Callable[[str], bool], stop: threading.Event) -> Resolved | str:
+    def resolve(
+        self, key: str, known: Callable[[str], bool], should_stop: Callable[[], str | None]
+    ) -> Resolved | str:
         """What ``key`` (a ticket, partition ticket or rollout id) names, or why it is not found.
 
-        Waits while it names a reserved rollout (until ``create`` or ``abandon``).
-        The caller holds the lock; ``known(id)`` says whether the store has that entry.
+        Waits while it names a reserved rollout (until ``create`` or ``abandon``, or until
+        ``should_stop()`` names a reason: it is re-checked every 0.2 s, so a cancelled call
+        or a stopping server ends the wait). The caller holds the lock; ``known(id)`` says
+        whether the store has that entry.
         """
         rid = self._tickets.get(key) or (key if key in self._reserved or known(key) else None)
         while rid is not None and rid in self._reserved:
-            if stop.is_set():
-                return "server shutting down"
-            self._cond.wait(timeout=1.0)
-            rid = self._tickets.get(key) or (key if known(key) else None)
+            why = should_stop()
+            if why is not None:
+                return why
+            self._cond.wait(timeout=0.2)
+            rid = self._tickets.get(key) or (key if key in self._reserved or known(key) else None)
         if rid is not None and known(rid):
             return Resolved(rid, 0, 1)
         part = self._partitions.get(key)
@@ -149,6 +154,10 @@ class TicketRegistry:
         self._gone[ticket] = self._gone[rollout_id] = reason
         while len(self._gone) > _MAX_GONE:
             self._gone.pop(next(iter(self._gone)))
+
+    def wake(self) -> None:
+        """Wake every consumer waiting on a reserved ticket (they re-check should_stop)."""
+        self._cond.notify_all()
 
     def clear(self) -> None:
         self._tickets.clear()

@@ -66,10 +66,17 @@ class TrajectoryWriter:
             raise ValueError(f"rollout {e.rollout_id}: steps {self._pending} were never appended")
         if e.state != "running":
             raise RuntimeError(f"rollout {e.rollout_id} is {e.state}; cannot finish")
-        if self._file is not None:
-            e.path = self._file.commit(fsync=self._fsync)
-            self._file = None
-        self._store.finished(e)
+        try:
+            if self._file is not None:
+                e.crcs = tuple(self._file.crcs)
+                e.path = self._file.commit(fsync=self._fsync)
+                self._file = None
+            self._store.finished(e)
+        except BaseException as exc:
+            # e.g. the rename fails (read-only or full data dir): consumers get the reason
+            e.path = None
+            self.fail("failed", f"cannot finish the trajectory file: {type(exc).__name__}: {exc}")
+            raise
 
     def abort_file(self) -> None:
         f, self._file = self._file, None
@@ -80,7 +87,10 @@ class TrajectoryWriter:
         if kind not in ("failed", "cancelled"):
             raise ValueError(f"kind must be 'failed' or 'cancelled', got {kind!r}")
         e = self._entry
-        self.abort_file()
+        try:
+            self.abort_file()
+        except OSError:  # a read-only directory cannot lose the temp file: the next scan does
+            pass
         if e.state != "running":
             return
         freed = e.num_bytes + e.extra_bytes

@@ -10,6 +10,7 @@ separately for both):
   memcpy        copy the payload into a warm (pre-faulted) torch tensor: the limit (no server)
   shm-pull      sigmaflight with --shm-dir (a temp dir in /dev/shm) + TrajectoryClient.pull:
                 reads the file, one copy into a fresh aligned tensor
+  shm-pull-into the same with pull(ticket, out=buffer): one warm buffer reused across pulls
   shm-chunks    the same with iter_chunks: zero-copy views over the mapped file (us per GiB)
   bare          a bare pyarrow FlightServerBase: RecordBatchStream over the same record
                 batches in memory; client as for flight
@@ -249,16 +250,24 @@ def pull(kind: str, port: int, size: int, repeats: int, streams: int, warmup: in
             t0 = time.perf_counter()
             out.copy_(src)
             times.append(time.perf_counter() - t0)
-    elif kind in ("shm-pull", "shm-chunks"):
+    elif kind in ("shm-pull", "shm-pull-into", "shm-chunks"):
         from dataplane.client import TrajectoryClient
 
         client = TrajectoryClient(f"grpc+tcp://127.0.0.1:{port}")
         ticket = client.info("bench")["ticket"]
         assert client.local_file(ticket) is not None, "the shm file is not readable here"
+        buffer = None
+        if kind == "shm-pull-into":  # one warm buffer (huge pages, faulted in outside the clock)
+            from dataplane.client import empty_hugepages
+
+            shape = client.pull(ticket).latents.shape
+            buffer = empty_hugepages(tuple(shape), torch.float32).zero_()
         base = rss.reset()
         for _ in range(warmup + repeats):
             t0 = time.perf_counter()
-            if kind == "shm-pull":
+            if buffer is not None:
+                got = client.pull(ticket, out=buffer).latents.numel() * 4
+            elif kind == "shm-pull":
                 traj = client.pull(ticket)
                 got = traj.latents.numel() * 4
                 del traj
@@ -348,7 +357,7 @@ def make_latents_shape_numel(size: int) -> int:
 # -- orchestration ---------------------------------------------------------------------------
 
 
-SERVER_OF = {"memcpy": None, "shm-pull": "shm", "shm-chunks": "shm", "bare": "bare", "vs-bare": "flight"}
+SERVER_OF = {"memcpy": None, "shm-pull": "shm", "shm-pull-into": "shm", "shm-chunks": "shm", "bare": "bare", "vs-bare": "flight"}
 
 
 def _start_server(kind: str, size: int, batch_bytes: int) -> tuple[subprocess.Popen[str], int]:

@@ -28,7 +28,7 @@ import pyarrow as pa
 import torch
 from pyarrow import flight
 
-from dataplane.client import Trajectory, TrajectoryClient
+from dataplane.client import Trajectory, TrajectoryClient, Transport
 from pipeline.spec import RolloutSpec, SamplerSpec
 from sigmaflight.errors import (
     ApiError,
@@ -72,9 +72,24 @@ def _flight_message(exc: Exception) -> str:
 class Client:
     """One REST connection (httpx) and one Flight connection per location, reused."""
 
-    def __init__(self, url: str = "http://127.0.0.1:8000", token: str | None = None, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8000",
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        transport: Transport = "auto",
+        host: str | None = None,
+    ) -> None:
+        """``transport`` and ``host`` go to each TrajectoryClient: ``"auto"`` reads a finished
+        rollout's shared-memory file (a server with --shm-dir on this host) instead of a
+        stream; ``"flight"`` always streams. ``host``: this host's id (default: computed)."""
+        if transport not in ("auto", "flight"):
+            raise ValueError(f"transport must be 'auto' or 'flight', got {transport!r}")
         self.url = url.rstrip("/")
         self.token = token
+        self.transport: Transport = transport
+        self.host = host
         headers = {"authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
         self._flight: dict[str, TrajectoryClient] = {}
@@ -160,7 +175,9 @@ class Client:
     def flight(self, location: str) -> TrajectoryClient:
         """The (cached) data-plane client for one Flight location."""
         if location not in self._flight:
-            self._flight[location] = TrajectoryClient(location, token=self.token)
+            self._flight[location] = TrajectoryClient(
+                location, token=self.token, transport=self.transport, host=self.host
+            )
         return self._flight[location]
 
     def locate(self, ticket: str | Ticket) -> tuple[str, str]:

@@ -6,11 +6,31 @@ import pytest
 import torch
 from safetensors.torch import save
 
+from pipeline.kernels import step_log_prob as step_log_prob_impl
 from pipeline.models import ModelRegistry, weights_digest
+from pipeline.replay import Replayer as ReplayerImpl
 from sigmaflight import Client as ReExported
 from sigmaflight import Replayer, Trajectory, step_log_prob
 from sigmaflight.client import ApiError, Client, RolloutFailed, replay_log_probs, rollout_spec
 from tests.servers import ServerProcess
+
+
+def _stock_velocity(model, spec, x, t):
+    """v at x (step time t) as the stock StableDiffusion3Pipeline computes it: its own
+    encode_prompt, the transformer on [uncond; cond], then classifier-free guidance."""
+    pipe = model.pipeline
+    g = model.defaults.guidance_scale if spec.guidance_scale is None else spec.guidance_scale
+    with torch.no_grad():
+        pe, npe, pp, npp = pipe.encode_prompt(
+            prompt=list(spec.prompts), prompt_2=None, prompt_3=None, do_classifier_free_guidance=True,
+            num_images_per_prompt=spec.num_outputs_per_prompt, negative_prompt=spec.negative_prompt,
+            **model.defaults.call_kwargs,
+        )
+        out = pipe.transformer(hidden_states=torch.cat([x, x]), timestep=t.expand(2 * len(x)),
+                               encoder_hidden_states=torch.cat([npe, pe]), pooled_projections=torch.cat([npp, pp]),
+                               return_dict=False)[0]
+    uncond, cond = out.chunk(2)
+    return uncond + g * (cond - uncond)
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +45,8 @@ def model():
 
 
 def test_round_trip_and_replay(server, model):
-    assert ReExported is Client and Replayer is not None
+    # The users' package re-exports the real objects (not stand-ins).
+    assert ReExported is Client and Replayer is ReplayerImpl and step_log_prob is step_log_prob_impl
     with Client(server.rest_url) as client:
         ids = {m["id"]: m for m in client.models()}
         assert ids["tiny-sd3"]["default"] and ids["tiny-sd3"]["digest"] == weights_digest(model.pipeline)
@@ -45,13 +66,15 @@ def test_round_trip_and_replay(server, model):
         assert spec.seed == 5 and spec.sampler.sde_steps == (1, 2) and spec.num_samples == 4
         got = [t.i for t in traj.transitions([1, 2])]
         assert got == [1, 2]
+        for t in traj.transitions([1, 2]):  # against the stock diffusers transformer's CFG velocity
+            v = _stock_velocity(model, spec, t.x, traj.timesteps[t.i])
+            assert torch.equal(step_log_prob(t.x, t.x_next, v, traj.sigmas, t.i, sampler=spec.sampler), t.log_prob)
         # Replay with the trainer's own model gives the recorded log-probs bit for bit, with and without grad.
         replayed = replay_log_probs(model, traj)
         assert torch.equal(replayed[:, [1, 2]], traj.log_probs[:, [1, 2]])
         assert torch.isnan(replayed[:, [0, 3]]).all() and torch.isnan(traj.log_probs[:, [0, 3]]).all()
         with_grad = replay_log_probs(model, traj, grad=True)
         assert torch.equal(with_grad.detach()[:, [1, 2]], traj.log_probs[:, [1, 2]])
-        assert step_log_prob is not None
         # cancel on a finished rollout releases it.
         assert client.cancel(ticket.id).status == "expired"
         with pytest.raises(RolloutFailed):
@@ -119,3 +142,30 @@ def test_weights_endpoint_changes_digest_and_trajectories(server, model):
         again = _sample(client)
         assert torch.equal(again.latents, before.latents) and torch.equal(again.log_probs.nan_to_num(),
                                                                           before.log_probs.nan_to_num())
+
+
+def _bytes_served(server: ServerProcess) -> float:
+    import re
+
+    with server.client() as c:
+        m = re.search(r"^sigmaflight_flight_bytes_served_total (\S+)$", c.get("/metrics").text, re.M)
+    assert m is not None
+    return float(m.group(1))
+
+
+def test_transport_and_host_reach_the_flight_client(tmp_path):
+    """With --shm-dir, Client's default reads the same-host file (no gRPC bytes); transport="flight"
+    and a foreign host id stream over gRPC: the arguments reach the TrajectoryClient."""
+    with ServerProcess("--shm-dir", str(tmp_path / "shm")) as server, Client(server.rest_url) as client:
+        ticket = client.submit(prompts=["a red cube"], num_inference_steps=2, seed=3)
+        client.wait(ticket, timeout=60)
+        served = _bytes_served(server)
+        local = client.pull(ticket)
+        assert _bytes_served(server) == served  # read from the shared-memory file
+        for kwargs in ({"transport": "flight"}, {"host": "another-host"}):
+            with Client(server.rest_url, **kwargs) as other:  # type: ignore[arg-type]
+                assert torch.equal(other.pull(ticket).latents, local.latents)
+            assert _bytes_served(server) > served, kwargs
+            served = _bytes_served(server)
+    with pytest.raises(ValueError, match="transport"):
+        Client("http://127.0.0.1:1", transport="grpc")  # type: ignore[arg-type]

@@ -49,10 +49,12 @@ def test_decode_is_zero_copy_and_dtype_restored(dtype):
     assert st.latent.dtype == dtype
     assert st.latent.data_ptr() == x.data_ptr()
     assert torch.equal(st.latent, x)
+    before = x.clone()  # st.latent is a view of x: compare with a copy taken before
     c = batch_to_tensors(batch, copy=True)
     assert c.latent.data_ptr() != x.data_ptr() and c.latent.data_ptr() % 64 == 0
     c.latent.add_(1)  # writable
-    assert torch.equal(x, st.latent)
+    assert torch.equal(c.latent, before + 1)  # the add landed in the copy
+    assert torch.equal(x, before) and torch.equal(st.latent, before)  # and not in the encoded batch
 
 
 def test_decode_misaligned_readonly_buffer():

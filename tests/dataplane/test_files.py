@@ -6,6 +6,7 @@ import duckdb
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.dataset as pads
 import pyarrow.ipc as ipc
 import torch
 
@@ -55,9 +56,11 @@ def test_polars_reads_the_file(tmp_path):
 
 def test_duckdb_reads_the_file(tmp_path):
     h, steps, path = _write(tmp_path)
-    table = pa.ipc.open_file(pa.memory_map(str(path))).read_all()
     con = duckdb.connect()
-    con.register("traj", table.drop_columns(["latent"]))
+    # The file itself (an Arrow dataset over the IPC file, scanned by DuckDB at query time), latents included.
+    con.register("traj", pads.dataset(str(path), format="ipc"))
+    lat = con.execute("SELECT latent FROM traj WHERE step = 1 ORDER BY sample").fetchall()
+    assert np.array_equal(np.asarray([r[0] for r in lat], dtype=np.float32), steps[1].latent.numpy().reshape(2, -1))
     rows = con.execute("SELECT step, count(*), min(sigma), any_value(sde) FROM traj GROUP BY step ORDER BY step").fetchall()
     assert [(r[0], r[1]) for r in rows] == [(0, 2), (1, 2), (2, 2), (3, 2)]
     assert rows[1][2] == float(h.sigmas[1]) and rows[3][3] is None

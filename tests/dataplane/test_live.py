@@ -13,12 +13,31 @@ from dataplane.store import ResultStore
 from tests.dataplane.helpers import build_header, make_steps
 
 
-def _consume(location, ticket, out, key):
+def _consume(location, ticket, out, key, received=None):
+    """Pull ``ticket``; ``received`` (if given) gets each step as it arrives."""
     try:
         with TrajectoryClient(location) as c:
-            out[key] = [(s.step, s.latent.clone()) for s in c.iter_steps(ticket)]
+            got = []
+            for s in c.iter_steps(ticket):
+                got.append((s.step, s.latent.clone()))
+                if received is not None:
+                    received.append(s.step)
+            out[key] = got
     except Exception as e:  # recorded for the asserting thread
         out[key] = e
+
+
+def _wait_until(cond, what, timeout=10.0):
+    """Wait for ``cond()``, failing the test naming ``what`` (no sleep stands for an event)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.005)
+
+
+def _waiting_streams(srv, n):
+    """``n`` streams are open on ``srv`` (each consumer is inside its do_get, waiting)."""
+    _wait_until(lambda: srv.metrics()["active_streams"] >= n, f"{n} streams are open")
 
 
 def test_consumer_joining_mid_way_gets_every_step_once(server, store):
@@ -27,15 +46,21 @@ def test_consumer_joining_mid_way_gets_every_step_once(server, store):
     w = store.create(h)
     ticket = w.ticket
     out: dict = {}
+    received: dict[int, list[int]] = {}
     threads = []
     for i in h.steps:
         if i in (0, 3, 7):  # consumers join before the start, mid-way and near the end
-            th = threading.Thread(target=_consume, args=(server.locations[0], ticket, out, i))
+            received[i] = []
+            th = threading.Thread(target=_consume, args=(server.locations[0], ticket, out, i, received[i]))
             th.start()
             threads.append(th)
-            time.sleep(0.05)
+            _waiting_streams(server, len(threads))  # it joined: its stream is open before step i exists
+            # before step i is appended it has the steps produced so far (iter_steps yields a step
+            # once the next one begins, so 0..i-2) and waits for the rest
+            _wait_until(lambda k=i: received[k] == list(range(k - 1)), f"the consumer joining at {i} has steps before {i - 1}")
         w.append(steps[i])
-        time.sleep(0.02)
+    for i in (0, 3, 7):  # every consumer follows live: steps 0..7 arrive before the rollout finishes
+        _wait_until(lambda k=i: received[k] == list(range(8)), f"the consumer joining at {i} has steps 0..7")
     assert store.info("live").state == "running"
     w.finish()
     for th in threads:
@@ -71,7 +96,9 @@ def test_failed_or_cancelled_rollout_ends_streams_with_reason(server, store, kin
     if when == "during":
         th = threading.Thread(target=_consume, args=(server.locations[0], w.ticket, out, "x"))
         th.start()
-        time.sleep(0.2)
+        _waiting_streams(server, 1)
+        _wait_until(lambda: server.metrics()["bytes_served"] > 0, "the stream has sent step 0 (and waits for step 1)")
+        assert "x" not in out
     w.fail(kind, "out of memory in step 1")
     if when == "during":
         th.join(timeout=10)
@@ -109,7 +136,8 @@ def test_stop_ends_a_waiting_stream(tmp_path):
     out: dict = {}
     th = threading.Thread(target=_consume, args=(srv.locations[0], w.ticket, out, "x"))
     th.start()
-    time.sleep(0.2)
+    _waiting_streams(srv, 1)
+    assert "x" not in out  # still waiting for a first step
     t0 = time.monotonic()
     srv.stop()
     th.join(timeout=10)
@@ -126,7 +154,8 @@ def test_reserved_ticket_waits_for_create_then_streams(server, store):
     out: dict = {}
     th = threading.Thread(target=_consume, args=(server.locations[0], ticket, out, "x"))
     th.start()
-    time.sleep(0.2)
+    _waiting_streams(server, 1)
+    assert "x" not in out  # waiting on the reserved ticket
     w = store.create(h)
     assert w.ticket == ticket
     for i in h.steps:
@@ -141,7 +170,8 @@ def test_abandoned_reservation_ends_waiting_streams(server, store):
     out: dict = {}
     th = threading.Thread(target=_consume, args=(server.locations[0], ticket, out, "x"))
     th.start()
-    time.sleep(0.2)
+    _waiting_streams(server, 1)
+    assert "x" not in out  # waiting on the reserved ticket
     assert store.abandon("never", "cancelled", "cancelled while queued")
     th.join(timeout=10)
     assert isinstance(out["x"], flight.FlightServerError) and "cancelled while queued" in str(out["x"])

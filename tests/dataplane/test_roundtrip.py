@@ -142,3 +142,26 @@ def test_release_action_and_ids(server, store):
         assert c.release("rel") is False
         with pytest.raises(flight.FlightServerError, match="released"):
             c.pull("rel")
+
+
+def test_pull_into_a_callers_buffer(store, server, tmp_path):
+    """pull(out=buffer) fills that tensor (over gRPC, and from a same-host shm file) with the
+    values a fresh pull gives; a buffer of the wrong shape or dtype is refused naming both."""
+    from tests.dataplane.helpers import build_header, fill
+
+    h = build_header("into", T=3, B=2)
+    steps = fill(store, h)
+    with TrajectoryClient(server.locations[0]) as c:
+        fresh = c.pull("into")
+        buf = torch.full_like(fresh.latents, float("nan"))
+        got = c.pull("into", out=buf)
+        assert got.latents is buf and torch.equal(buf, fresh.latents)
+        assert torch.equal(buf[:, 1], steps[h.steps[1]].latent)
+        with pytest.raises(ValueError, match="out must be"):
+            c.pull("into", out=torch.empty(2, 3, dtype=fresh.latents.dtype))
+    with ResultStore(memory_budget_bytes=1 << 30, shm_dir=tmp_path / "shm") as s2, FlightDataServer(s2) as srv:
+        fill(s2, h)
+        with TrajectoryClient(srv.locations[0]) as c:
+            assert c.local_file("into") is not None  # the file path, not a stream
+            buf.fill_(float("nan"))
+            assert c.pull("into", out=buf).latents is buf and torch.equal(buf, fresh.latents)

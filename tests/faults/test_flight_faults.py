@@ -38,7 +38,6 @@ def _action(location: str, kind: str, rollout_id: str) -> dict:
     return json.loads(results[0].body.to_pybytes())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 7: do_gets that left a queued ticket keep their stream slots")
 @pytest.mark.timeout(120)
 def test_consumers_that_leave_a_queued_ticket_free_their_slots(server: ServerProcess) -> None:
     with server.client() as c:
@@ -89,7 +88,6 @@ def test_flight_release_of_a_running_rollout_is_refused(server: ServerProcess) -
         assert pull(server.flight_url, running["flight"]["ticket"]).num_rows == 2
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 20: TrajectoryClient.pull(id) of a queued rollout raises")
 @pytest.mark.timeout(120)
 def test_pull_by_id_of_a_queued_rollout_waits_for_it(server: ServerProcess) -> None:
     from dataplane.client import TrajectoryClient
@@ -106,7 +104,6 @@ def test_pull_by_id_of_a_queued_rollout_waits_for_it(server: ServerProcess) -> N
         assert wait_for_status(c, queued["id"], {"succeeded"})
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 12: iter_steps_parallel leaks clients and stream slots")
 @pytest.mark.timeout(120)
 def test_iter_steps_parallel_stopped_early_frees_its_streams() -> None:
     """Its own server: today the leaked pumps hold their stream slots for good."""
@@ -120,7 +117,14 @@ def test_iter_steps_parallel_stopped_early_frees_its_streams() -> None:
         with TrajectoryClient(server.flight_url) as tc:
             for merge in (False, True, False, True):  # 4 x 2 streams = every slot
                 it = tc.iter_steps_parallel(many["id"], streams=2, prefetch=1, merge_steps=merge)
-                del it  # the consumer stops before its first step (its pumps are already pulling)
+                if merge:
+                    next(it)  # the consumer takes one step, then stops (its pumps are pulling)
+                else:  # it takes all but the last batch: a pump that has read its last one waits to say "done"
+                    for _ in range(10):
+                        next(it)
+                del it
+                never = tc.iter_steps_parallel(many["id"], streams=2, prefetch=1, merge_steps=merge)
+                del never  # one that never starts holds nothing either
             gc.collect()
             time.sleep(2.0)
             # Every slot is free again: STREAMS pulls at once all stream.

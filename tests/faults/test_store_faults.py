@@ -32,7 +32,6 @@ def _assert_fails_fast(location: str, ticket: str, what: str) -> None:
     assert "failed" in str(info.value), (what, str(info.value))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 6: trajectory file open fails, store entry stays running")
 @pytest.mark.timeout(120)
 def test_read_only_trajectory_dir_ends_the_stream_as_failed(tmpfs) -> None:
     data = tmpfs("data", "8m")
@@ -56,7 +55,6 @@ def test_read_only_trajectory_dir_ends_the_stream_as_failed(tmpfs) -> None:
         assert wait_for_status(c, again["id"], {"succeeded", "failed"})["status"] == "succeeded"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 6: writer.finish() (rename) fails outside the try")
 @pytest.mark.timeout(120)
 def test_failed_rename_ends_the_stream_as_failed(tmp_path) -> None:
     """The final rename fails: a directory stands at `<id>.arrow` (put there from outside
@@ -99,7 +97,6 @@ def _corrupt_middle(path, n: int = 4096) -> None:
         f.write(bytes((b ^ 0x5A) for b in old))  # every byte differs from what was there
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 13: a corrupted spilled file is served silently")
 @pytest.mark.timeout(120)
 def test_corrupted_spilled_file_is_not_served_silently(tmp_path) -> None:
     data = tmp_path / "data"
@@ -117,7 +114,6 @@ def test_corrupted_spilled_file_is_not_served_silently(tmp_path) -> None:
             assert after == before, "the pull returned other bytes than the rollout produced, with no error"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 13: a corrupted file is served again after restart")
 @pytest.mark.timeout(180)
 def test_corrupted_file_is_not_restored_after_restart(tmp_path) -> None:
     data = tmp_path / "data"
@@ -136,7 +132,6 @@ def test_corrupted_file_is_not_restored_after_restart(tmp_path) -> None:
             assert after == before, "the restarted server served other bytes than the rollout produced"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 14: a truncated served file stays listed as succeeded")
 @pytest.mark.timeout(120)
 def test_truncated_spilled_file_makes_the_rollout_unavailable(tmp_path) -> None:
     data = tmp_path / "data"
@@ -157,7 +152,6 @@ def test_truncated_spilled_file_makes_the_rollout_unavailable(tmp_path) -> None:
         assert big["id"] not in _listed(server.flight_url)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 11: FlightDataServer.stop() sets the store's stop event for good")
 @pytest.mark.timeout(60)
 def test_a_second_flight_server_on_the_same_store_serves_live_streams() -> None:
     """Not reachable from outside (one Flight server per process): uses dataplane.server and
