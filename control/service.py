@@ -67,12 +67,7 @@ class Service:
     def _result_unavailable(self, rollout_id: str, reason: str) -> None:
         """The store lost a finished trajectory (its file truncated or corrupted): REST stops
         saying succeeded. (Only this node's store: Ray workers' stores are not wired yet.)"""
-        job = self.jobs.get(rollout_id)
-        if job is None:
-            return
-        with self.jobs._lock:  # TODO(fixjobs): a public JobManager method for this transition
-            if job.status == "succeeded":
-                self.jobs._finish(job, "failed", error=("result_unavailable", reason), keep_time=True)
+        self.jobs.result_lost(rollout_id, reason)
 
     def _cancel_from_flight(self, rollout_id: str) -> bool:
         """Flight `cancel`: only stops a queued or running rollout (a finished one is kept)."""

@@ -401,6 +401,17 @@ class JobManager:
                 self._release_finished(job)
             return job
 
+    def result_lost(self, job_id: str, reason: str) -> bool:
+        """The store lost a succeeded rollout's trajectory (file truncated or corrupted): it becomes
+        failed with error type "result_unavailable", so REST stops saying succeeded. False if the
+        rollout is unknown or not succeeded (nothing changes)."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None or job.status != "succeeded":
+                return False
+            self._finish(job, "failed", error=("result_unavailable", reason), keep_time=True)
+            return True
+
     def cancel_active(self, job_id: str) -> bool:
         """Flight `cancel`: stop a queued or running rollout; False (nothing changed) otherwise."""
         with self._lock:
