@@ -238,3 +238,14 @@ def test_branch_of_a_parent_made_with_other_weights_is_409_stale_parent(server, 
         assert r.status_code == 409, r.text
         assert r.json()["error"]["type"] == "stale_parent"
         assert c.get("/healthz").status_code == 200
+
+
+def test_branch_of_an_unfinished_parent_is_refused(server):
+    with Client(server.rest_url) as client, httpx_client(server) as c:
+        running = client.submit(model="tiny-sd3", num_inference_steps=200, seed=1, prompts=["a"],
+                                return_={"steps": [0, 1]})
+        r = c.post("/v1/rollouts", json={"branch_from": {"rollout": running.id, "step": 0}})
+        client.cancel(running)
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["details"][0]["loc"] == ["body", "branch_from", "rollout"]
+        assert "must have succeeded" in r.json()["error"]["message"] or "no rollout" in r.json()["error"]["message"]
