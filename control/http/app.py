@@ -189,7 +189,7 @@ async def create_rollout(request: Request) -> Response:
     parent: Parent | None = None
     if req.branch_from is not None:
         try:
-            parent = await run_in_threadpool(find_parent, service.store, req.branch_from.rollout)
+            parent = await run_in_threadpool(find_parent, service.store, req.branch_from.rollout, service.backend)
         except RolloutInputError as exc:
             raise invalid(["body", *exc.field.split(".")], exc.reason) from None
         model_id = parent.model
@@ -255,7 +255,7 @@ async def _branch(service: Service, req: RolloutRequest, parent: Parent, model: 
     given = {name: getattr(req, name) for name in req.model_fields_set}
     try:
         check_inherited(given, parent, model.defaults)
-        spec = await run_in_threadpool(branch_spec, service.store, parent, spec, step=req.branch_from.step,
+        spec = await run_in_threadpool(branch_spec, parent, spec, step=req.branch_from.step,
                                        samples=req.branch_from.samples)
     except RolloutInputError as exc:
         raise invalid(["body", *exc.field.split(".")], exc.reason) from None
