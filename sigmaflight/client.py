@@ -17,6 +17,7 @@ has the typed errors. docs/trainers.md has the whole tour.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Mapping
@@ -30,7 +31,7 @@ from pyarrow import flight
 
 from dataplane.client import Trajectory, TrajectoryClient, Transport
 from dataplane.streams import KEY_COLUMNS, column_tensor
-from pipeline.spec import RolloutSpec, SamplerSpec
+from pipeline.spec import BranchStart, RolloutSpec, SamplerSpec
 from sigmaflight.errors import (
     ApiError,
     NotFound,
@@ -290,7 +291,8 @@ def _id(ticket: str | Ticket) -> str:
 
 
 def rollout_spec(traj: Trajectory) -> RolloutSpec:
-    """The RolloutSpec the server ran, from the trajectory's `sigmaflight.rollout.request`."""
+    """The RolloutSpec the server ran, from the trajectory's `sigmaflight.rollout.request`; for a
+    branch rollout with `branch_from` rebuilt from the trajectory (its x_k, schedule, prompt indices)."""
     req = dict(traj.metadata["request"])
     sampler = dict(req.pop("sampler"))
     if sampler.get("sde_steps") is not None:
@@ -299,7 +301,26 @@ def rollout_spec(traj: Trajectory) -> RolloutSpec:
         if req.get(key) is not None:
             req[key] = tuple(req[key])
     known = set(RolloutSpec.__dataclass_fields__) - {"branch_from"}  # a parent reference, not a BranchStart
-    return RolloutSpec(sampler=SamplerSpec(**sampler), **{k: v for k, v in req.items() if k in known})
+    spec = RolloutSpec(sampler=SamplerSpec(**sampler), **{k: v for k, v in req.items() if k in known})
+    parent = req.get("branch_from")
+    if parent is None:
+        return spec
+    # A branch rollout: it replays from its own x_k (the parent's, repeated per branch) on the
+    # recorded schedule; one BranchStart row per parent sample.
+    n, k = spec.num_outputs_per_prompt, int(parent["step"])
+    rows = traj.latent(k)[::n].clone() if traj.has_step(k) else torch.zeros(
+        (len(parent["samples"]), *traj.header.latent_shape), dtype=traj.latents.dtype)
+    branch = BranchStart(
+        step=k,
+        latents=rows,
+        sigmas=traj.sigmas,
+        timesteps=traj.timesteps,
+        set_timesteps_kwargs=dict((traj.metadata.get("scheduler") or {}).get("set_timesteps") or {}),
+        samples=tuple(int(j) for j in parent["samples"]),
+        prompt_index=tuple(int(p) for p in traj.prompt_index[::n]),
+        rollout=str(parent.get("rollout", "")),
+    )
+    return dataclasses.replace(spec, branch_from=branch)
 
 
 def replay_log_probs(

@@ -126,7 +126,7 @@ def _parent(client: Client, **extra: Any) -> Any:
     return t
 
 
-def test_branch_from_step_k_of_an_ode_parent(server):
+def test_branch_from_step_k_of_an_ode_parent(server, registry):
     k, samples, n = 2, [3, 0], 2
     with Client(server.rest_url) as client:
         parent = _parent(client, return_={"conditioning": True})
@@ -160,6 +160,10 @@ def test_branch_from_step_k_of_an_ode_parent(server):
     assert not torch.equal(nxt[0], nxt[1])  # two branches of one parent sample differ after the noisy step
     assert torch.equal(traj.prompt_index, torch.tensor(parent_prompt))
     assert traj.metadata["request"]["prompts"] == CASE["prompts"]
+    # A trainer replays the branch's log-prob of transition k bit for bit (prompts encoded again).
+    replayed = replay_log_probs(registry.get("tiny-sd3"), traj)
+    assert torch.isfinite(traj.log_probs[:, k]).all() and torch.equal(replayed[:, k], traj.log_probs[:, k])
+    assert replayed[:, k + 1:].isnan().all() and traj.log_probs[:, :k].isnan().all()
 
 
 def test_branch_refused_when_the_parent_did_not_stream_k(server):
