@@ -87,6 +87,8 @@ class Trajectory:
         self.timesteps = header.timesteps  # [T] float32
         self.seeds = torch.tensor(header.seeds, dtype=torch.int64)  # [B]
         self.prompt_index = torch.tensor(header.prompt_indices(), dtype=torch.int64)  # [B] (a branch: the parent's)
+        self.parent_sample = (None if header.parent_sample is None  # [B]: branch rollouts only
+                              else torch.tensor(header.parent_sample, dtype=torch.int64))
         self.sde_steps = tuple(header.sde_steps)
         self.metadata = metadata  # the sigmaflight.rollout object
         self.schema = schema

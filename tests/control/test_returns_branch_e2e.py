@@ -159,6 +159,7 @@ def test_branch_from_step_k_of_an_ode_parent(server, registry):
     nxt = _tensor(_rows(table, k + 1).column("latent"))
     assert not torch.equal(nxt[0], nxt[1])  # two branches of one parent sample differ after the noisy step
     assert torch.equal(traj.prompt_index, torch.tensor(parent_prompt))
+    assert traj.parent_sample is not None and traj.parent_sample.tolist() == parent_sample
     assert traj.metadata["request"]["prompts"] == CASE["prompts"]
     # A trainer replays the branch's log-prob of transition k bit for bit (prompts encoded again).
     replayed = replay_log_probs(registry.get("tiny-sd3"), traj)
@@ -195,6 +196,10 @@ BAD: list[tuple[dict[str, Any], list[Any]]] = [
     ({"branch_from": {"rollout": "@", "step": 1}, "num_inference_steps": 6}, ["body", "num_inference_steps"]),
     ({"branch_from": {"rollout": "@", "step": 1}, "sampler": {"sde_steps": [0]}}, ["body", "sampler", "sde_steps"]),
     ({"branch_from": {"rollout": "@", "step": 1}, "return": {"steps": [0, 4]}}, ["body", "return", "steps"]),
+    ({"branch_from": {"rollout": "@", "step": 1}, "model": "tiny-flux"}, ["body", "model"]),
+    ({"branch_from": {"rollout": "@", "step": 1}, "height": 64}, ["body", "height"]),
+    ({"branch_from": {"rollout": "@", "step": 1}, "negative_prompt": "sharp"}, ["body", "negative_prompt"]),
+    ({"branch_from": {"rollout": "@", "step": 1}, "num_outputs_per_prompt": 1000}, ["body", "num_outputs_per_prompt"]),
     ({}, ["body", "prompts"]),
 ]
 
