@@ -105,7 +105,13 @@ def _from_ray(backend: Any, rollout_id: str) -> Parent | None:
         return None
     import ray
 
-    table = ray.get(ref_of(rollout_id))
+    try:
+        table = ray.get(ref_of(rollout_id))
+    except Exception as exc:  # the worker died or dropped it meanwhile: nothing to branch from
+        raise RolloutInputError(
+            "branch_from.rollout", f"rollout {rollout_id!r}: its Ray worker could not hand over the trajectory "
+            f"({type(exc).__name__})"
+        ) from None
     return _parent(rollout_id, header_from_schema(table.schema), table.to_batches(), None)
 
 
