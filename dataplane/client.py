@@ -86,7 +86,9 @@ class Trajectory:
         self.sigmas = header.sigmas  # [T+1] float32
         self.timesteps = header.timesteps  # [T] float32
         self.seeds = torch.tensor(header.seeds, dtype=torch.int64)  # [B]
-        self.prompt_index = torch.arange(header.num_samples) // header.num_outputs_per_prompt  # [B]
+        self.prompt_index = torch.tensor(header.prompt_indices(), dtype=torch.int64)  # [B] (a branch: the parent's)
+        self.parent_sample = (None if header.parent_sample is None  # [B]: branch rollouts only
+                              else torch.tensor(header.parent_sample, dtype=torch.int64))
         self.sde_steps = tuple(header.sde_steps)
         self.metadata = metadata  # the sigmaflight.rollout object
         self.schema = schema

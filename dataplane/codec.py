@@ -73,6 +73,14 @@ def latent_array(latent: torch.Tensor, latent_shape: tuple[int, ...], dtype: tor
     return pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(values.type, list(latent_shape)), storage)
 
 
+def velocity_array(velocity: torch.Tensor | None, rows: int, latent_shape: tuple[int, ...]) -> pa.Array:
+    """The ``velocity`` column of ``rows`` rows: the float32 tensor's memory, or all null (i = T)."""
+    if velocity is not None:
+        return latent_array(velocity, latent_shape, torch.float32)
+    ext = pa.fixed_shape_tensor(pa.float32(), list(latent_shape))
+    return pa.ExtensionArray.from_storage(ext, pa.nulls(rows, ext.storage_type))
+
+
 def encode_step(
     header: TrajectoryHeader,
     batch: StepBatch,
@@ -99,7 +107,14 @@ def encode_step(
         if log_prob.shape[0] != b:
             raise ValueError(f"log_prob must be [B={b}], got {list(batch.log_prob.shape)}")
     seeds = np.asarray(header.seeds, dtype=np.int64)
-    per_sample = int(np.prod(header.latent_shape)) * latent.element_size()
+    prompt_index = np.asarray(header.prompt_indices(), dtype=np.int32)
+    parent_sample = None if header.parent_sample is None else np.asarray(header.parent_sample, dtype=np.int32)
+    velocity = None
+    if header.velocities and not last and batch.velocity is not None:
+        velocity = batch.velocity.detach().to("cpu", torch.float32).contiguous()
+        if tuple(velocity.shape) != (b, *header.latent_shape):
+            raise ValueError(f"velocity must be [B={b}, *{list(header.latent_shape)}], got {list(velocity.shape)}")
+    per_sample = int(np.prod(header.latent_shape)) * (latent.element_size() + (4 if velocity is not None else 0))
     chunk = max(1, int(max_batch_bytes) // max(per_sample, 1))
     sigma = float(header.sigmas[i])
     sigma_next = None if last else float(header.sigmas[i + 1])
@@ -116,7 +131,7 @@ def encode_step(
         arrays = [
             pa.array(np.full(n, i, np.int32)),
             pa.array(sample),
-            pa.array(sample // header.num_outputs_per_prompt),
+            pa.array(prompt_index[a:e]),
             pa.array(seeds[a:e]),
             pa.array([timestep] * n, pa.float32()),
             pa.array(np.full(n, sigma, np.float32)),
@@ -125,6 +140,10 @@ def encode_step(
             lp,
             latent_array(latent[a:e], tuple(header.latent_shape), header.latent_dtype),
         ]
+        if header.velocities:
+            arrays.append(velocity_array(None if velocity is None else velocity[a:e], n, tuple(header.latent_shape)))
+        if parent_sample is not None:
+            arrays.append(pa.array(parent_sample[a:e], pa.int32()))
         out.append(pa.RecordBatch.from_arrays(arrays, schema=schema))
     return out
 

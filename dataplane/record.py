@@ -36,6 +36,15 @@ class TrajectoryHeader:
     """Whether log-probs were requested (False: the column is all null)."""
     rollout: Mapping[str, Any]
     """The JSON object stored under sigmaflight.rollout."""
+    prompt_index: tuple[int, ...] = ()
+    """Index into the request's prompts of each sample (B entries); empty = s // num_outputs_per_prompt.
+    A branch rollout's samples carry their parent row's prompt index, which breaks that rule."""
+    parent_sample: tuple[int, ...] | None = None
+    """Branch rollouts: the parent sample of each sample (column ``parent_sample``); None otherwise."""
+    parent: Mapping[str, Any] | None = None
+    """Branch rollouts: the ``sigmaflight.parent`` object {"rollout", "step", "samples"}."""
+    velocities: bool = False
+    """Whether the stream has the ``velocity`` column (``return.velocities``)."""
 
     @property
     def num_steps(self) -> int:
@@ -47,6 +56,13 @@ class TrajectoryHeader:
         """B."""
         return len(self.seeds)
 
+    def prompt_indices(self) -> tuple[int, ...]:
+        """prompt_index of each sample: the recorded one, else s // num_outputs_per_prompt."""
+        if self.prompt_index:
+            return tuple(self.prompt_index)
+        n = max(1, self.num_outputs_per_prompt)
+        return tuple(s // n for s in range(self.num_samples))
+
 
 @dataclass(frozen=True, kw_only=True)
 class StepBatch:
@@ -57,3 +73,5 @@ class StepBatch:
     """[B, *latent_shape], CPU, contiguous."""
     log_prob: torch.Tensor | None
     """float32 [B] (NaN = null) or None (all null)."""
+    velocity: torch.Tensor | None = None
+    """float32 [B, *latent_shape] or None (null: i = T, or the header has no velocity column)."""

@@ -30,8 +30,13 @@ KEY_LOG_PROBS = "sigmaflight.log_probs"
 """Added key (v1 readers ignore unknown keys): whether log-probs were requested."""
 KEY_DTYPE = "sigmaflight.dtype"
 """Field metadata of ``latent``: the torch dtype the values stand for."""
+KEY_PARENT = "sigmaflight.parent"
+"""Branch rollouts: {"rollout", "step", "samples"} of the parent (contract, "Branch rollouts")."""
 
 COLUMNS = ("step", "sample", "prompt_index", "seed", "timestep", "sigma", "sigma_next", "sde", "log_prob", "latent")
+OPTIONAL_COLUMNS = ("velocity", "parent_sample")
+"""Added after ``latent`` when the rollout has them (v1 readers select columns by name):
+``velocity`` with ``return.velocities``, ``parent_sample`` for branch rollouts."""
 
 # torch dtype <-> (Arrow value type, numpy dtype, name in field metadata)
 _DTYPES: dict[torch.dtype, tuple[pa.DataType, np.dtype[Any], str]] = {
@@ -100,6 +105,9 @@ def rollout_metadata(header: TrajectoryHeader) -> dict[str, Any]:
     rollout["seeds"] = [int(s) for s in header.seeds]
     rollout["num_samples"] = header.num_samples
     rollout["num_outputs_per_prompt"] = header.num_outputs_per_prompt
+    n = max(1, header.num_outputs_per_prompt)
+    if header.prompt_index and tuple(header.prompt_index) != tuple(s // n for s in range(header.num_samples)):
+        rollout["prompt_index"] = [int(p) for p in header.prompt_index]  # a branch: the parent rows'
     return rollout
 
 
@@ -125,6 +133,9 @@ def validate_header(header: TrajectoryHeader) -> None:
     dtype_name(header.latent_dtype)
     if any(d < 1 for d in header.latent_shape) or not header.latent_shape:
         raise ValueError(f"latent_shape must be non-empty and positive, got {header.latent_shape}")
+    for name, values in (("prompt_index", header.prompt_index), ("parent_sample", header.parent_sample or ())):
+        if values and len(values) != header.num_samples:
+            raise ValueError(f"{name} must have one entry per sample ({header.num_samples}), got {len(values)}")
 
 
 def trajectory_schema(header: TrajectoryHeader) -> pa.Schema:
@@ -144,6 +155,11 @@ def trajectory_schema(header: TrajectoryHeader) -> pa.Schema:
         pa.field("log_prob", pa.float32(), nullable=True),
         pa.field("latent", latent_type, nullable=False, metadata={KEY_DTYPE: name}),
     ]
+    if header.velocities:
+        velocity_type = pa.fixed_shape_tensor(pa.float32(), list(header.latent_shape))
+        fields.append(pa.field("velocity", velocity_type, nullable=True, metadata={KEY_DTYPE: "float32"}))
+    if header.parent_sample is not None:
+        fields.append(pa.field("parent_sample", pa.int32(), nullable=False))
     metadata = {
         KEY_FORMAT: _dumps(FORMAT),
         KEY_SIGMAS: _dumps(float32_list(header.sigmas)),
@@ -153,6 +169,8 @@ def trajectory_schema(header: TrajectoryHeader) -> pa.Schema:
         KEY_ROLLOUT: _dumps(rollout_metadata(header)),
         KEY_LOG_PROBS: _dumps(bool(header.log_probs)),
     }
+    if header.parent is not None:
+        metadata[KEY_PARENT] = _dumps(dict(header.parent))
     return pa.schema(fields, metadata=metadata)
 
 
@@ -195,6 +213,11 @@ def header_from_schema(schema: pa.Schema) -> TrajectoryHeader:
         raise ValueError(f"latent column is {latent_type}, expected arrow.fixed_shape_tensor")
     rollout = dict(meta.get(KEY_ROLLOUT) or {})
     seeds = tuple(int(s) for s in rollout.get("seeds", ()))
+    n = int(rollout.get("num_outputs_per_prompt", 1))
+    parent = meta.get(KEY_PARENT)
+    parent_sample = None
+    if isinstance(parent, dict) and "parent_sample" in schema.names:
+        parent_sample = tuple(int(j) for j in parent.get("samples", ()) for _ in range(n))
     return TrajectoryHeader(
         rollout_id=str(rollout.get("id", "")),
         sigmas=torch.from_numpy(np.asarray(meta[KEY_SIGMAS], dtype=np.float32)),
@@ -202,9 +225,13 @@ def header_from_schema(schema: pa.Schema) -> TrajectoryHeader:
         steps=tuple(int(s) for s in meta[KEY_STEPS]),
         sde_steps=tuple(int(s) for s in meta.get(KEY_SDE_STEPS, ())),
         seeds=seeds,
-        num_outputs_per_prompt=int(rollout.get("num_outputs_per_prompt", 1)),
+        num_outputs_per_prompt=n,
         latent_shape=tuple(int(d) for d in latent_type.shape),
         latent_dtype=latent_dtype_of(schema),
         log_probs=bool(meta.get(KEY_LOG_PROBS, True)),
         rollout=rollout,
+        prompt_index=tuple(int(p) for p in rollout.get("prompt_index", ())),
+        parent_sample=parent_sample,
+        parent=parent if isinstance(parent, dict) else None,
+        velocities="velocity" in schema.names,
     )

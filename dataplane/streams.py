@@ -108,7 +108,6 @@ def stream_table(
     if not tensors:
         raise ValueError(f"stream {name!r} needs at least one tensor column")
     b = header.num_samples
-    n = header.num_outputs_per_prompt
     samples = np.arange(b, dtype=np.int32)
     fields = [
         pa.field("sample", pa.int32(), nullable=False),
@@ -117,7 +116,7 @@ def stream_table(
     ]
     columns: list[pa.Array] = [
         pa.array(samples, type=pa.int32()),
-        pa.array(samples // n, type=pa.int32()),
+        pa.array(np.asarray(header.prompt_indices(), dtype=np.int32), type=pa.int32()),
         pa.array(np.asarray(header.seeds, dtype=np.int64), type=pa.int64()),
     ]
     for col, value in tensors.items():

@@ -17,6 +17,7 @@ has the typed errors. docs/trainers.md has the whole tour.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Mapping
@@ -29,7 +30,8 @@ import torch
 from pyarrow import flight
 
 from dataplane.client import Trajectory, TrajectoryClient, Transport
-from pipeline.spec import RolloutSpec, SamplerSpec
+from dataplane.streams import KEY_COLUMNS, column_tensor
+from pipeline.spec import BranchStart, RolloutSpec, SamplerSpec
 from sigmaflight.errors import (
     ApiError,
     NotFound,
@@ -115,6 +117,29 @@ class Client:
         r = self._http.post("/v1/rollouts", json=request, headers=headers)
         _raise_for(r)
         return Ticket.model_validate(r.json())
+
+    def branch(
+        self,
+        parent: str | Ticket,
+        step: int,
+        samples: list[int] | None = None,
+        *,
+        branches: int = 1,
+        sampler: Mapping[str, Any] | None = None,
+        idempotency_key: str | None = None,
+        **request: Any,
+    ) -> Ticket:
+        """POST a branch rollout (contract, "Branch rollouts"): `branches` samples from each of the
+        parent's x_step rows `samples` (None = all), on the parent's model, prompts and schedule.
+        `sampler` and the other keywords (`seed`, `return_`, ...) are the branch's own; e.g.
+        `sampler={"type": "sde", "sde_steps": [step]}` makes only transition `step` stochastic."""
+        body: dict[str, Any] = dict(request)
+        body["branch_from"] = {"rollout": _id(parent), "step": int(step),
+                               "samples": None if samples is None else [int(j) for j in samples]}
+        body["num_outputs_per_prompt"] = int(branches)
+        if sampler is not None:
+            body["sampler"] = dict(sampler)
+        return self.submit(idempotency_key=idempotency_key, **body)
 
     def status(self, rollout_id: str | Ticket) -> RolloutStatus:
         r = self._http.get(f"/v1/rollouts/{_id(rollout_id)}")
@@ -232,6 +257,14 @@ class Client:
         column = "video" if "video" in table.column_names else "image"
         return np.asarray(table.column(column).combine_chunks().to_numpy_ndarray())
 
+    def pull_conditioning(self, ticket: str | Ticket) -> dict[str, torch.Tensor]:
+        """The "conditioning/v1" stream of a rollout asked with `return={"conditioning": True}`:
+        {stock `__call__` keyword: [B, ...] tensor in the dtype the transformer consumed}, row b =
+        sample b. Pass it as `conditioning=` to `replay_log_probs` (no text encoders needed), or
+        as keywords to the stock pipeline instead of prompts."""
+        table = self.pull_stream(ticket, "conditioning")
+        return {c: column_tensor(table, c) for c in table.column_names if c not in KEY_COLUMNS}
+
     def flight_error(self, ticket: str | Ticket, exc: Exception) -> ApiError:
         """The typed error for a Flight error on `ticket`: from the rollout's REST status when there
         is one (RolloutCancelled, RolloutFailed), else from the Flight error's kind and message."""
@@ -258,7 +291,8 @@ def _id(ticket: str | Ticket) -> str:
 
 
 def rollout_spec(traj: Trajectory) -> RolloutSpec:
-    """The RolloutSpec the server ran, from the trajectory's `sigmaflight.rollout.request`."""
+    """The RolloutSpec the server ran, from the trajectory's `sigmaflight.rollout.request`; for a
+    branch rollout with `branch_from` rebuilt from the trajectory (its x_k, schedule, prompt indices)."""
     req = dict(traj.metadata["request"])
     sampler = dict(req.pop("sampler"))
     if sampler.get("sde_steps") is not None:
@@ -266,8 +300,27 @@ def rollout_spec(traj: Trajectory) -> RolloutSpec:
     for key in ("prompts", "seeds", "return_steps"):
         if req.get(key) is not None:
             req[key] = tuple(req[key])
-    known = set(RolloutSpec.__dataclass_fields__)
-    return RolloutSpec(sampler=SamplerSpec(**sampler), **{k: v for k, v in req.items() if k in known})
+    known = set(RolloutSpec.__dataclass_fields__) - {"branch_from"}  # a parent reference, not a BranchStart
+    spec = RolloutSpec(sampler=SamplerSpec(**sampler), **{k: v for k, v in req.items() if k in known})
+    parent = req.get("branch_from")
+    if parent is None:
+        return spec
+    # A branch rollout: it replays from its own x_k (the parent's, repeated per branch) on the
+    # recorded schedule; one BranchStart row per parent sample.
+    n, k = spec.num_outputs_per_prompt, int(parent["step"])
+    rows = traj.latent(k)[::n].clone() if traj.has_step(k) else torch.zeros(
+        (len(parent["samples"]), *traj.header.latent_shape), dtype=traj.latents.dtype)
+    branch = BranchStart(
+        step=k,
+        latents=rows,
+        sigmas=traj.sigmas,
+        timesteps=traj.timesteps,
+        set_timesteps_kwargs=dict((traj.metadata.get("scheduler") or {}).get("set_timesteps") or {}),
+        samples=tuple(int(j) for j in parent["samples"]),
+        prompt_index=tuple(int(p) for p in traj.prompt_index[::n]),
+        rollout=str(parent.get("rollout", "")),
+    )
+    return dataclasses.replace(spec, branch_from=branch)
 
 
 def replay_log_probs(
@@ -278,6 +331,7 @@ def replay_log_probs(
     per_sample_model_calls: bool = False,
     strict: bool = False,
     check_weights: bool = True,
+    conditioning: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """log p(x_{i+1} | x_i) [B, T] recomputed with `model` (a pipeline.models.LoadedModel) on `traj`.
 
@@ -287,7 +341,12 @@ def replay_log_probs(
     The trajectory's `model.digest` is compared with the digest of `model`'s current weights:
     when they differ (the trajectory was made with other weights, e.g. before a weights push, or
     this is an off-policy inner step) it warns `WeightsMismatch`, or raises ValueError with
-    `strict=True`. `check_weights=False` skips the check (an off-policy step on purpose)."""
+    `strict=True`. `check_weights=False` skips the check (an off-policy step on purpose).
+
+    `conditioning`: the rollout's "conditioning/v1" tensors (`Client.pull_conditioning`): the
+    prompts are not encoded, so `model`'s text encoders may be None. The digest covers every
+    module of the pipeline, text encoders included: a pipeline without them cannot match it, so
+    pass `check_weights=False` there (and compare the transformer yourself if needed)."""
     from pipeline.replay import Replayer
 
     if check_weights:
@@ -301,6 +360,7 @@ def replay_log_probs(
         seeds=[int(s) for s in traj.seeds],
         per_sample_model_calls=per_sample_model_calls,
         grad=grad,
+        conditioning=conditioning,
     )
 
 

@@ -44,11 +44,27 @@ class Return(_Wire):
     outputs: StrictBool = Field(
         False, description='Decode x_T with the model\'s VAE and publish the "outputs/v1" stream (flight.streams).'
     )
+    velocities: StrictBool = Field(
+        False, description="Add the trajectory column `velocity`: the CFG-combined model output at step i (null at T)."
+    )
+    conditioning: StrictBool = Field(
+        False, description='Publish the "conditioning/v1" stream: the tensors the transformer consumed.'
+    )
+
+
+class BranchFrom(_Wire):
+    rollout: str = Field(..., min_length=1, max_length=128, description="The parent rollout's id (succeeded).")
+    step: int = Field(..., ge=0, description="k: the parent's streamed step to start from, in 0..T-1.")
+    samples: list[int] | None = Field(
+        None, min_length=1, description="Parent sample indices to branch from, each once; null = all."
+    )
 
 
 class RolloutRequest(_Wire):
     model: str | None = Field(None, description="Model id; default: the server's default model.")
-    prompts: list[str] = Field(..., min_length=1, description="Prompts; samples are prompt-major.")
+    prompts: list[str] | None = Field(
+        None, min_length=1, description="Prompts; samples are prompt-major. Required, except for a branch (inherited)."
+    )
     negative_prompt: str | None = None
     num_outputs_per_prompt: int = Field(1, ge=1)
     num_inference_steps: int | None = Field(None, ge=1, description="T; default: the model's.")
@@ -60,6 +76,9 @@ class RolloutRequest(_Wire):
     seeds: list[int] | None = Field(None, description="Exactly one per sample (0 <= seed < 2^63).")
     sampler: Sampler = Field(default_factory=Sampler)
     return_: Return = Field(default_factory=Return, alias="return")
+    branch_from: BranchFrom | None = Field(
+        None, description="Start at a parent rollout's x_k; model, prompts, guidance, size and T are inherited."
+    )
     expected_digest: str | None = Field(
         None,
         pattern=r"^[0-9a-f]{64}$",
@@ -77,7 +96,8 @@ class RolloutRequest(_Wire):
 
     @property
     def num_samples(self) -> int:
-        return len(self.prompts) * self.num_outputs_per_prompt
+        """B of a plain request (a branch's B is known once its parent is resolved)."""
+        return len(self.prompts or ()) * self.num_outputs_per_prompt
 
 
 def to_spec(request: RolloutRequest, *, model_id: str, default_steps: int, seed: int) -> RolloutSpec:
@@ -85,7 +105,7 @@ def to_spec(request: RolloutRequest, *, model_id: str, default_steps: int, seed:
     r = request.return_
     return RolloutSpec(
         model=model_id,
-        prompts=tuple(request.prompts),
+        prompts=tuple(request.prompts or ()),
         negative_prompt=request.negative_prompt,
         num_outputs_per_prompt=request.num_outputs_per_prompt,
         num_inference_steps=request.num_inference_steps or default_steps,
@@ -105,6 +125,8 @@ def to_spec(request: RolloutRequest, *, model_id: str, default_steps: int, seed:
         return_log_probs=r.log_probs,
         latent_dtype=r.latent_dtype,
         return_outputs=r.outputs,
+        return_velocities=r.velocities,
+        return_conditioning=r.conditioning,
         expected_digest=request.expected_digest,
     )
 

@@ -14,12 +14,16 @@ from control.policy import check_started_with
 from control.streams import outputs_table, stream_names
 from dataplane.record import StepBatch, TrajectoryHeader
 from dataplane.store import ResultStore
+from dataplane.streams import CONDITIONING, stream_table
 from pipeline.models import ModelRegistry
-from pipeline.rollout import rollout_metadata, run_rollout
+from pipeline.rollout import parent_metadata, rollout_metadata, run_rollout
 from pipeline.spec import RolloutCancelled, ScheduleSnapshot, StepCapture
 
 
-def header_for(job_id: str, snapshot: ScheduleSnapshot, rollout: dict[str, Any], log_probs: bool) -> TrajectoryHeader:
+def header_for(
+    job_id: str, snapshot: ScheduleSnapshot, rollout: dict[str, Any], log_probs: bool,
+    *, velocities: bool = False, parent: dict[str, Any] | None = None,
+) -> TrajectoryHeader:
     return TrajectoryHeader(
         rollout_id=job_id,
         sigmas=snapshot.sigmas,
@@ -32,6 +36,10 @@ def header_for(job_id: str, snapshot: ScheduleSnapshot, rollout: dict[str, Any],
         latent_dtype=snapshot.latent_dtype,
         log_probs=log_probs,
         rollout=rollout,
+        prompt_index=tuple(snapshot.prompt_index),
+        parent_sample=None if snapshot.parent_sample is None else tuple(snapshot.parent_sample),
+        parent=parent,
+        velocities=velocities,
     )
 
 
@@ -65,12 +73,14 @@ class LocalBackend:
             check_started_with(spec.expected_digest, snapshot.model_digest)
             rollout = {"id": job.id, **rollout_metadata(model, spec, snapshot)}
             rollout["streams"] = stream_names(spec)
-            header = header_for(job.id, snapshot, rollout, spec.return_log_probs)
+            header = header_for(job.id, snapshot, rollout, spec.return_log_probs,
+                                velocities=spec.return_velocities, parent=parent_metadata(spec))
             writer = self.store.create(header)
 
         def on_step(capture: StepCapture) -> None:
             assert writer is not None
-            writer.append(StepBatch(step=capture.step, latent=capture.latent, log_prob=capture.log_prob))
+            writer.append(StepBatch(step=capture.step, latent=capture.latent, log_prob=capture.log_prob,
+                                    velocity=capture.velocity))
 
         try:
             result = run_rollout(
@@ -87,6 +97,12 @@ class LocalBackend:
                 assert writer is not None and header is not None
                 writer.publish("outputs", outputs_table(model, spec, header, result.final_latents,
                                                         max_batch_bytes=self.store.max_batch_bytes))
+            if spec.return_conditioning:
+                assert writer is not None and header is not None
+                if not result.conditioning:
+                    raise RuntimeError("return.conditioning: the rollout captured no conditioning tensors")
+                writer.publish(CONDITIONING, stream_table(CONDITIONING, header, result.conditioning,
+                                                          max_batch_bytes=self.store.max_batch_bytes))
         except BaseException as exc:
             kind: Literal["failed", "cancelled"] = "cancelled" if isinstance(exc, RolloutCancelled) else "failed"
             message = "cancelled by client" if kind == "cancelled" else f"{type(exc).__name__}: {exc}"

@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from control.branches import Parent, StaleParent, branch_spec, check_inherited, find_parent
 from control.http import metrics
 from control.http.errors import HttpError, error_response, invalid
 from control.http.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
@@ -35,7 +36,7 @@ from control.service import Service
 from control.settings import Settings
 from control.streams import output_bytes, stream_tickets, streams_of_request, validate_outputs
 from pipeline.rollout import estimate_latent_bytes, validate_spec
-from pipeline.spec import RolloutInputError
+from pipeline.spec import RolloutInputError, RolloutSpec
 from sigmaflight.wire import (
     STATES,
     ErrorInfo,
@@ -171,7 +172,9 @@ async def create_rollout(request: Request) -> Response:
         first = details[0]
         where = ".".join(map(str, first["loc"][1:])) or "body"
         raise HttpError(422, "validation_error", f"{where}: {first['msg']}", details) from None
-    if len(req.prompts) > settings.max_prompts:
+    if req.prompts is None and req.branch_from is None:
+        raise invalid(["body", "prompts"], "Field required (only a branch_from request inherits its parent's)", "missing")
+    if req.prompts is not None and len(req.prompts) > settings.max_prompts:
         raise invalid(["body", "prompts"], f"{len(req.prompts)} prompts exceed the limit of {settings.max_prompts}")
     if req.num_samples > settings.max_samples:
         raise invalid(
@@ -183,12 +186,21 @@ async def create_rollout(request: Request) -> Response:
             ["body", "num_inference_steps"], f"{req.num_inference_steps} exceeds the limit of {settings.max_steps}"
         )
     model_id = req.model or settings.model
+    parent: Parent | None = None
+    if req.branch_from is not None:
+        try:
+            parent = await run_in_threadpool(find_parent, service.store, req.branch_from.rollout, service.backend)
+        except RolloutInputError as exc:
+            raise invalid(["body", *exc.field.split(".")], exc.reason) from None
+        model_id = parent.model
     try:
         model = await run_in_threadpool(service.registry.get, model_id)
     except RolloutInputError as exc:
         raise invalid(["body", "model"], exc.reason) from None
     seed = secrets.randbits(63)
     spec = to_spec(req, model_id=model_id, default_steps=model.defaults.num_inference_steps, seed=seed)
+    if parent is not None and req.branch_from is not None:
+        spec = await _branch(service, req, parent, model, spec)
     try:
         validate_spec(model, spec)
         validate_outputs(model, spec)
@@ -235,6 +247,30 @@ async def create_rollout(request: Request) -> Response:
     status = "queued" if created else job.status  # a new ticket reports the status it was accepted with
     ticket = Ticket(id=job.id, status=status, status_url=status_url, flight=flight_ticket(service, job))  # type: ignore[arg-type]
     return _model(ticket, 202, headers={"Location": status_url})
+
+
+async def _branch(service: Service, req: RolloutRequest, parent: Parent, model: Any, spec: RolloutSpec) -> RolloutSpec:
+    """The branch's spec on its parent (422 naming the field, 409 stale_parent)."""
+    assert req.branch_from is not None
+    given = {name: getattr(req, name) for name in req.model_fields_set}
+    try:
+        check_inherited(given, parent, model.defaults)
+        spec = await run_in_threadpool(branch_spec, parent, spec, step=req.branch_from.step,
+                                       samples=req.branch_from.samples)
+    except RolloutInputError as exc:
+        raise invalid(["body", *exc.field.split(".")], exc.reason) from None
+    digest, version = policy(model)
+    if parent.digest != digest:
+        stale = StaleParent(parent.rollout_id, parent.digest, digest)
+        raise HttpError(409, "stale_parent", str(stale), {
+            "parent": parent.rollout_id, "parent_digest": parent.digest, "digest": digest, "weights_version": version})
+    if spec.num_samples > service.settings.max_samples:
+        raise invalid(
+            ["body", "num_outputs_per_prompt"],
+            f"{spec.num_samples} samples (parent samples x num_outputs_per_prompt) exceed the limit of "
+            f"{service.settings.max_samples}",
+        )
+    return spec
 
 
 async def get_rollout(request: Request) -> Response:
