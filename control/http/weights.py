@@ -2,7 +2,8 @@
 
 `PUT /v1/models/{model_id}/weights`: the body is a safetensors file
 (`safetensors.torch.save(transformer.state_dict())`), sent as `application/octet-stream`. It is
-read with `read_safetensors` (tensors are views of the body: no copy) and handed to
+read into one buffer (`read_body`) and parsed with `read_safetensors` (tensors are views of
+that buffer: no copy) and handed to
 `ModelRegistry.replace_weights`, which checks every tensor against the base transformer (same
 keys, shapes and dtypes, finite values) before anything changes; a bad one is a 422 naming the
 key. Rollouts already running finish on the old weights, the next ones run on the new.
@@ -56,7 +57,7 @@ def _answer(model_id: str, policy: Any, **extra: Any) -> JSONResponse:
                          **extra})
 
 
-def _load(service: Any, model_id: str, body: bytes) -> JSONResponse:
+def _load(service: Any, model_id: str, body: bytearray) -> JSONResponse:
     missing = _unknown_model(service, model_id)
     if missing is not None:
         return missing
@@ -68,7 +69,7 @@ def _load(service: Any, model_id: str, body: bytes) -> JSONResponse:
     return _answer(model_id, new, tensors=len(state))
 
 
-def _load_lora(service: Any, model_id: str, body: bytes) -> JSONResponse:
+def _load_lora(service: Any, model_id: str, body: bytearray) -> JSONResponse:
     missing = _unknown_model(service, model_id)
     if missing is not None:
         return missing
@@ -93,13 +94,31 @@ def _unload_lora(service: Any, model_id: str) -> JSONResponse:
     return _answer(model_id, new, lora=None)
 
 
+async def read_body(request: Request) -> bytearray:
+    """The body in one buffer, filled chunk by chunk: `request.body()` holds the chunks and their
+    join at once (2x the body at its peak); this holds the body once. With a Content-Length (the
+    body limit middleware has checked it) the buffer is allocated at that size up front."""
+    declared = request.headers.get("content-length")
+    buf = bytearray(int(declared)) if declared is not None and declared.isdigit() else bytearray()
+    n = 0
+    async for chunk in request.stream():
+        if n + len(chunk) <= len(buf):
+            buf[n:n + len(chunk)] = chunk
+        else:
+            del buf[n:]
+            buf += chunk
+        n += len(chunk)
+    del buf[n:]
+    return buf
+
+
 async def put_weights(request: Request) -> Response:
-    body = await request.body()
+    body = await read_body(request)
     return await run_in_threadpool(_load, request.state.service, request.path_params["model_id"], body)
 
 
 async def put_lora(request: Request) -> Response:
-    body = await request.body()
+    body = await read_body(request)
     return await run_in_threadpool(_load_lora, request.state.service, request.path_params["model_id"], body)
 
 
