@@ -127,7 +127,12 @@ def test_bad_lora_input_is_a_422_naming_the_key_and_tokens_are_required(tmp_path
     cases = _bad_cases()
     tokens = tmp_path / "tokens"
     tokens.write_text("s3cret\n")
-    with ServerProcess("--workers", "1", "--token-file", str(tokens)) as s, s.client(token="s3cret") as c:
+    flags = ("--workers", "1", "--token-file", str(tokens), "--max-body-bytes", "65536", "--max-weights-bytes", "1048576")
+    with ServerProcess(*flags) as s, s.client(token="s3cret") as c:
+        # the weights limit, not the general one: 512 KiB passes (and is not safetensors), 2 MiB is a 413
+        junk = b"\xff" * (512 << 10)
+        assert c.put("/v1/models/tiny-sd3/lora", content=junk, headers=OCTET).status_code == 422
+        assert c.put("/v1/models/tiny-sd3/lora", content=junk * 4, headers=OCTET).status_code == 413
         for name, body, loc in cases:
             r = c.put("/v1/models/tiny-sd3/lora", content=body, headers=OCTET)
             assert r.status_code == 422, (name, r.text)
