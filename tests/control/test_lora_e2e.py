@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from tests.servers import ServerProcess
 
 TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
            "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]  # Flow-GRPO's SD3 targets
-REQ = {"model": "tiny-sd3", "prompts": ["a cat", "the dog"], "num_outputs_per_prompt": 2, "num_inference_steps": 3,
+REQ: dict[str, Any] = {"model": "tiny-sd3", "prompts": ["a cat", "the dog"], "num_outputs_per_prompt": 2, "num_inference_steps": 3,
        "guidance_scale": 4.5, "seed": 11, "sampler": {"type": "sde", "noise_level": 0.7}}
 A = "base_model.model.transformer_blocks.0.attn.to_q.lora_A.weight"
 OCTET = {"content-type": "application/octet-stream"}
