@@ -112,7 +112,7 @@ def serve(settings: Settings) -> int:
 def preflight(settings: Settings) -> None:
     """Refuse settings the server cannot start with, naming the flag and the reason (StartupError)."""
     from control.node import local_model_dirs
-    from pipeline.models import ModelRegistry
+    from pipeline.models import ModelLoadError, ModelRegistry, check_flow_match
 
     try:
         settings.tokens()  # a --token-file that is missing, unreadable or empty: fail closed
@@ -132,6 +132,10 @@ def preflight(settings: Settings) -> None:
                     f"--model-dir {root}: {sub.name}/scheduler/scheduler_config.json is missing "
                     "(save the whole pipeline with save_pretrained)"
                 )
+            try:
+                check_flow_match(str(sub))  # reads model_index.json only: a DDIM/PNDM/... pipeline cannot run
+            except ModelLoadError as exc:
+                raise StartupError(f"--model-dir {root}: {exc}") from None
         local = [sub.name for sub in dirs]
     known = sorted(set(ModelRegistry().ids()) | set(local))
     if settings.model not in known:

@@ -8,6 +8,7 @@ control/node.py, the same wiring each Ray worker uses.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 from control.jobs.manager import Backend, JobManager, NotFinished
 from control.node import Node, NodeConfig
 from control.settings import Settings
+from pipeline.models import Policy
 
 log = logging.getLogger("sigmaflight.service")
 
@@ -63,6 +65,8 @@ class Service:
         )
         self.store.on_unavailable = self._result_unavailable
         self.ready = False
+        self._change_lock = threading.Lock()
+        """One change of weights at a time, registry and workers together (workers see the same order)."""
 
     def _result_unavailable(self, rollout_id: str, reason: str) -> None:
         """The store lost a finished trajectory (its file truncated or corrupted): REST stops
@@ -80,17 +84,38 @@ class Service:
         except NotFinished as exc:
             raise flight.FlightServerError(str(exc)) from None
 
-    def push_weights(self, model_id: str, state: Mapping[str, torch.Tensor]) -> str:
-        """New transformer weights (already checked): the service's registry, then every
-        remote worker's (Ray), before this returns. Returns the new digest."""
-        digest = self.registry.load_weights(model_id, state)
-        push: Any = getattr(self.backend, "load_weights", None)
-        if push is not None:  # the local backend shares `self.registry`; it has none
-            for got in push(model_id, dict(state)):
-                if got != digest:
-                    log.error("a worker's digest differs after a push", extra={"model": model_id, "digest": digest,
-                                                                             "worker_digest": got})
-        return digest
+    def push_weights(self, model_id: str, state: Mapping[str, torch.Tensor]) -> Policy:
+        """New transformer weights: the service's registry (`replace_weights`, which checks them
+        and raises RolloutInputError naming the key), then every remote worker's (Ray), before
+        this returns. Returns the new Policy (digest, weights_version)."""
+        with self._change_lock:
+            new = self.registry.replace_weights(model_id, state)
+            self._fan_out("load_weights", model_id, new.digest, dict(state))
+            return new
+
+    def push_lora(self, model_id: str, tensors: Mapping[str, torch.Tensor], lora_config: dict[str, Any]) -> Policy:
+        """A LoRA adapter (replacing any): the service's registry (`load_lora`, which checks it and
+        raises RolloutInputError naming the key), then every remote worker's, before this returns."""
+        with self._change_lock:
+            new = self.registry.load_lora(model_id, tensors, lora_config)
+            self._fan_out("load_lora", model_id, new.digest, dict(tensors), lora_config)
+            return new
+
+    def remove_lora(self, model_id: str) -> Policy:
+        """Drop the adapter (raises LoraNotLoaded when there is none) here, then on every worker."""
+        with self._change_lock:
+            new = self.registry.unload_lora(model_id)
+            self._fan_out("unload_lora", model_id, new.digest)
+            return new
+
+    def _fan_out(self, method: str, model_id: str, digest: str, *args: Any) -> None:
+        push: Any = getattr(self.backend, method, None)
+        if push is None:  # the local backend shares `self.registry`
+            return
+        for got in push(model_id, *args):
+            if got != digest:
+                log.error("a worker's digest differs after a change of weights",
+                          extra={"model": model_id, "digest": digest, "worker_digest": got, "change": method})
 
     def start(self) -> None:
         model = self.registry.get(self.settings.model)

@@ -83,7 +83,7 @@ class Settings(BaseSettings):
     # Limits
     max_body_bytes: int = Field(1 * MiB, ge=1024, description="Largest accepted request body (413 beyond).")
     max_weights_bytes: int = Field(
-        512 * MiB, ge=1024, description="Largest accepted PUT /v1/models/{id}/weights body (safetensors; 413 beyond)."
+        512 * MiB, ge=1024, description="Largest accepted PUT /v1/models/{id}/weights or /lora body (safetensors; 413 beyond)."
     )
     max_prompts: int = Field(64, ge=1, description="Prompts per request.")
     max_samples: int = Field(256, ge=1, description="Samples (prompts x outputs) per request.")

@@ -196,6 +196,27 @@ class Client:
         _raise_for(r)
         return str(r.json()["digest"])
 
+    def push_lora(self, model_id: str, adapter: Mapping[str, torch.Tensor], lora_config: Any) -> dict[str, Any]:
+        """PUT a LoRA adapter: `adapter` as `peft.get_peft_model_state_dict` gives it, `lora_config`
+        a peft LoraConfig (or its `to_dict()`). Returns {"id", "digest", "weights_version", ...}."""
+        import json
+
+        from safetensors.torch import save
+
+        config = lora_config.to_dict() if hasattr(lora_config, "to_dict") else dict(lora_config)
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter.items()}
+        body = save(tensors, metadata={"lora_config": json.dumps(config, default=sorted)})
+        r = self._http.put(f"/v1/models/{model_id}/lora", content=body,
+                           headers={"content-type": "application/octet-stream"})
+        _raise_for(r)
+        return dict(r.json())
+
+    def delete_lora(self, model_id: str) -> dict[str, Any]:
+        """DELETE the model's LoRA adapter (ApiError 404 "lora_not_loaded" when there is none)."""
+        r = self._http.delete(f"/v1/models/{model_id}/lora")
+        _raise_for(r)
+        return dict(r.json())
+
     # -- Flight --------------------------------------------------------------------------
     def flight(self, location: str) -> TrajectoryClient:
         """The (cached) data-plane client for one Flight location."""

@@ -139,6 +139,8 @@ class RayBackend:
         self._closed = False
         self._weights: dict[str, Any] = {}
         """model id -> ObjectRef of the latest pushed state dict (a replacement worker loads it)."""
+        self._lora: dict[str, tuple[Any, dict[str, Any]]] = {}
+        """model id -> (ObjectRef of the adapter's tensors, its LoraConfig dict) of the adapter on now."""
         self._weights_version = 0
         slots = [self._spawn(i) for i in range(workers)]
         for s in slots:
@@ -215,9 +217,12 @@ class RayBackend:
                 self._await_ready(slot)
                 while True:  # the latest pushed weights, before it takes any rollout
                     with self._lock:
-                        weights, version = dict(self._weights), self._weights_version
+                        weights, lora, version = dict(self._weights), dict(self._lora), self._weights_version
                     for model_id, ref in weights.items():
                         self._ray.get(slot.handle.load_weights.remote(model_id, ref), timeout=self._start_timeout_s)
+                    for model_id, (ref, config) in lora.items():  # after the full push: it drops adapters
+                        self._ray.get(slot.handle.load_lora.remote(model_id, ref, config),
+                                      timeout=self._start_timeout_s)
                     with self._lock:
                         if self._weights_version != version:
                             continue  # a push came meanwhile: load that too
@@ -365,16 +370,38 @@ class RayBackend:
         ref = self._ray.put(state)
         with self._lock:
             self._weights[model_id] = ref
+            self._lora.pop(model_id, None)  # a full push drops the adapter
             self._weights_version += 1
+        return self._broadcast("load_weights", model_id, ref)
+
+    def load_lora(self, model_id: str, tensors: dict[str, Any], lora_config: dict[str, Any]) -> list[str]:
+        """Put a LoRA adapter on every live worker (replacing any); a replacement worker gets the
+        adapter on now before it takes rollouts. Returns the workers' digests."""
+        ref = self._ray.put(tensors)
+        with self._lock:
+            self._lora[model_id] = (ref, dict(lora_config))
+            self._weights_version += 1
+        return self._broadcast("load_lora", model_id, ref, dict(lora_config))
+
+    def unload_lora(self, model_id: str) -> list[str]:
+        """Remove the adapter on every live worker; returns their digests (the base digest)."""
+        with self._lock:
+            self._lora.pop(model_id, None)
+            self._weights_version += 1
+        return self._broadcast("unload_lora", model_id)
+
+    def _broadcast(self, method: str, *args: Any) -> list[str]:
+        with self._lock:
             slots = [s for s in self._slots if s.alive]
-        pending = [(s, s.handle.load_weights.remote(model_id, ref)) for s in slots]
+        pending = [(s, getattr(s.handle, method).remote(*args)) for s in slots]
         digests = []
         for slot, call in pending:
             try:
                 digests.append(str(self._ray.get(call, timeout=self._start_timeout_s)))
             except self._ray.exceptions.RayActorError as exc:
                 self._mark_dead(slot, exc)
-        log.info("weights pushed to ray workers", extra={"model": model_id, "workers": len(digests)})
+        log.info("change of weights pushed to ray workers", extra={"model": args[0], "change": method,
+                                                                    "workers": len(digests)})
         return digests
 
     def locations_for(self, job_id: str) -> list[str]:

@@ -167,6 +167,19 @@ class RolloutWorker:
         start after this returns run on them. Returns the model's new digest."""
         return self.registry.load_weights(model_id, state)
 
+    def load_lora(self, model_id: str, tensors: dict[str, torch.Tensor], lora_config: dict[str, Any]) -> str:
+        """A LoRA adapter for `model_id` (checked by the control plane), replacing any; returns the digest."""
+        return self.registry.load_lora(model_id, tensors, lora_config).digest
+
+    def unload_lora(self, model_id: str) -> str:
+        """Drop the adapter, if any (a replacement worker may never have had it); returns the digest."""
+        from pipeline.models import LoraNotLoaded
+
+        try:
+            return self.registry.unload_lora(model_id).digest
+        except LoraNotLoaded:
+            return self.registry.get(model_id).policy().digest
+
     def table(self, job_id: str) -> pa.Table:
         """The finished trajectory as one Arrow table (same schema and batches as the Flight stream).
 

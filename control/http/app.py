@@ -29,7 +29,14 @@ from control.http import metrics
 from control.http.errors import HttpError, error_response, invalid
 from control.http.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from control.http.openapi import openapi_document
-from control.http.weights import WEIGHTS_PATH, WEIGHTS_PATH_REGEX, put_weights
+from control.http.weights import (
+    LORA_PATH,
+    WEIGHTS_PATH,
+    WEIGHTS_PATH_REGEX,
+    delete_lora,
+    put_lora,
+    put_weights,
+)
 from control.jobs.manager import IdempotencyConflict, Job, NotAccepting, QueueFull, Unavailable, iso
 from control.policy import policy
 from control.service import Service
@@ -344,6 +351,8 @@ ROUTES = [
     Route("/v1/rollouts/{rollout_id}", delete_rollout, methods=["DELETE"], name="delete_rollout"),
     Route("/v1/models", list_models, methods=["GET"], name="list_models"),
     Route(WEIGHTS_PATH, put_weights, methods=["PUT"], name="put_weights"),
+    Route(LORA_PATH, put_lora, methods=["PUT"], name="put_lora"),
+    Route(LORA_PATH, delete_lora, methods=["DELETE"], name="delete_lora"),
     Route("/healthz", healthz, methods=["GET"], name="healthz"),
     Route("/readyz", readyz, methods=["GET"], name="readyz"),
     Route("/metrics", get_metrics, methods=["GET"], name="metrics"),

@@ -19,6 +19,23 @@ def _json(name: str, description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
 
 
+def _binary(description: str) -> dict[str, Any]:
+    return {"required": True, "description": description,
+            "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
+
+
+def _change(description: str, *extra: str) -> dict[str, Any]:
+    """A change of weights' answer: id, digest, weights_version (and `extra`)."""
+    props: dict[str, Any] = {"id": {"type": "string"}, "digest": {"type": "string"},
+                             "weights_version": {"type": "integer"}}
+    if "tensors" in extra:
+        props["tensors"] = {"type": "integer"}
+    if "lora" in extra:
+        props["lora"] = {"type": ["object", "null"], "description": "r, lora_alpha, target_modules, tensors"}
+    return {"description": description, "content": {"application/json": {"schema": {
+        "type": "object", "required": ["id", "digest", "weights_version"], "properties": props}}}}
+
+
 def _errors(*codes: int) -> dict[str, Any]:
     text = {
         401: "Bearer token missing or wrong.",
@@ -50,6 +67,7 @@ def openapi_document(*, auth: bool = False) -> dict[str, Any]:
     )
     components = schemas["$defs"]
     rid = {"name": "rollout_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    mid = {"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}
     secured = [401] if auth else []
     paths: dict[str, Any] = {
         "/v1/rollouts": {
@@ -102,17 +120,33 @@ def openapi_document(*, auth: bool = False) -> dict[str, Any]:
         "/v1/models/{model_id}/weights": {
             "put": {
                 "operationId": "put_weights",
-                "summary": "Replace the model's transformer weights (safetensors of its state dict); answers the new digest.",
-                "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
-                "requestBody": {"required": True, "content": {"application/octet-stream": {
-                    "schema": {"type": "string", "format": "binary"}}}},
-                "responses": {"200": {"description": "Loaded; the next rollouts run on these weights.",
-                                      "content": {"application/json": {"schema": {
-                                          "type": "object", "required": ["id", "digest", "tensors"],
-                                          "properties": {"id": {"type": "string"}, "digest": {"type": "string"},
-                                                         "tensors": {"type": "integer"}}}}}},
+                "summary": "Replace the model's transformer weights (safetensors of its state dict; drops any LoRA "
+                           "adapter); answers the new digest and weights_version.",
+                "parameters": [mid],
+                "requestBody": _binary("safetensors of the transformer's whole state dict (--max-weights-bytes)."),
+                "responses": {"200": _change("Loaded; the next rollouts run on these weights.", "tensors"),
                               **_errors(*secured, 404, 413, 422)},
             }
+        },
+        "/v1/models/{model_id}/lora": {
+            "put": {
+                "operationId": "put_lora",
+                "summary": "Put a LoRA adapter on the transformer (unfused), replacing any: safetensors keyed as "
+                           "peft.get_peft_model_state_dict gives them (with or without base_model.model.), the "
+                           "LoraConfig as JSON under the header metadata key lora_config. 422 names the key.",
+                "parameters": [mid],
+                "requestBody": _binary("safetensors of the adapter with __metadata__.lora_config (--max-weights-bytes)."),
+                "responses": {"200": _change("Loaded; the next rollouts run with the adapter.", "tensors", "lora"),
+                              **_errors(*secured, 404, 413, 422)},
+            },
+            "delete": {
+                "operationId": "delete_lora",
+                "summary": "Remove the adapter: the base weights and digest again (weights_version still counts up). "
+                           "404 with type lora_not_loaded when there is none.",
+                "parameters": [mid],
+                "responses": {"200": _change("Removed; the next rollouts run on the base weights.", "lora"),
+                              **_errors(*secured, 404)},
+            },
         },
         "/healthz": {"get": {"operationId": "healthz", "summary": "Liveness.",
                              "responses": {"200": _json("Health", "Alive.")}}},

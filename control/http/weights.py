@@ -1,78 +1,126 @@
-"""`PUT /v1/models/{model_id}/weights`: a trainer pushes new transformer weights.
+"""Changes of a model's weights over REST: a full push and a LoRA adapter.
 
-The body is a safetensors file (`safetensors.torch.save(transformer.state_dict())`), sent
-as `application/octet-stream`; its size limit is `--max-weights-bytes` (the other routes
-keep `--max-body-bytes`). Every tensor is checked against the model's current transformer
-(same keys, shapes and dtypes, finite values) before anything changes; a bad one is a 422
-naming the key. Then `ModelRegistry.load_weights` swaps the weights in copy-on-write:
-rollouts already running finish on the old weights, the next ones run on the new, and their
-trajectories carry the new digest in `sigmaflight.rollout.model.digest`.
+`PUT /v1/models/{model_id}/weights`: the body is a safetensors file
+(`safetensors.torch.save(transformer.state_dict())`), sent as `application/octet-stream`. It is
+read into one buffer (`read_body`) and parsed with `read_safetensors` (tensors are views of
+that buffer: no copy) and handed to
+`ModelRegistry.replace_weights`, which checks every tensor against the base transformer (same
+keys, shapes and dtypes, finite values) before anything changes; a bad one is a 422 naming the
+key. Rollouts already running finish on the old weights, the next ones run on the new.
+
+`PUT /v1/models/{model_id}/lora`: the body is a safetensors file of the adapter, keyed as
+`peft.get_peft_model_state_dict` gives them (with or without `base_model.model.`), with the
+LoraConfig as JSON (`json.dumps(config.to_dict())`) under the header metadata key `lora_config`.
+It replaces any adapter (`ModelRegistry.load_lora`). `DELETE /v1/models/{model_id}/lora` removes
+it (404, type "lora_not_loaded", when there is none). Both answer
+`{"id", "digest", "weights_version", ...}`; with --backend ray every worker has the change
+before the route answers. The body limit of both PUTs is `--max-weights-bytes` (the other
+routes keep `--max-body-bytes`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from control.http.errors import error_response
-from control.policy import policy
+from pipeline.models import LoraNotLoaded
+from pipeline.safetensors_io import lora_config_from_metadata, read_safetensors
 from pipeline.spec import RolloutInputError
 
 WEIGHTS_PATH = "/v1/models/{model_id}/weights"
-WEIGHTS_PATH_REGEX = r"/v1/models/[^/]+/weights"
-"""For BodyLimitMiddleware's per-route limit."""
+LORA_PATH = "/v1/models/{model_id}/lora"
+WEIGHTS_PATH_REGEX = r"/v1/models/[^/]+/(?:weights|lora)"
+"""For BodyLimitMiddleware's per-route limit (PUT of either)."""
 
 
-def _bad(key: str, msg: str) -> JSONResponse:
-    return error_response(422, "validation_error", f"{key}: {msg}", [{"loc": ["body", key], "msg": msg, "type": "value_error"}])
+def invalid_input(exc: RolloutInputError) -> JSONResponse:
+    """422 naming the key: loc ["body"] for the body as a whole, else ["body", key]."""
+    loc = ["body"] if exc.field == "body" else ["body", exc.field]
+    return error_response(422, "validation_error", f"{exc.field}: {exc.reason}",
+                          [{"loc": loc, "msg": exc.reason, "type": "value_error"}])
 
 
-def check_state_dict(current: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> tuple[str, str] | None:
-    """(key, why) of the first tensor that cannot replace `current`; None when all fit."""
-    for key in sorted(set(current) - set(new)):
-        return key, "missing from the upload (the whole transformer state dict is required)"
-    for key in sorted(set(new) - set(current)):
-        return key, "not a parameter or buffer of this model's transformer"
-    for key in sorted(new):
-        have, got = current[key], new[key]
-        if tuple(got.shape) != tuple(have.shape):
-            return key, f"shape {list(got.shape)} does not match the model's {list(have.shape)}"
-        if got.dtype != have.dtype:
-            return key, f"dtype {str(got.dtype).removeprefix('torch.')} does not match the model's " \
-                        f"{str(have.dtype).removeprefix('torch.')}"
-        if got.is_floating_point() and not bool(torch.isfinite(got).all()):
-            return key, "holds NaN or infinite values"
+def _unknown_model(service: Any, model_id: str) -> JSONResponse | None:
+    try:
+        service.registry.get(model_id)
+    except RolloutInputError:
+        return error_response(404, "not_found", f"no model {model_id!r}; known: {service.registry.ids()}")
     return None
 
 
-def _load(service: Any, model_id: str, body: bytes) -> JSONResponse:
-    from safetensors import SafetensorError
-    from safetensors.torch import load
+def _answer(model_id: str, policy: Any, **extra: Any) -> JSONResponse:
+    return JSONResponse({"id": model_id, "digest": policy.digest, "weights_version": policy.weights_version,
+                         **extra})
 
+
+def _load(service: Any, model_id: str, body: bytearray) -> JSONResponse:
+    missing = _unknown_model(service, model_id)
+    if missing is not None:
+        return missing
     try:
-        model = service.registry.get(model_id)
-    except RolloutInputError:
-        return error_response(404, "not_found", f"no model {model_id!r}; known: {service.registry.ids()}")
+        state, _ = read_safetensors(body)
+        new = service.push_weights(model_id, state)  # with --backend ray: every worker too
+    except RolloutInputError as exc:
+        return invalid_input(exc)
+    return _answer(model_id, new, tensors=len(state))
+
+
+def _load_lora(service: Any, model_id: str, body: bytearray) -> JSONResponse:
+    missing = _unknown_model(service, model_id)
+    if missing is not None:
+        return missing
     try:
-        state = load(body)
-    except (SafetensorError, ValueError, RuntimeError) as exc:
-        return error_response(422, "validation_error", f"body: not a safetensors file ({exc})",
-                      [{"loc": ["body"], "msg": f"not a safetensors file ({exc})", "type": "value_error"}])
-    current = model.base_transformer().state_dict()  # a push replaces the base (any LoRA is dropped)
-    bad = check_state_dict(current, state)
-    if bad is not None:
-        return _bad(*bad)
-    service.push_weights(model_id, state)  # with --backend ray: every worker too
-    digest, version = policy(model)
-    return JSONResponse({"id": model_id, "digest": digest, "weights_version": version, "tensors": len(state)})
+        tensors, metadata = read_safetensors(body)
+        config = lora_config_from_metadata(metadata)
+        new = service.push_lora(model_id, tensors, config)
+    except RolloutInputError as exc:
+        return invalid_input(exc)
+    lora = service.registry.get(model_id).lora
+    return _answer(model_id, new, tensors=len(tensors), lora=lora.describe() if lora is not None else None)
+
+
+def _unload_lora(service: Any, model_id: str) -> JSONResponse:
+    missing = _unknown_model(service, model_id)
+    if missing is not None:
+        return missing
+    try:
+        new = service.remove_lora(model_id)
+    except LoraNotLoaded as exc:
+        return error_response(404, "lora_not_loaded", f"{exc.args[0] if exc.args else exc}; nothing to remove")
+    return _answer(model_id, new, lora=None)
+
+
+async def read_body(request: Request) -> bytearray:
+    """The body in one buffer, filled chunk by chunk: `request.body()` holds the chunks and their
+    join at once (2x the body at its peak); this holds the body once. With a Content-Length (the
+    body limit middleware has checked it) the buffer is allocated at that size up front."""
+    declared = request.headers.get("content-length")
+    buf = bytearray(int(declared)) if declared is not None and declared.isdigit() else bytearray()
+    n = 0
+    async for chunk in request.stream():
+        if n + len(chunk) <= len(buf):
+            buf[n:n + len(chunk)] = chunk
+        else:
+            del buf[n:]
+            buf += chunk
+        n += len(chunk)
+    del buf[n:]
+    return buf
 
 
 async def put_weights(request: Request) -> Response:
-    service = request.state.service
-    model_id = request.path_params["model_id"]
-    body = await request.body()
-    return await run_in_threadpool(_load, service, model_id, body)
+    body = await read_body(request)
+    return await run_in_threadpool(_load, request.state.service, request.path_params["model_id"], body)
+
+
+async def put_lora(request: Request) -> Response:
+    body = await read_body(request)
+    return await run_in_threadpool(_load_lora, request.state.service, request.path_params["model_id"], body)
+
+
+async def delete_lora(request: Request) -> Response:
+    return await run_in_threadpool(_unload_lora, request.state.service, request.path_params["model_id"])

@@ -1,45 +1,58 @@
-"""A complete, small GRPO loop against a running sigmaflight server (built-in tiny-sd3, CPU).
+"""A small Flow-GRPO loop with LoRA against a running sigmaflight server (built-in tiny-sd3, CPU).
 
     sigmaflight serve &                         # or: ops/serve.sh
     python ops/examples/grpo_train.py --url http://127.0.0.1:8000 --iterations 4
 
-Each iteration:
-  1. submit one rollout: P prompts x G outputs (a GRPO group per prompt), SDE sampler;
-  2. pull the trajectory (torch tensors) and check its weights digest is the trainer's;
-  3. reward: decode x_T with the model's VAE, r = -|mean brightness - target|;
+The trainer holds its own copy of the model with a peft LoRA on Flow-GRPO's SD3 target modules
+(`get_peft_model`, `init_lora_weights="gaussian"`: lora_B starts at zero) and pushes the adapter
+to the server first, so both run the same policy. Each iteration:
+  1. submit one rollout: P prompts x G outputs (a GRPO group per prompt), SDE sampler, the decoded
+     images (`return.outputs`), and `expected_digest` = the digest the last push answered (a
+     rollout on any other weights is refused: no off-policy batch reaches the update);
+  2. pull the trajectory (torch tensors) and the images (`Client.pull_outputs`, uint8 [B, H, W, 3]);
+  3. reward: DDPO's JPEG compressibility as Flow-GRPO computes it: each image saved as JPEG at
+     quality 95, size in kB (bytes / 1000), reward = -size_kB / 500;
   4. advantages normalised within each prompt's group;
-  5. recompute log p(x_{i+1} | x_i) of every stochastic transition with the trainer's own
-     copy of the model (Replayer, grad=True): on-policy the ratio exp(logp_new - logp_old)
-     is exactly 1 (torch.equal with ones), because the trainer's weights are the server's;
-  6. clipped policy loss, backward through the trainer's transformer, optimizer step
+  5. recompute log p(x_{i+1} | x_i) of every stochastic transition with the trainer's
+     peft-wrapped transformer (`replay_log_probs`, grad=True): on-policy the ratio
+     exp(logp_new - logp_old) is exactly 1 (torch.equal with ones);
+  6. clipped policy loss, backward into the LoRA factors only, optimizer step
      (--inner-steps updates per batch; the ones after the first are off-policy);
-  7. push the new transformer weights to the server (PUT /v1/models/tiny-sd3/weights); the
-     digest it answers equals the trainer's local digest and shows up in the next
-     trajectory's `sigmaflight.rollout.model.digest`.
+  7. push the adapter (`peft.get_peft_model_state_dict` -> safetensors with the LoraConfig as
+     JSON under the header metadata key `lora_config`: `Client.push_lora`); its digest is the
+     next iteration's `expected_digest`.
+At the end it prints the reward curve (mean reward per iteration). The conditioning is replayed
+with the trainer's own text encoders (the same seeded weights as the server's).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from PIL import Image
 
-from pipeline.decode import decode_latents
-from pipeline.models import ModelRegistry, weights_digest
+from pipeline.models import LoadedModel, ModelRegistry
 from sigmaflight.client import Client, replay_log_probs
 
 MODEL = "tiny-sd3"
+TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
+           "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]
+"""Flow-GRPO's LoRA target modules for SD3 (all present in tiny-sd3's joint attention blocks)."""
 
 
 @dataclass
 class IterationStats:
     iteration: int
     digest: str
-    """The weights digest in this iteration's trajectory metadata."""
+    """The weights digest in this iteration's trajectory metadata (= the expected_digest sent)."""
     reward_mean: float
     reward_std: float
     loss: float
@@ -49,12 +62,19 @@ class IterationStats:
     ratio_max: float
     clip_fraction: float
     new_digest: str
+    """The digest the LoRA push after this iteration's update answered."""
     seconds: float
 
 
-def reward_fn(images: torch.Tensor, target: float) -> torch.Tensor:
-    """[B] toy reward: closeness of the mean brightness of each image to `target` (images in [0, 1])."""
-    return -(images.mean(dim=(1, 2, 3)) - target).abs()
+def jpeg_compressibility(images: np.ndarray) -> torch.Tensor:
+    """[B] -size_kB / 500 of each uint8 [H, W, 3] image saved as JPEG, quality 95 (Flow-GRPO's
+    `jpeg_compressibility`: the negated `jpeg_incompressibility`, sizes in kB = bytes / 1000)."""
+    sizes = []
+    for image in images:
+        buf = io.BytesIO()
+        Image.fromarray(image).save(buf, format="JPEG", quality=95)
+        sizes.append(buf.tell() / 1000)
+    return -torch.tensor(sizes, dtype=torch.float32) / 500
 
 
 def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
@@ -75,6 +95,19 @@ def policy_loss(
     return torch.maximum(unclipped, clipped).mean(), ratio
 
 
+def lora_trainer(rank: int, seed: int) -> tuple[LoadedModel, Any, LoraConfig]:
+    """The trainer's model: the built-in weights (seeded: the server's, bit for bit) with a peft LoRA."""
+    base = ModelRegistry().get(MODEL)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian", target_modules=TARGETS)
+    torch.manual_seed(seed)  # lora_A's init
+    transformer = get_peft_model(base.pipeline.transformer, config)  # only the LoRA factors train
+    pipe = type(base.pipeline)(**{**base.pipeline.components, "transformer": transformer})
+    pipe.set_progress_bar_config(disable=True)
+    model = LoadedModel(id=MODEL, family=base.family, pipeline=pipe, device=base.device, dtype=base.dtype,
+                        digest="trainer", defaults=base.defaults)
+    return model, transformer, config
+
+
 def train(
     url: str,
     *,
@@ -83,43 +116,40 @@ def train(
     prompts: tuple[str, ...] = ("a red cube", "a blue ball"),
     group: int = 4,
     steps: int = 4,
+    rank: int = 4,
     lr: float = 3e-3,
     clip: float = 1e-2,
     inner_steps: int = 2,
-    target: float = 0.8,
     seed: int = 0,
     log: Any = print,
 ) -> list[IterationStats]:
-    model = ModelRegistry().get(MODEL)  # the server's weights, bit for bit (seeded build)
-    transformer = model.pipeline.transformer
-    transformer.requires_grad_(True)
-    optimizer = torch.optim.Adam(transformer.parameters(), lr=lr)
+    model, transformer, config = lora_trainer(rank, seed)
+    optimizer = torch.optim.Adam([p for p in transformer.parameters() if p.requires_grad], lr=lr)
     history: list[IterationStats] = []
     with Client(url, token=token) as client:
-        server_digest = next(m["digest"] for m in client.models() if m["id"] == MODEL)
-        if server_digest != weights_digest(model.pipeline):
-            raise SystemExit(f"the server's {MODEL} has other weights ({server_digest[:12]}); restart it")
+        digest = client.push_lora(MODEL, get_peft_model_state_dict(transformer), config)["digest"]
         for it in range(iterations):
             t0 = time.perf_counter()
             ticket = client.submit(
                 model=MODEL, prompts=list(prompts), num_outputs_per_prompt=group, num_inference_steps=steps,
-                seed=seed + it, sampler={"type": "sde", "noise_level": 0.7},
+                seed=seed + it, sampler={"type": "sde", "noise_level": 0.7}, expected_digest=digest,
+                return_={"outputs": True},
             )
             client.wait(ticket, timeout=120)
             traj = client.pull(ticket)
-            digest = traj.metadata["model"]["digest"]
-            assert digest == weights_digest(model.pipeline), "trajectory was not produced by the trainer's weights"
+            assert traj.metadata["model"]["digest"] == digest, "trajectory was not produced by the pushed adapter"
+            images = client.pull_outputs(ticket)  # uint8 [B, H, W, 3]
+            rewards = jpeg_compressibility(images)  # [B]
+            adv = group_advantages(rewards, group)  # [B]
             sde = list(traj.sde_steps)  # absolute transition indices
             logp_old = traj.log_probs[:, sde]  # [B, S], recorded by the server
-            images = decode_latents(model, traj.latent(traj.num_steps), height=32, width=32)  # [B, 3, H, W]
-            rewards = reward_fn(images, target)  # [B]
-            adv = group_advantages(rewards, group)  # [B]
             on_policy_one = False
             loss_v = 0.0
             ratio = torch.ones_like(logp_old)
+            transformer.train(False)  # dropout off: the server's forward, bit for bit
             for k in range(inner_steps):
-                # [B, S], graph to the transformer; the steps after the first are off-policy on purpose.
-                logp_new = replay_log_probs(model, traj, grad=True, strict=k == 0, check_weights=k == 0)[:, sde]
+                # [B, S], graph to the LoRA factors; the steps after the first are off-policy on purpose.
+                logp_new = replay_log_probs(model, traj, grad=True, check_weights=False)[:, sde]
                 loss, ratio = policy_loss(logp_new, logp_old, adv, clip)
                 if k == 0:
                     on_policy_one = torch.equal(ratio.detach(), torch.ones_like(ratio))
@@ -127,9 +157,7 @@ def train(
                 loss.backward()
                 optimizer.step()
                 loss_v = float(loss.detach())
-            new_digest = client.push_weights(MODEL, transformer.state_dict())
-            local = weights_digest(model.pipeline)
-            assert new_digest == local, f"server digest {new_digest[:12]} != trainer digest {local[:12]}"
+            new_digest = client.push_lora(MODEL, get_peft_model_state_dict(transformer), config)["digest"]
             r = ratio.detach()
             stats = IterationStats(
                 iteration=it, digest=digest, reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
@@ -139,12 +167,15 @@ def train(
             )
             history.append(stats)
             log(
-                f"iter {it}: reward {stats.reward_mean:+.4f} +- {stats.reward_std:.4f}  loss {stats.loss:+.5f}  "
+                f"iter {it}: reward {stats.reward_mean:+.6f} +- {stats.reward_std:.6f}  loss {stats.loss:+.5f}  "
                 f"on-policy ratio == 1: {on_policy_one}  last ratio [{stats.ratio_min:.4f}, {stats.ratio_max:.4f}] "
                 f"clipped {stats.clip_fraction:.0%}  digest {digest[:12]} -> {new_digest[:12]}  ({stats.seconds:.1f} s)"
             )
-        # The next trajectory runs on the last pushed weights.
-        ticket = client.submit(model=MODEL, prompts=list(prompts[:1]), num_inference_steps=steps, seed=seed)
+            digest = new_digest
+        log("reward curve: " + "  ".join(f"{h.iteration}:{h.reward_mean:+.6f}" for h in history))
+        # The next trajectory runs on the last pushed adapter.
+        ticket = client.submit(model=MODEL, prompts=list(prompts[:1]), num_inference_steps=steps, seed=seed,
+                               expected_digest=digest)
         client.wait(ticket, timeout=120)
         final = client.pull(ticket).metadata["model"]["digest"]
         log(f"next trajectory's sigmaflight.rollout.model.digest: {final[:12]} "
@@ -159,13 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=4)
     p.add_argument("--group", type=int, default=4, help="outputs per prompt (GRPO group size)")
     p.add_argument("--steps", type=int, default=4, help="num_inference_steps")
+    p.add_argument("--rank", type=int, default=4, help="LoRA rank (lora_alpha = 2 * rank)")
     p.add_argument("--inner-steps", type=int, default=2, help="optimizer steps per batch")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip", type=float, default=1e-2)
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     history = train(args.url, token=args.token, iterations=args.iterations, group=args.group, steps=args.steps,
-                    inner_steps=args.inner_steps, lr=args.lr, clip=args.clip)
+                    rank=args.rank, inner_steps=args.inner_steps, lr=args.lr, clip=args.clip)
     print(f"{len(history)} iterations in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0 if all(h.ratio_on_policy_is_one for h in history) else 1
 

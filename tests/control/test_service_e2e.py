@@ -234,8 +234,11 @@ def test_openapi_validates_and_matches_what_endpoints_return(client):
     check(client.get("/v1/rollouts").json(), "RolloutList")
     check(client.get("/v1/models").json(), "ModelList")
     check(client.post("/v1/rollouts", json={"prompts": []}).json(), "ErrorBody")
-    assert set(doc["paths"]) == {"/v1/rollouts", "/v1/rollouts/{rollout_id}", "/v1/models", "/v1/models/{model_id}/weights", "/healthz", "/readyz",
-                                 "/metrics", "/openapi.json"}
+    gone = client.delete("/v1/models/tiny-sd3/lora")  # no adapter on: 404 lora_not_loaded, documented
+    assert gone.status_code == 404 and "404" in doc["paths"]["/v1/models/{model_id}/lora"]["delete"]["responses"]
+    check(gone.json(), "ErrorBody")
+    assert set(doc["paths"]) == {"/v1/rollouts", "/v1/rollouts/{rollout_id}", "/v1/models", "/v1/models/{model_id}/weights",
+                                 "/v1/models/{model_id}/lora", "/healthz", "/readyz", "/metrics", "/openapi.json"}
 
 
 def test_queue_full_answers_429_with_retry_after():

@@ -1,14 +1,21 @@
-"""The GRPO example's first iteration against a real server: ratio == 1 exactly, then a weights push."""
+"""The GRPO example (LoRA, JPEG compressibility) against a real server: ratio == 1 exactly before each
+update, the digest moves with each LoRA push."""
 
 from __future__ import annotations
 
 import importlib.util
+import io
 import math
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
+from PIL import Image
 
+from pipeline.models import ModelRegistry
 from tests.servers import ServerProcess
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "ops" / "examples" / "grpo_train.py"
@@ -23,17 +30,37 @@ def _load_example():
     return module
 
 
-def test_grpo_first_iteration_is_on_policy_and_pushes_weights():
+@pytest.mark.timeout(120)
+def test_grpo_lora_loop_is_on_policy_before_each_update_and_moves_the_digest():
     grpo = _load_example()
     lines: list[str] = []
+    base = ModelRegistry().get("tiny-sd3").digest
     with ServerProcess() as server:
-        history = grpo.train(server.rest_url, iterations=1, inner_steps=2, log=lines.append)
-    (first,) = history
-    assert first.ratio_on_policy_is_one  # torch.equal(exp(logp_new - logp_old), ones) before the update
-    assert first.new_digest != first.digest and math.isfinite(first.loss)
-    assert first.ratio_min != 1.0 or first.ratio_max != 1.0  # the second inner step is off-policy
-    assert "on-policy ratio == 1: True" in lines[0]
+        t0 = time.perf_counter()
+        history = grpo.train(server.rest_url, iterations=2, inner_steps=2, log=lines.append)
+        seconds = time.perf_counter() - t0
+    assert len(history) == 2
+    for h in history:
+        assert h.ratio_on_policy_is_one  # torch.equal(exp(logp_new - logp_old), ones) before the update
+        assert h.new_digest != h.digest and h.digest != base and math.isfinite(h.loss)
+        assert h.reward_mean < 0 and h.reward_std > 0  # -size_kB / 500, and the group differs
+    assert history[1].digest == history[0].new_digest  # expected_digest followed the push
+    assert history[0].ratio_min != 1.0 or history[0].ratio_max != 1.0  # the second inner step is off-policy
+    assert "on-policy ratio == 1: True" in lines[0] and lines[-2].startswith("reward curve: 0:")
     assert lines[-1].endswith("(the last pushed weights)")
+    assert seconds < 60, f"2 iterations took {seconds:.1f} s"
+
+
+def test_jpeg_compressibility_is_flow_grpos():
+    grpo = _load_example()
+    rng = np.random.default_rng(0)
+    images = np.stack([np.zeros((32, 32, 3), np.uint8), rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)])
+    got = grpo.jpeg_compressibility(images)
+    for image, reward in zip(images, got, strict=True):
+        buf = io.BytesIO()
+        Image.fromarray(image).save(buf, "JPEG", quality=95)
+        assert float(reward) == pytest.approx(-(len(buf.getvalue()) / 1000) / 500, rel=1e-6)
+    assert got[0] > got[1]  # the flat image compresses better
 
 
 def test_group_advantages_and_clipped_loss():

@@ -108,7 +108,6 @@ def ddim_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 item 18: a non-flow-match --model-dir model is accepted with 202")
 @pytest.mark.timeout(180)
 def test_model_dir_with_a_non_flow_match_scheduler_is_refused(ddim_model_dir: Path) -> None:
     try:
