@@ -7,9 +7,11 @@ The trainer holds its own copy of the model with a peft LoRA on Flow-GRPO's SD3 
 (`get_peft_model`, `init_lora_weights="gaussian"`: lora_B starts at zero) and pushes the adapter
 to the server first, so both run the same policy. Each iteration:
   1. submit one rollout: P prompts x G outputs (a GRPO group per prompt), SDE sampler, the decoded
-     images (`return.outputs`), and `expected_digest` = the digest the last push answered (a
+     images (`return.outputs`), the conditioning the transformer consumed (`return.conditioning`),
+     and `expected_digest` = the digest the last push answered (a
      rollout on any other weights is refused: no off-policy batch reaches the update);
-  2. pull the trajectory (torch tensors) and the images (`Client.pull_outputs`, uint8 [B, H, W, 3]);
+  2. pull the trajectory (torch tensors), the images (`Client.pull_outputs`, uint8 [B, H, W, 3])
+     and the conditioning (`Client.pull_conditioning`: prompt embeddings, per sample);
   3. reward: DDPO's JPEG compressibility as Flow-GRPO computes it: each image saved as JPEG at
      quality 95, size in kB (bytes / 1000), reward = -size_kB / 500;
   4. advantages normalised within each prompt's group;
@@ -21,8 +23,8 @@ to the server first, so both run the same policy. Each iteration:
   7. push the adapter (`peft.get_peft_model_state_dict` -> safetensors with the LoraConfig as
      JSON under the header metadata key `lora_config`: `Client.push_lora`); its digest is the
      next iteration's `expected_digest`.
-At the end it prints the reward curve (mean reward per iteration). The conditioning is replayed
-with the trainer's own text encoders (the same seeded weights as the server's).
+At the end it prints the reward curve (mean reward per iteration). The trainer holds no text
+encoders: its replay runs the transformer on the server's conditioning stream.
 """
 
 from __future__ import annotations
@@ -101,7 +103,10 @@ def lora_trainer(rank: int, seed: int) -> tuple[LoadedModel, Any, LoraConfig]:
     config = LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian", target_modules=TARGETS)
     torch.manual_seed(seed)  # lora_A's init
     transformer = get_peft_model(base.pipeline.transformer, config)  # only the LoRA factors train
-    pipe = type(base.pipeline)(**{**base.pipeline.components, "transformer": transformer})
+    # No text encoders: the trainer replays from the server's conditioning stream (return.conditioning).
+    components = {k: (None if k.startswith(("text_encoder", "tokenizer")) else v)
+                  for k, v in base.pipeline.components.items()}
+    pipe = type(base.pipeline)(**{**components, "transformer": transformer})
     pipe.set_progress_bar_config(disable=True)
     model = LoadedModel(id=MODEL, family=base.family, pipeline=pipe, device=base.device, dtype=base.dtype,
                         digest="trainer", defaults=base.defaults)
@@ -133,12 +138,13 @@ def train(
             ticket = client.submit(
                 model=MODEL, prompts=list(prompts), num_outputs_per_prompt=group, num_inference_steps=steps,
                 seed=seed + it, sampler={"type": "sde", "noise_level": 0.7}, expected_digest=digest,
-                return_={"outputs": True},
+                return_={"outputs": True, "conditioning": True},
             )
             client.wait(ticket, timeout=120)
             traj = client.pull(ticket)
             assert traj.metadata["model"]["digest"] == digest, "trajectory was not produced by the pushed adapter"
             images = client.pull_outputs(ticket)  # uint8 [B, H, W, 3]
+            cond = client.pull_conditioning(ticket)  # the tensors the server's transformer consumed
             rewards = jpeg_compressibility(images)  # [B]
             adv = group_advantages(rewards, group)  # [B]
             sde = list(traj.sde_steps)  # absolute transition indices
@@ -149,7 +155,7 @@ def train(
             transformer.train(False)  # dropout off: the server's forward, bit for bit
             for k in range(inner_steps):
                 # [B, S], graph to the LoRA factors; the steps after the first are off-policy on purpose.
-                logp_new = replay_log_probs(model, traj, grad=True, check_weights=False)[:, sde]
+                logp_new = replay_log_probs(model, traj, grad=True, check_weights=False, conditioning=cond)[:, sde]
                 loss, ratio = policy_loss(logp_new, logp_old, adv, clip)
                 if k == 0:
                     on_policy_one = torch.equal(ratio.detach(), torch.ones_like(ratio))

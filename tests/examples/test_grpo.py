@@ -73,3 +73,11 @@ def test_group_advantages_and_clipped_loss():
     # ratio e^0.5 > 1 + clip: the positive-advantage sample is clipped, the negative one is not.
     assert torch.equal(ratio, torch.full((2, 1), math.exp(0.5), dtype=torch.float32))
     assert math.isclose(float(loss), (-(1.1) + math.exp(0.5)) / 2, rel_tol=1e-6)
+
+
+def test_the_trainer_holds_no_text_encoders():
+    """The loop replays from the conditioning stream: its trainer pipeline has no text encoders to fall back on."""
+    model, _, _ = _load_example().lora_trainer(rank=2, seed=0)
+    comps = model.pipeline.components
+    encoders = [k for k in comps if k.startswith(("text_encoder", "tokenizer"))]
+    assert encoders and all(comps[k] is None for k in encoders)
