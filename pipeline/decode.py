@@ -12,7 +12,7 @@ class. Other pipelines raise ValueError saying why (callers draw that reason ins
 
 `decode_uint8` is the public entry point for images users look at (plots, an outputs
 stream): its bytes equal `numpy.asarray` of the stock pipeline's `output_type="pil"` images,
-and for video the frames `diffusers.utils.export_to_video` writes from `output_type="np"`.
+or of each of its `output_type="pil"` video frames.
 """
 
 from __future__ import annotations
@@ -76,16 +76,17 @@ def decode_uint8(model: LoadedModel, latents: torch.Tensor, *, height: int | Non
                  width: int | None = None) -> np.ndarray[Any, np.dtype[np.uint8]]:
     """x_T [B, ...] -> uint8 images [B, H, W, 3] (sd3, flux) or video frames [B, F, H, W, 3] (wan).
 
-    Images: the pipeline's image_processor.postprocess to "np", then (x * 255).round() as its
-    numpy_to_pil does. Video: video_processor.postprocess_video to "np", then
-    (x * 255).astype(uint8) as export_to_video does (it truncates). Raises ValueError (with the
-    reason) for a model without a decodable VAE.
+    Both equal `numpy.asarray` of what the stock pipeline returns with `output_type="pil"` (the
+    contract's "outputs/v1"): the image_processor / video_processor postprocess to "np", then
+    (x * 255).round() as their numpy_to_pil does, per image or per frame. (diffusers'
+    export_to_video truncates instead: frames written to a video file can differ by 1.)
+    Raises ValueError (with the reason) for a model without a decodable VAE.
     """
     pipeline, _ = model.snapshot()
     out = _vae_output(model, pipeline, latents, height, width)
     with torch.inference_mode():
         if model.family == "wan":
             video = pipeline.video_processor.postprocess_video(out, output_type="np")  # [B, F, H, W, 3]
-            return np.asarray((video * 255).astype(np.uint8))
+            return np.asarray((video * 255).round().astype(np.uint8))
         images = pipeline.image_processor.postprocess(out, output_type="np")  # [B, H, W, 3] in [0, 1]
         return np.asarray((images * 255).round().astype(np.uint8))

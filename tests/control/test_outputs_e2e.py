@@ -2,8 +2,8 @@
 
 Reference: the stock diffusers pipeline itself. An "ode" rollout's x_T equals the stock
 `__call__` run with `latents=x_0` (contract), so the stock pipeline's own decode of that run
-(`output_type="pil"` for images; for video the frames export_to_video writes from "np", as
-tests/pipeline/test_decode.py) is what the stream must hold, byte for byte.
+(`output_type="pil"`, images or video frames, as tests/pipeline/test_decode.py) is what the stream
+must hold, byte for byte.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def _stock_outputs(model, case: dict[str, Any], steps: int, x0: torch.Tensor) ->
         kw["negative_prompt"] = case["negative_prompt"]
     with _stock_scheduler(model.pipeline) as pipe, torch.inference_mode():
         if d.is_video:
-            frames = pipe(output_type="np", num_frames=d.num_frames, **kw).frames  # [B, F, H, W, 3] in [0, 1]
-            want = np.stack([np.stack([(f * 255).astype(np.uint8) for f in v]) for v in frames])  # export_to_video
+            frames = pipe(output_type="pil", num_frames=d.num_frames, **kw).frames  # B lists of F PIL frames
+            want = np.stack([np.stack([np.asarray(f) for f in v]) for v in frames])
         else:
             images = pipe(output_type="pil", **kw).images
             want = np.stack([np.asarray(im) for im in images])

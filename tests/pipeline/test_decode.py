@@ -2,8 +2,7 @@
 
 Reference: the stock pipeline's own `__call__` with its own decode. A step-end callback records
 the latents the loop ends on (x_T); decode_uint8 of those must equal numpy.asarray of the
-pipeline's `output_type="pil"` images (sd3, flux), or the frames export_to_video writes from
-`output_type="np"` (wan: (frame * 255).astype(uint8)).
+pipeline's `output_type="pil"` images (sd3, flux) and video frames (wan), as the contract says.
 """
 
 from __future__ import annotations
@@ -48,11 +47,10 @@ def test_images_equal_the_stock_pipelines_pil_output(registry, model_id):
     assert np.array_equal((floats.permute(0, 2, 3, 1).numpy() * 255).round().astype(np.uint8), want)
 
 
-def test_video_frames_equal_the_stock_pipelines_export(registry):
+def test_video_frames_equal_the_stock_pipelines_pil_frames(registry):
     model = registry.get("tiny-wan")
-    out, x_t = _stock(model, "np", num_frames=5)
-    video = out.frames  # float [B, F, H, W, 3] in [0, 1]
-    want = np.stack([np.stack([(frame * 255).astype(np.uint8) for frame in v]) for v in video])  # export_to_video
+    out, x_t = _stock(model, "pil", num_frames=5)
+    want = np.stack([np.stack([np.asarray(frame) for frame in v]) for v in out.frames])  # PIL frames per video
     got = decode_uint8(model, x_t)
     assert got.shape == want.shape == (2, 5, 32, 32, 3)
     assert np.array_equal(got, want)
