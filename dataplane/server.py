@@ -92,6 +92,13 @@ class _CallSlotFactory(flight.ServerMiddlewareFactory):
 
 
 class FlightDataServer(flight.FlightServerBase):
+    """The Flight RPC surface over a ResultStore (do_get, get_flight_info, get_schema,
+    list_flights, do_action, list_actions) for trajectories and their extra streams.
+
+    Long (~290 lines) for a reason: a FlightServerBase subclass is its RPC methods, as in
+    pyarrow's examples; each is short and maps store errors to typed Flight errors. Tickets,
+    entries, budget and files live in the store's modules."""
+
     def __init__(
         self,
         store: ResultStore,

@@ -104,8 +104,9 @@ class _Slot:
 class RayBackend:
     """Backend protocol (control/jobs/manager.py) over N `RolloutWorker` actors.
 
-    Long (~265 lines) for a reason: it owns the worker slots and their generations under one
-    lock; placement (`reserve`), the run-and-poll loop, and replacing a dead worker all read and
+    Long (~340 lines) for a reason: it owns the worker slots and their generations under one
+    lock; placement (`reserve`), the run-and-poll loop, replacing a dead worker and fanning
+    weights and LoRA changes out to every worker (a replacement gets the latest) all read and
     change those slots together. The worker itself (worker.py) and its node (control/node.py)
     live outside."""
 

@@ -218,10 +218,12 @@ def _put_later(journal: Journal, job: Job) -> None:
 class JobManager:
     """Statuses, idempotency keys, the bounded queue, worker threads and the TTL reaper.
 
-    Long (~250 lines) for a reason: one re-entrant lock guards every job's state, and each
-    public method is one transition of that state machine under it; spreading the transitions
-    over several classes would spread the lock. The restart scan (`recover_jobs`) and the
-    journal (journal.py) live outside."""
+    Long (~400 lines) for a reason: one re-entrant lock guards every job's state, and each
+    public method is one transition of that state machine under it (submit, cancel, release,
+    the journal's failure and recovery, a lost result); spreading the transitions over several
+    classes would spread the lock. The restart scan (`recover_jobs`) and the journal
+    (journal.py) live outside. The journal retry and the worker loop are the next candidates
+    to move out."""
 
     def __init__(
         self,
