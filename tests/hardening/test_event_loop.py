@@ -24,7 +24,8 @@ def test_a_stalled_journal_write_blocks_neither_the_event_loop_nor_status_reads(
     with ServerProcess("--data-dir", str(data)) as server, server.client() as c:
         done = c.post("/v1/rollouts", json=BODY).json()
         assert wait_for_status(c, done["id"], {"succeeded"})["status"] == "succeeded"
-        journal = sqlite3.connect(data / "jobs.sqlite3", timeout=0, isolation_level=None)
+        # timeout: wait for a write the server may be doing right now (its reaper, the finish row)
+        journal = sqlite3.connect(data / "jobs.sqlite3", timeout=10, isolation_level=None)
         journal.execute("BEGIN EXCLUSIVE")  # the server's next INSERT waits on this lock
         stalled: dict[str, object] = {}
 
