@@ -9,7 +9,6 @@ must hold, byte for byte.
 from __future__ import annotations
 
 import io
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -17,12 +16,12 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 from PIL import Image
 
 from pipeline.models import ModelRegistry
 from sigmaflight import Client
 from tests.servers import ServerProcess, wait_for_status
+from tests.stock import stock_scheduler
 
 TOKEN = "outputs-e2e-token-0123456789"
 
@@ -45,16 +44,6 @@ def registry():
     return ModelRegistry()
 
 
-@contextmanager
-def _stock_scheduler(pipe):
-    original = pipe.scheduler
-    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(original.config)
-    try:
-        yield pipe
-    finally:
-        pipe.scheduler = original
-
-
 def _stock_outputs(model, case: dict[str, Any], steps: int, x0: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     """(uint8 outputs of the stock pipeline's own decode, the x_T its loop ended on)."""
     d = model.defaults
@@ -72,7 +61,7 @@ def _stock_outputs(model, case: dict[str, Any], steps: int, x0: torch.Tensor) ->
     kw["num_videos_per_prompt" if d.is_video else "num_images_per_prompt"] = case["num_outputs_per_prompt"]
     if "negative_prompt" in case:
         kw["negative_prompt"] = case["negative_prompt"]
-    with _stock_scheduler(model.pipeline) as pipe, torch.inference_mode():
+    with stock_scheduler(model.pipeline) as pipe, torch.inference_mode():
         if d.is_video:
             frames = pipe(output_type="pil", num_frames=d.num_frames, **kw).frames  # B lists of F PIL frames
             want = np.stack([np.stack([np.asarray(f) for f in v]) for v in frames])

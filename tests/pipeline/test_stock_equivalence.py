@@ -19,6 +19,7 @@ from pipeline.models import LoadedModel, ModelRegistry
 from pipeline.replay import Replayer
 from pipeline.rollout import rollout_metadata, run_rollout
 from pipeline.spec import RolloutSpec, SamplerSpec
+from tests.stock import stock_scheduler
 
 CASES: dict[str, dict[str, Any]] = {
     # tiny-sd3 with CFG (guidance 4.5 > 1) and a negative prompt; tiny-flux (guidance embedding);
@@ -31,17 +32,6 @@ CASES: dict[str, dict[str, Any]] = {
 
 def _same(a, b):
     return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(), b.nan_to_num())
-
-
-@contextmanager
-def _stock_scheduler(pipe):
-    """The same pipeline object, with a fresh stock scheduler from the same config (restored after)."""
-    original = pipe.scheduler
-    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(original.config)
-    try:
-        yield pipe
-    finally:
-        pipe.scheduler = original
 
 
 @contextmanager
@@ -77,7 +67,7 @@ def _stock_call(model, spec, x0):
         kwargs["num_frames"] = d.num_frames
     if spec.negative_prompt is not None:
         kwargs["negative_prompt"] = spec.negative_prompt
-    with _stock_scheduler(model.pipeline) as pipe, torch.inference_mode():
+    with stock_scheduler(model.pipeline) as pipe, torch.inference_mode():
         out = pipe(**kwargs)
     return steps, (out.frames if d.is_video else out.images)
 
