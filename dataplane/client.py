@@ -17,6 +17,7 @@ running rollout, ``transport="flight"``) goes over gRPC; the debug log says why.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import json
@@ -25,6 +26,7 @@ import os
 import queue
 import threading
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -167,17 +169,25 @@ class Trajectory:
         latents = out if out is not None else empty_hugepages(shape, header.latent_dtype)
         log_probs = torch.full((b, t), float("nan"), dtype=torch.float32)
         seen = torch.zeros((b, len(header.steps)), dtype=torch.bool)
-        for batch in batches:
-            st = batch_to_tensors(batch, dtype=header.latent_dtype)
-            k = pos.get(st.step)
-            if k is None:
-                raise ValueError(f"stream holds step {st.step}, not listed in sigmaflight.steps")
-            idx = _rows(st.sample)
-            if source is None or not isinstance(idx, slice) or not source.read_latents(batch, latents[idx, k]):
-                latents[idx, k] = st.latent
-            seen[idx, k] = True
-            if st.step < t:
-                log_probs[idx, st.step] = st.log_prob
+        with source.reads() if source is not None else contextlib.nullcontext() as reads:
+            pending: list[tuple[Future[bool], torch.Tensor, torch.Tensor]] = []  # read, dest, fallback
+            for batch in batches:
+                st = batch_to_tensors(batch, dtype=header.latent_dtype)
+                k = pos.get(st.step)
+                if k is None:
+                    raise ValueError(f"stream holds step {st.step}, not listed in sigmaflight.steps")
+                idx = _rows(st.sample)
+                if reads is not None and isinstance(idx, slice):  # the kernel copies, on the pool
+                    dest = latents[idx, k]
+                    pending.append((reads.submit(batch, dest), dest, st.latent))
+                else:
+                    latents[idx, k] = st.latent
+                seen[idx, k] = True
+                if st.step < t:
+                    log_probs[idx, st.step] = st.log_prob
+            for done, dest, fallback in pending:
+                if not done.result():
+                    dest.copy_(fallback)
         if not bool(seen.all()):
             missing = sorted({header.steps[int(k)] for k in torch.nonzero(~seen)[:, 1]})
             raise ValueError(f"trajectory {header.rollout_id} is incomplete: steps {missing} missing")
@@ -240,7 +250,12 @@ class LocalFile(NamedTuple):
 
 
 class FileSource:
-    """A memory-mapped trajectory file, read with preadv into tensors (one copy by the kernel)."""
+    """A memory-mapped trajectory file, read with preadv into tensors (one copy by the kernel).
+
+    Reads run on a small thread pool (preadv releases the GIL): on this 2-core box one thread
+    copies out of tmpfs at about 4.4 GB/s into a warm buffer and two at about 11 GB/s; into
+    fresh (huge-page) memory, where the kernel also zeroes each page, 3.4 against 7.6 GB/s
+    (/tmp micro-benchmarks, 1 GiB, 2026-12-01; the figures of record are ops/bench_transport.py's)."""
 
     _IOV_MAX = 1024
 
@@ -252,6 +267,14 @@ class FileSource:
     def read_latents(self, batch: pa.RecordBatch, dest: torch.Tensor) -> bool:
         """Copy the batch's latent rows into ``dest`` [rows, *shape] (each row contiguous).
         False (nothing trusted) if the batch is not in this file or a read comes up short."""
+        with self.reads() as reads:
+            return reads.submit(batch, dest).result()
+
+    def reads(self) -> _Reads:
+        """Parallel `read_latents` on one descriptor: ``with src.reads() as r: r.submit(b, d)``."""
+        return _Reads(self)
+
+    def read(self, fd: int, batch: pa.RecordBatch, dest: torch.Tensor) -> bool:
         storage = batch.column("latent").storage
         values = storage.values
         n = int(np.prod(dest.shape[1:]))
@@ -260,15 +283,74 @@ class FileSource:
         if len(dest) != len(storage) or off < 0 or off + row * len(dest) > self._size:
             return False
         views = [dest[j].view(-1).view(torch.uint8).numpy().data for j in range(len(dest))]  # views, never copies
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            for a in range(0, len(views), self._IOV_MAX):
-                chunk = views[a : a + self._IOV_MAX]
-                if os.preadv(fd, chunk, off + a * row) != row * len(chunk):
-                    return False
-        finally:
-            os.close(fd)
+        for a in range(0, len(views), self._IOV_MAX):
+            chunk = views[a : a + self._IOV_MAX]
+            if os.preadv(fd, chunk, off + a * row) != row * len(chunk):
+                return False
         return True
+
+
+class _Reads:
+    """An open descriptor and the reads submitted on it; leaving waits for every read (even on
+    an error) before the descriptor is closed, so no read can land on a reused fd number."""
+
+    def __init__(self, source: FileSource) -> None:
+        self._source = source
+        self._futures: list[Future[bool]] = []
+        try:
+            self._fd: int | None = os.open(source.path, os.O_RDONLY)
+        except OSError as e:  # deleted or replaced since it was mapped: copy from the mapping
+            log.debug("cannot reopen %s (%s); copying from the mapped file", source.path, e)
+            self._fd = None
+
+    def submit(self, batch: pa.RecordBatch, dest: torch.Tensor) -> Future[bool]:
+        done: Future[bool]
+        if self._fd is None:
+            done = Future()
+            done.set_result(False)
+        else:
+            done = _reader_pool().submit(self._read, self._fd, batch, dest)
+        self._futures.append(done)
+        return done
+
+    def _read(self, fd: int, batch: pa.RecordBatch, dest: torch.Tensor) -> bool:
+        try:
+            return self._source.read(fd, batch, dest)
+        except OSError as e:
+            log.debug("reading %s failed (%s); copying from the mapped file", self._source.path, e)
+            return False
+
+    def __enter__(self) -> _Reads:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            wait(self._futures)
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+
+
+def _read_threads() -> int:
+    """Threads for pull's file reads: the CPUs this process may use, at most 8 (memory
+    bandwidth, not CPU, is the limit past a few)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus))
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _reader_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_read_threads(), thread_name_prefix="sigmaflight-read")
+        return _pool
 
 
 def _rows(sample: torch.Tensor) -> slice | torch.Tensor:

@@ -15,7 +15,7 @@ import pyarrow.flight as flight
 import pytest
 import torch
 
-from dataplane.client import TrajectoryClient
+from dataplane.client import Trajectory, TrajectoryClient
 from dataplane.codec import batch_to_tensors
 from dataplane.record import StepBatch, TrajectoryHeader
 from dataplane.server import FlightDataServer
@@ -171,14 +171,22 @@ def test_budget_counts_the_files_and_spill_moves_them_to_the_durable_copy(tmp_pa
         fill(s, header)
         a = s.get("a")
         assert a.shm_path == shm / "a.arrow" and a.in_memory
+        served = a.served_table()  # what do_get streams (made once, cached)
+        assert served is not None and served[0].equals(pa.Table.from_batches(a.batches))
+        assert a.served_table() is not None and a.served_table()[0] is served[0]
         st = s.stats()
         assert st["bytes_in_memory"] == a.num_bytes and st["bytes_in_shm"] == (shm / "a.arrow").stat().st_size
         fill(s, build_header("b", T=3, B=4, shape=(4, 16, 16)))  # over the budget: the older one spills
         assert not (shm / "a.arrow").exists() and a.shm_path is None and not a.in_memory
         assert s.file_location(a) is None and s.file_location(s.get("b")) is not None
         assert s.stats()["bytes_in_memory"] == s.get("b").num_bytes
-        # served from data_dir now, same bytes
+        # served from data_dir now, same bytes; do_get's cached table went with the old batches
         assert pa.Table.from_batches(a.batches).equals(pa.ipc.open_file(str(data / "trajectories" / "a.arrow")).read_all())
+        now = a.served_table()
+        assert now is not None and now[0] is not served[0] and now[0].equals(served[0])
+        ranges = _mapped_ranges(data / "trajectories" / "a.arrow")
+        col = now[0].column("latent").chunk(0).storage.values.buffers()[1]
+        assert ranges and any(lo <= col.address < hi for lo, hi in ranges)
     assert not (shm / "b.arrow").exists()  # a closed store leaves no shared-memory files
 
 
@@ -232,3 +240,36 @@ def test_pull_from_the_file_reads_every_dtype_split_steps_and_long_batches_bit_e
             assert srv.metrics()["streams_served"] == 0
             for i, st in ref.items():
                 assert torch.equal(got.latent(i), st.latent)
+
+
+def _open_fds_of(path: Path) -> int:
+    n = 0
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            n += os.readlink(fd) == str(path)
+        except OSError:
+            pass
+    return n
+
+
+def test_pull_reads_on_a_pool_closes_its_descriptor_and_copies_from_the_mapping_when_the_file_is_gone(
+    tmp_path, caplog
+):
+    header = build_header("gone", T=3, B=6, shape=(4, 8, 8))
+    with ResultStore(memory_budget_bytes=1 << 30, shm_dir=tmp_path / "shm", max_batch_bytes=1 << 10) as s, \
+            FlightDataServer(s) as srv:
+        ref = fill(s, header)
+        path = tmp_path / "shm" / "gone.arrow"
+        with TrajectoryClient(srv.locations[0]) as tc:
+            got = tc.pull("gone")  # many small batches: many reads in flight on the pool
+            assert _open_fds_of(path) == 0  # every read finished before the descriptor closed
+            local = tc.local_file("gone")
+            assert local is not None and len(local.batches) > 8
+        for i, st in ref.items():
+            assert torch.equal(got.latent(i), st.latent)
+        caplog.set_level(logging.DEBUG, logger="dataplane.client")
+        path.unlink()  # mapped already; the reopen for preadv fails
+        again = Trajectory.from_batches(local.schema, local.batches, source=local.source)
+        assert "copying from the mapped file" in caplog.text
+        assert torch.equal(again.latents, got.latents)
+        assert srv.metrics()["streams_served"] == 0
