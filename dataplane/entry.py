@@ -76,6 +76,8 @@ class Entry:
         self.source_size = 0
         self.crcs: tuple[int, ...] | None = None
         """Checksum of each batch as written (dataplane/files.batch_crc); None if unknown."""
+        self._served: dict[tuple[int, int], tuple[pa.Table, int]] = {}
+        """served_table's cache, (start, stride) -> (table, bytes); emptied when the batches change."""
 
     @classmethod
     def finished(
@@ -173,6 +175,7 @@ class Entry:
         their index."""
         with self.cond:
             self.batches = batches
+            self._served = {}
             self.in_memory = in_memory
             self.source = source
             self.source_size = source_size
@@ -185,6 +188,7 @@ class Entry:
             self.state = state
             self.message = message
             self.batches = []
+            self._served = {}
             self.extras = {}
             self.extra_bytes = 0
             self.in_memory = False
@@ -238,3 +242,17 @@ class Entry:
             if self.state != "succeeded":
                 return None
             return self.batches[start::stride]
+
+    def served_table(self, start: int = 0, stride: int = 1) -> tuple[pa.Table, int] | None:
+        """`snapshot` as one table and its bytes, made once per batch list: a finished rollout
+        pulled again costs no Python per batch (RecordBatch.nbytes walks every buffer: 260 us
+        a call for 9 batches, 5% of a 16 MiB pull). None if not succeeded."""
+        with self.cond:
+            if self.state != "succeeded":
+                return None
+            hit = self._served.get((start, stride))
+            if hit is None:
+                part = self.batches[start::stride]
+                hit = (pa.Table.from_batches(part, schema=self.schema), sum(b.nbytes for b in part))
+                self._served[(start, stride)] = hit
+            return hit

@@ -64,6 +64,11 @@ class BearerTokenMiddlewareFactory(flight.ServerMiddlewareFactory):
         return None
 
 
+_IPC_OPTIONS = pa.ipc.IpcWriteOptions()
+"""Made once: without options, each RecordBatchStream builds its own from two environment
+variables (legacy IPC formats, which sigmaflight never writes)."""
+
+
 class _StreamSlot:
     """Holds one of max_concurrent_streams; freed when the stream ends or is dropped."""
 
@@ -296,15 +301,16 @@ class FlightDataServer(flight.FlightServerBase):
         except BaseException:
             slot.free()
             raise
-        done = entry.snapshot(start, stride)
         call = context.get_middleware("slots")
-        if done is not None and isinstance(call, _CallSlot):
+        done = entry.served_table(start, stride) if isinstance(call, _CallSlot) else None
+        if done is not None:
             # Finished: a C++ table reader streams it, with no Python (and no GIL) per batch;
             # the slot is freed when the call completes.
             call.slot = slot
+            table, nbytes = done
             with self._lock:
-                self.bytes_served += sum(b.nbytes for b in done)
-            return flight.RecordBatchStream(pa.Table.from_batches(done, schema=entry.schema))
+                self.bytes_served += nbytes
+            return flight.RecordBatchStream(table, options=_IPC_OPTIONS)
         return flight.GeneratorStream(entry.schema, self._serve(entry, start, stride, slot, should_stop))
 
     def _do_get_stream(
@@ -328,7 +334,7 @@ class FlightDataServer(flight.FlightServerBase):
             slot.free()
         with self._lock:
             self.bytes_served += table.nbytes
-        return flight.RecordBatchStream(table)
+        return flight.RecordBatchStream(table, options=_IPC_OPTIONS)
 
     def get_flight_info(
         self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor
