@@ -177,6 +177,7 @@ class RayBackend:
             batch_invariant=settings.batch_invariant,
             host=settings.host,
             data_dir=str(settings.data_dir) if settings.data_dir is not None else None,
+            shm_dir=str(settings.shm_dir) if settings.shm_dir is not None else None,
             store_budget_bytes=settings.store_budget_bytes,
             tokens=tuple(settings.tokens()),
             tls_certificates=settings.tls_certificates(),
@@ -193,6 +194,8 @@ class RayBackend:
         cfg = self._config
         if cfg.data_dir is not None:
             cfg = replace(cfg, data_dir=f"{cfg.data_dir}/worker-{index}")
+        if cfg.shm_dir is not None:  # one live store a directory: a replacement takes over its files
+            cfg = replace(cfg, shm_dir=f"{cfg.shm_dir}/worker-{index}")
         cfg = replace(cfg, index=index)
         actor_cls = _remote_worker_class().options(
             name=f"{ACTOR_PREFIX}{index}-{generation}",

@@ -50,6 +50,9 @@ class WorkerConfig:
     and advertises the node's IP, so trainers on other nodes can reach it."""
     data_dir: str | None = None
     """This worker's own durable directory (node-local), or None for memory only."""
+    shm_dir: str | None = None
+    """This worker's own --shm-dir (node-local): its finished trajectories as shared-memory files
+    that trainers on the worker's host read directly (others stream over gRPC)."""
     store_budget_bytes: int = 4 << 30
     tokens: tuple[str, ...] = ()
     tls_certificates: tuple[tuple[bytes, bytes], ...] = ()
@@ -70,6 +73,7 @@ class RolloutWorker:
                 dtype=config.dtype,
                 model_dir=config.model_dir,
                 data_dir=config.data_dir,
+                shm_dir=config.shm_dir,
                 store_budget_bytes=config.store_budget_bytes,
                 host=config.host if loopback else "0.0.0.0",
                 port=0,

@@ -91,3 +91,13 @@ def expected_log_prob(header: TrajectoryHeader, steps: dict[int, StepBatch], i: 
     lp = steps[i].log_prob
     assert lp is not None
     return lp
+
+
+def mapped_ranges(path: Path) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of ``path`` (from /proc/self/maps)."""
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(str(path)):
+            lo, hi = line.split()[0].split("-")
+            out.append((int(lo, 16), int(hi, 16)))
+    return out

@@ -21,7 +21,7 @@ from dataplane.record import StepBatch, TrajectoryHeader
 from dataplane.server import FlightDataServer
 from dataplane.shm import host_id, parse_file_location
 from dataplane.store import ResultStore, TrajectoryWriter
-from tests.dataplane.helpers import build_header, fill, make_steps
+from tests.dataplane.helpers import build_header, fill, make_steps, mapped_ranges
 from tests.servers import ServerProcess, wait_for_status
 
 SMALL = {"prompts": ["a red cube", "a blue ball"], "num_inference_steps": 3, "seed": 12}
@@ -43,16 +43,6 @@ def _locations(flight_url: str, rollout_id: str, token: str | None = None) -> li
             flight.FlightDescriptor.for_path("rollouts", rollout_id), flight.FlightCallOptions(headers=headers)
         )
     return [loc.uri.decode() for loc in fi.endpoints[0].locations]
-
-
-def _mapped_ranges(path: Path) -> list[tuple[int, int]]:
-    """Address ranges of this process's mappings of ``path`` (from /proc/self/maps)."""
-    out = []
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        if line.endswith(str(path)):
-            lo, hi = line.split()[0].split("-")
-            out.append((int(lo, 16), int(hi, 16)))
-    return out
 
 
 def _equal(a: object, b: object) -> None:
@@ -86,7 +76,7 @@ def test_real_server_offers_the_file_and_a_same_host_client_reads_it_without_a_s
             local = tc.pull(ticket)
             chunks = list(tc.iter_chunks(rid))
             steps = list(tc.iter_steps(ticket))
-            ranges = _mapped_ranges(path)
+            ranges = mapped_ranges(path)
             assert ranges and all(any(lo <= ch.latent.data_ptr() < hi for lo, hi in ranges) for ch in chunks)
         assert _bytes_served(server) == served  # no gRPC stream was opened
         _equal(local, over_grpc)
@@ -184,7 +174,7 @@ def test_budget_counts_the_files_and_spill_moves_them_to_the_durable_copy(tmp_pa
         assert pa.Table.from_batches(a.batches).equals(pa.ipc.open_file(str(data / "trajectories" / "a.arrow")).read_all())
         now = a.served_table()
         assert now is not None and now[0] is not served[0] and now[0].equals(served[0])
-        ranges = _mapped_ranges(data / "trajectories" / "a.arrow")
+        ranges = mapped_ranges(data / "trajectories" / "a.arrow")
         col = now[0].column("latent").chunk(0).storage.values.buffers()[1]
         assert ranges and any(lo <= col.address < hi for lo, hi in ranges)
     assert not (shm / "b.arrow").exists()  # a closed store leaves no shared-memory files

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pyarrow.flight as flight
 import pytest
+import torch
 
+from dataplane.client import Trajectory, TrajectoryClient
+from dataplane.shm import host_id, parse_file_location
+from tests.dataplane.helpers import mapped_ranges
 from tests.servers import ServerProcess, wait_for_status
 
 pytest.importorskip("ray", reason="the Ray backend needs `pip install sigmaflight[ray]`")
 
 
-def test_serve_with_ray_workers_hands_out_worker_locations(tmp_path):
-    flags = ("--backend", "ray", "--ray-address", "local", "--workers", "2", "--ray-num-cpus", "1")
+def test_serve_with_ray_workers_hands_out_worker_locations_and_their_shared_memory_files(tmp_path):
+    shm = tmp_path / "shm"
+    flags = ("--backend", "ray", "--ray-address", "local", "--workers", "2", "--ray-num-cpus", "1",
+             "--shm-dir", str(shm))
     with ServerProcess(*flags, timeout=180) as server, server.client() as client:
         tickets = []
         for seed in (1, 2):
@@ -26,9 +34,25 @@ def test_serve_with_ray_workers_hands_out_worker_locations(tmp_path):
             with flight.FlightClient(t["flight"]["locations"][0]) as fc:
                 table = fc.do_get(flight.Ticket(t["flight"]["ticket"].encode())).read_all()
             assert table.num_rows == done["result"]["num_rows"] == 4
+            # each worker keeps its finished rollouts in its own DIR/worker-N and offers the file;
+            # a client on this host reads it: iter_chunks gives views into this process's mapping of it
+            with TrajectoryClient(t["flight"]["locations"][0]) as tc:
+                info = tc.info(t["id"])
+                files = [parse_file_location(u) for u in info["locations"][1:]]
+                assert len(files) == 1 and files[0] is not None
+                path, host = files[0]
+                assert path.parent.parent == shm and path.parent.name.startswith("worker-") and host == host_id()
+                local = tc.pull(t["flight"]["ticket"])
+                chunks = list(tc.iter_chunks(t["id"]))
+                ranges = mapped_ranges(path)
+                assert ranges and all(any(lo <= c.latent.data_ptr() < hi for lo, hi in ranges) for c in chunks)
+            assert torch.equal(local.latents, Trajectory.from_table(table).latents)
+        assert {p.parent.name for p in shm.glob("worker-*/*.arrow")} == {"worker-0", "worker-1"}
+        released = next(shm.glob(f"worker-*/{tickets[0]['id']}.arrow"))
         assert client.delete(f"/v1/rollouts/{tickets[0]['id']}").status_code == 200
         with flight.FlightClient(tickets[0]["flight"]["locations"][0]) as fc, pytest.raises(flight.FlightError):
             fc.do_get(flight.Ticket(tickets[0]["flight"]["ticket"].encode())).read_all()  # released on the worker
+        assert not released.exists()  # and its file removed
         assert server.terminate(timeout=30) in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown
         assert '"stopped"' in server.log_text  # the graceful path ran: ray.init must not steal SIGTERM
 
