@@ -163,7 +163,8 @@ def test_budget_counts_the_files_and_spill_moves_them_to_the_durable_copy(tmp_pa
         assert a.shm_path == shm / "a.arrow" and a.in_memory
         served = a.served_table()  # what do_get streams (made once, cached)
         assert served is not None and served[0].equals(pa.Table.from_batches(a.batches))
-        assert a.served_table() is not None and a.served_table()[0] is served[0]
+        again = a.served_table()
+        assert again is not None and again[0] is served[0]
         st = s.stats()
         assert st["bytes_in_memory"] == a.num_bytes and st["bytes_in_shm"] == (shm / "a.arrow").stat().st_size
         fill(s, build_header("b", T=3, B=4, shape=(4, 16, 16)))  # over the budget: the older one spills
