@@ -82,7 +82,7 @@ class MemoryBudget:
             for e in done:
                 if self._used <= self.limit_bytes:
                     break
-                nbytes = e.num_bytes
+                nbytes = e.num_bytes + e.extra_bytes  # the extra streams spill with it
                 if not move_out(e):
                     if not self._warned:
                         log.warning(

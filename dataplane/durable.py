@@ -4,6 +4,11 @@ Every trajectory is written through to ``<id>.arrow.partial`` as it is produced 
 atomically renamed to ``<id>.arrow`` (after fsync) when it finishes, so a finished
 trajectory survives kill -9. A new store on the same directory serves it again under the
 same id and ticket (kept in the file footer's custom metadata, not in the schema).
+
+A rollout's extra streams ("outputs", "conditioning") are written whole, when published, to
+``<data_dir>/streams/<id>.<stream>.arrow`` (atomic and fsync'd the same way, the ticket in the
+footer, a checksum per batch). That happens before the trajectory's own rename, so a finished
+trajectory's streams are on disk whenever it is; the restart scan attaches them, memory-mapped.
 """
 
 from __future__ import annotations
@@ -16,8 +21,16 @@ from pathlib import Path
 import pyarrow as pa
 
 from dataplane.entry import Entry
-from dataplane.files import TEMP_SUFFIX, CorruptTrajectoryFile, TrajectoryFileWriter, map_trajectory
+from dataplane.files import (
+    TEMP_SUFFIX,
+    CorruptTrajectoryFile,
+    TrajectoryFileWriter,
+    map_stream,
+    map_trajectory,
+    write_trajectory,
+)
 from dataplane.schema import header_from_schema
+from dataplane.streams import FORMATS
 from dataplane.tickets import is_minted
 
 log = logging.getLogger("dataplane.store")
@@ -50,16 +63,19 @@ def read_entry(path: Path, *, validate: bool = True) -> Entry:
 
 
 def serve_from_durable(e: Entry) -> bool:
-    """Serve ``e`` memory-mapped from its durable file (dropping any shared-memory copy):
-    what spilling does. False if it has no durable file. Raises CorruptTrajectoryFile if
-    the file no longer holds what was written (its checksums, or those the writer kept)."""
+    """Serve ``e`` memory-mapped from its durable file (dropping any shared-memory copy), and
+    its extra streams from theirs: what spilling does. False if it has no durable file.
+    Raises CorruptTrajectoryFile if a file no longer holds what was written (its checksums, or
+    those the writer kept)."""
     if e.path is None:
         return False
     m = map_trajectory(e.path, validate=False, checksums=True)
     if e.crcs is not None and m.crcs is not None and m.crcs != e.crcs:
         raise CorruptTrajectoryFile(f"{e.path}: checksums differ from the ones written")
+    streams = {name: (map_stream(path, FORMATS[name])[0], path) for name, path in e.stream_paths.items()}
     # same boundaries as written: live readers keep their index
     e.replace_batches(m.batches, in_memory=False, source=e.path, source_size=m.size, crcs=m.crcs or e.crcs)
+    e.map_streams(streams)
     shm, e.shm_path = e.shm_path, None
     if shm is not None:
         shm.unlink(missing_ok=True)  # open maps keep their pages until unmapped
@@ -83,6 +99,50 @@ class DurableDir:
 
     def writer(self, rollout_id: str, schema: pa.Schema, ticket: str) -> TrajectoryFileWriter:
         return open_writer(self.path(rollout_id), schema, ticket)
+
+    @property
+    def stream_dir(self) -> Path:
+        return self.data_dir / "streams"
+
+    def stream_path(self, rollout_id: str, name: str) -> Path:
+        return self.stream_dir / f"{rollout_id}.{name}.arrow"
+
+    def write_stream(self, rollout_id: str, name: str, table: pa.Table, ticket: str) -> Path:
+        """Write one extra stream whole (atomic, durable); returns its path."""
+        return write_trajectory(self.stream_path(rollout_id, name), table.schema, table.to_batches(),
+                                footer={FOOTER_TICKET: ticket}, fsync=self.fsync)
+
+    def attach_streams(self, entries: list[Entry]) -> None:
+        """After ``scan``: give each entry the stream files written for it (memory-mapped,
+        checked), and remove the other ``.arrow`` files: half-written ones and those of rollouts
+        that never finished or expired while the server was down (other files are left alone). A corrupt stream file is
+        renamed ``.corrupt`` and that stream answers "not held any more"; the trajectory is served."""
+        self.stream_dir.mkdir(parents=True, exist_ok=True)
+        by_id = {e.rollout_id: e for e in entries}
+        for p in sorted(self.stream_dir.iterdir()):
+            if p.name.endswith(".arrow" + TEMP_SUFFIX):
+                log.warning("discarding half-written stream file %s (never finished)", p)
+                p.unlink(missing_ok=True)
+                continue
+            if p.suffix != ".arrow":  # not ours (.corrupt ones are kept for a look)
+                continue
+            rollout_id, _, name = p.name.removesuffix(".arrow").rpartition(".")
+            e = by_id.get(rollout_id)
+            if e is None or name not in e.streams_requested:
+                log.warning("discarding stream file %s (no finished rollout of that id asked for it)", p)
+                p.unlink(missing_ok=True)
+                continue
+            try:
+                table, footer = map_stream(p, FORMATS[name])
+                if footer.get(FOOTER_TICKET) != e.ticket:
+                    raise CorruptTrajectoryFile(f"{p}: written for another rollout of id {rollout_id}")
+            except CorruptTrajectoryFile as exc:
+                bad = p.with_name(p.name + ".corrupt")
+                log.error("discarding corrupt stream file (moved to %s, never served): %s", bad.name, exc)
+                os.replace(p, bad)
+                continue
+            e.map_streams({name: (table, p)})
+            log.info("serving stream %s of %s again from %s", name, rollout_id, p)
 
     def scan(self, ttl_s: float | None) -> list[Entry]:
         """The finished trajectories a previous store left: half-written files are removed,

@@ -70,7 +70,11 @@ class Entry:
         """Extra streams asked for ("outputs", "conditioning"); each published once, whole."""
         self.extras: dict[str, pa.Table] = {}
         self.extra_bytes = 0
-        """Bytes of the published extra streams (always in memory; counted in the budget)."""
+        """Bytes of the published extra streams held on the heap (counted in the budget);
+        streams mapped from their files after a restart count 0."""
+        self.stream_paths: dict[str, Path] = {}
+        """The durable file of each extra stream (data_dir), once written."""
+        self._mapped_streams: set[str] = set()
         self.source: Path | None = None
         """The file the batches are memory-mapped from (None: heap), and its size when mapped."""
         self.source_size = 0
@@ -133,6 +137,17 @@ class Entry:
             self.cond.notify_all()
         return int(table.nbytes)
 
+    def map_streams(self, tables: dict[str, tuple[pa.Table, Path]]) -> None:
+        """Serve these extra streams memory-mapped from their files (after a restart, or when
+        the entry spills): the heap copies go, and ``extra_bytes`` (what the budget counts)
+        keeps only the streams still on the heap."""
+        with self.cond:
+            for name, (table, path) in tables.items():
+                self.extras[name] = table
+                self.stream_paths[name] = path
+                self._mapped_streams.add(name)
+            self.extra_bytes = sum(int(t.nbytes) for n, t in self.extras.items() if n not in self._mapped_streams)
+
     def stream_table(self, name: str, *, should_stop: StopCheck | None = None) -> pa.Table:
         """An extra stream's table; waits while the rollout runs and has not published it yet
         (re-checking ``should_stop`` every POLL_S, as ``iter_batches`` does).
@@ -151,8 +166,8 @@ class Entry:
                 raise RolloutEnded(self.rollout_id, self.state, self.message or self.state)
             table = self.extras.get(name)
         if table is None:
-            raise StreamNotFound(self.rollout_id, name, "not held any more: extra streams live in memory only "
-                                                        "and do not survive a server restart")
+            raise StreamNotFound(self.rollout_id, name, "not held any more: the server restarted and found "
+                                                        "no intact file of it in its data dir")
         return table
 
     def succeed(self) -> None:

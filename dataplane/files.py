@@ -12,6 +12,7 @@ before checksums existed) are read unchecked.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -152,6 +153,49 @@ class MappedTrajectory(NamedTuple):
     """Each batch's checksum as written; None for a file without them."""
 
 
+def _map_ipc(
+    path: str | os.PathLike[str],
+) -> tuple[pa.Schema, list[pa.RecordBatch], list[int | None], dict[str, str], pa.Buffer]:
+    """Memory-map an Arrow IPC file: schema, batches pointing into the map, each batch's
+    checksum as written (None where absent), footer metadata, and the whole map."""
+    try:
+        source = pa.memory_map(str(path), "r")
+        whole = source.read_buffer()  # zero-copy: the map itself
+        source.seek(0)
+        reader = pa.ipc.open_file(source)
+        schema = reader.schema
+        batches: list[pa.RecordBatch] = []
+        crc_list: list[int | None] = []
+        for i in range(reader.num_record_batches):
+            b, meta = reader.get_batch_with_custom_metadata(i)
+            batches.append(b)
+            raw = (meta or {}).get(KEY_CRC.encode()) if meta is not None else None
+            crc_list.append(int(raw) if raw is not None else None)
+        footer = {k.decode(): v.decode() for k, v in (reader.metadata or {}).items()}
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise CorruptTrajectoryFile(f"{path}: unreadable Arrow IPC file ({e})") from e
+    return schema, batches, crc_list, footer, whole
+
+
+def map_stream(path: str | os.PathLike[str], fmt: str) -> tuple[pa.Table, dict[str, str]]:
+    """An extra stream's file (written by ``write_trajectory``): its table, memory-mapped, and
+    the footer metadata. Raises CorruptTrajectoryFile if it is unreadable, not of format
+    ``fmt`` (e.g. "conditioning/v1"), fails validation or a batch's checksum differs."""
+    schema, batches, crc_list, footer, _ = _map_ipc(path)
+    got = (schema.metadata or {}).get(KEY_FORMAT.encode(), b"").decode(errors="replace")
+    if got != json.dumps(fmt):
+        raise CorruptTrajectoryFile(f"{path}: schema {KEY_FORMAT} is {got or 'missing'}, not {json.dumps(fmt)}")
+    if any(c is None for c in crc_list):
+        raise CorruptTrajectoryFile(f"{path}: a batch has no {KEY_CRC}")
+    try:
+        for b in batches:
+            b.validate(full=True)
+    except (pa.ArrowException, ValueError) as e:
+        raise CorruptTrajectoryFile(f"{path}: invalid contents ({e})") from e
+    verify_batches(path, batches, tuple(int(c) for c in crc_list if c is not None))
+    return pa.Table.from_batches(batches, schema=schema), footer
+
+
 def map_trajectory(
     path: str | os.PathLike[str], *, validate: bool = True, checksums: bool | None = None
 ) -> MappedTrajectory:
@@ -162,21 +206,7 @@ def map_trajectory(
     "trajectory/v1", batches that fail validation, or (``checksums``, default: as
     ``validate``) a batch whose checksum differs from the one written with it.
     """
-    try:
-        source = pa.memory_map(str(path), "r")
-        whole = source.read_buffer()  # zero-copy: the map itself
-        source.seek(0)
-        reader = pa.ipc.open_file(source)
-        schema = reader.schema
-        batches, crc_list = [], []
-        for i in range(reader.num_record_batches):
-            b, meta = reader.get_batch_with_custom_metadata(i)
-            batches.append(b)
-            raw = (meta or {}).get(KEY_CRC.encode()) if meta is not None else None
-            crc_list.append(int(raw) if raw is not None else None)
-        footer = {k.decode(): v.decode() for k, v in (reader.metadata or {}).items()}
-    except (pa.ArrowException, OSError, ValueError) as e:
-        raise CorruptTrajectoryFile(f"{path}: unreadable Arrow IPC file ({e})") from e
+    schema, batches, crc_list, footer, whole = _map_ipc(path)
     if (schema.metadata or {}).get(KEY_FORMAT.encode()) is None:
         raise CorruptTrajectoryFile(f"{path}: schema has no {KEY_FORMAT} (not a {FORMAT} file)")
     try:

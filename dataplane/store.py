@@ -102,6 +102,7 @@ class ResultStore:
                 for e in self.durable.scan(ttl_s):
                     self._entries[e.rollout_id] = e
                     self._tickets.bind(e.rollout_id, e.ticket)
+                self.durable.attach_streams(list(self._entries.values()))
             if self.shm is not None:
                 self.shm.restore(list(self._entries.values()), self.budget)
 
@@ -147,7 +148,7 @@ class ResultStore:
         except BaseException as exc:  # e.g. a read-only data dir: end the entry, never leave it running
             entry.end("failed", f"cannot open the trajectory file: {type(exc).__name__}: {exc}")
             raise
-        writer = TrajectoryWriter(self, entry, file, fsync=self._fsync)
+        writer = TrajectoryWriter(self, entry, file, fsync=self._fsync, durable=self.durable)
         with self._lock:
             self._live[entry.rollout_id] = writer
         return writer
@@ -341,8 +342,9 @@ class ResultStore:
             self._tickets.forget(rollout_id, e.ticket, reason)
             freed = (e.num_bytes if e.in_memory else 0) + e.extra_bytes
             self.budget.add(-freed)
+        stream_files = list(e.stream_paths.values())
         e.end(reason, f"rollout was {reason}")
-        for path in (e.path, e.shm_path):
+        for path in (e.path, e.shm_path, *stream_files):
             if path is not None:
                 path.unlink(missing_ok=True)
         trim_if_large(freed)
@@ -363,13 +365,13 @@ class ResultStore:
 
     def stats(self) -> dict[str, int]:
         """bytes_in_memory (what the budget counts, shm files included), bytes_on_disk (durable
-        files), bytes_in_shm (shared-memory files), entries, live."""
+        files, extra streams' included), bytes_in_shm (shared-memory files), entries, live."""
         with self._lock:
             entries = list(self._entries.values())
             mem = self.budget.used
         return {
             "bytes_in_memory": mem,
-            "bytes_on_disk": sum(_size(e.path) for e in entries),
+            "bytes_on_disk": sum(_size(e.path) + sum(_size(p) for p in e.stream_paths.values()) for e in entries),
             "bytes_in_shm": sum(_size(e.shm_path) for e in entries),
             "entries": len(entries),
             "live": sum(1 for e in entries if e.state == "running"),

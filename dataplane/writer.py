@@ -8,6 +8,7 @@ from typing import Literal, Protocol
 import pyarrow as pa
 
 from dataplane.codec import encode_step
+from dataplane.durable import DurableDir
 from dataplane.entry import Entry
 from dataplane.files import TrajectoryFileWriter
 from dataplane.record import StepBatch
@@ -24,10 +25,15 @@ class StoreHooks(Protocol):
 
 
 class TrajectoryWriter:
-    def __init__(self, store: StoreHooks, entry: Entry, file: TrajectoryFileWriter | None, *, fsync: bool) -> None:
+    def __init__(
+        self, store: StoreHooks, entry: Entry, file: TrajectoryFileWriter | None, *, fsync: bool,
+        durable: DurableDir | None = None,
+    ) -> None:
+        """``durable``: where ``publish`` writes each extra stream's file (with ``file``, data_dir)."""
         self._store = store
         self._entry = entry
         self._file = file
+        self._durable = durable
         self._fsync = fsync
         self._pending = list(entry.header.steps)
 
@@ -57,8 +63,18 @@ class TrajectoryWriter:
 
     def publish(self, name: str, table: pa.Table) -> None:
         """Add one extra stream of the rollout (whole table; see dataplane/streams.py), before
-        ``finish``. Its consumers, waiting since the rollout was reserved, get it at once."""
-        self._store.appended(self._entry, self._entry.publish(name, table))
+        ``finish``. Its consumers, waiting since the rollout was reserved, get it at once.
+        With a data dir its file is written first (durable before the trajectory's rename);
+        a failed write raises OSError naming the stream, and the producer fails the rollout."""
+        e = self._entry
+        if self._durable is not None and e.state == "running" and name in e.streams_requested \
+                and name not in e.extras:
+            try:
+                path = self._durable.write_stream(e.rollout_id, name, table, e.ticket)
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot write the {name!r} stream file: {exc}") from exc
+            e.stream_paths[name] = path
+        self._store.appended(e, e.publish(name, table))
 
     def finish(self) -> None:
         e = self._entry
@@ -89,6 +105,8 @@ class TrajectoryWriter:
         e = self._entry
         try:
             self.abort_file()
+            for path in e.stream_paths.values():  # a failed rollout keeps no files
+                path.unlink(missing_ok=True)
         except OSError:  # a read-only directory cannot lose the temp file: the next scan does
             pass
         if e.state != "running":

@@ -55,6 +55,25 @@ def test_read_only_trajectory_dir_ends_the_stream_as_failed(tmpfs) -> None:
         assert wait_for_status(c, again["id"], {"succeeded", "failed"})["status"] == "succeeded"
 
 
+def test_a_full_stream_dir_fails_the_rollout_naming_the_stream_and_the_server_goes_on(tmpfs) -> None:
+    data = tmpfs("data", "8m")
+    streams = tmpfs("streams", "64k", under=data.path)
+    streams.fill()
+    with ServerProcess("--data-dir", str(data.path), "--workers", "1") as server, server.client() as c:
+        ticket = c.post("/v1/rollouts", json={**SMALL, "return": {"conditioning": True}}).json()
+        status = wait_for_status(c, ticket["id"], {"succeeded", "failed"}, timeout=30)
+        assert status["status"] == "failed", status
+        assert "'conditioning' stream file" in status["error"]["message"], status
+        assert "No space left" in status["error"]["message"], status
+        assert not (data.path / "trajectories" / f"{ticket['id']}.arrow").exists()  # never committed
+        plain = c.post("/v1/rollouts", json=SMALL).json()  # the server goes on
+        assert wait_for_status(c, plain["id"], {"succeeded", "failed"})["status"] == "succeeded"
+        streams.free()
+        again = c.post("/v1/rollouts", json={**SMALL, "return": {"conditioning": True}}).json()
+        assert wait_for_status(c, again["id"], {"succeeded", "failed"})["status"] == "succeeded"
+        assert (streams.path / f"{again['id']}.conditioning.arrow").exists()
+
+
 @pytest.mark.timeout(120)
 def test_failed_rename_ends_the_stream_as_failed(tmp_path) -> None:
     """The final rename fails: a directory stands at `<id>.arrow` (put there from outside
