@@ -15,6 +15,7 @@ import dataclasses
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,13 +27,17 @@ from pipeline.rollout import run_rollout  # noqa: E402
 from pipeline.spec import BranchStart, RolloutSpec, SamplerSpec  # noqa: E402
 
 
-def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
+def _interleaved_median_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median ms of each fn over `repeats` rounds; every round runs each once, in an order that
+    rotates from round to round (a box that slows down mid-run hits them all alike)."""
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for n in names[r % len(names):] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            fns[n]()
+            times[n].append((time.perf_counter() - t0) * 1000)
+    return {n: statistics.median(times[n]) for n in names}
 
 
 def _nbytes(tensors) -> int:
@@ -60,7 +65,7 @@ def measure(model_id: str, repeats: int) -> None:
         f"branch k={k}": bspec,
     }
     run_rollout(model, spec)  # warm-up
-    times = {name: _median_ms(lambda s=s: run_rollout(model, s), repeats) for name, s in runs.items()}
+    times = _interleaved_median_ms({name: lambda s=s: run_rollout(model, s) for name, s in runs.items()}, repeats)
     assert full.conditioning is not None
     lat = _nbytes(c.latent for c in full.captures)
     vel = _nbytes(c.velocity for c in full.captures if c.velocity is not None)
