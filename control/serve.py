@@ -1,7 +1,8 @@
 """What `sigmaflight serve` runs: flags from Settings, a preflight check, then uvicorn.
 
 Imported only by the `serve` command (sigmaflight/cli.py), so the users' side never loads
-the server. Startup mistakes (unknown --model, a missing --model-dir, a pipeline directory
+the server. SIGHUP re-reads --token-file (both planes, every Ray worker); a file that is now
+missing, unreadable or empty changes nothing (an error line; the old tokens stay). Startup mistakes (unknown --model, a missing --model-dir, a pipeline directory
 diffusers cannot load, a --token-file that is missing, unreadable or holds no token) end in
 one line on stderr and exit status 2, before uvicorn starts.
 """
@@ -9,9 +10,12 @@ one line on stderr and exit status 2, before uvicorn starts.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any, get_args
 
@@ -22,7 +26,8 @@ log = logging.getLogger("sigmaflight")
 
 SERVE_DESCRIPTION = (
     "Start both planes in one process: REST (uvicorn) on --port and Arrow Flight on --flight-port. "
-    "Every flag is also an environment variable SIGMAFLIGHT_<NAME>; flags win."
+    "Every flag is also an environment variable SIGMAFLIGHT_<NAME>; flags win. "
+    "SIGHUP re-reads --token-file (a missing or empty file changes nothing)."
 )
 
 
@@ -82,11 +87,34 @@ def serve(settings: Settings) -> int:
         **tls,  # type: ignore[arg-type]
     )
 
+    def reload_tokens() -> None:
+        """SIGHUP: re-read --token-file on both planes (in a thread: it may wait on Ray workers)."""
+        service = getattr(app.state, "service", None)
+        if service is None:
+            return
+        try:
+            n = service.reload_tokens(app.state.tokens)
+        except (TokenFileError, ValueError) as exc:
+            log.error("token reload failed; the tokens loaded before are still the ones accepted",
+                      extra={"reason": str(exc)})
+            return
+        except Exception:
+            log.exception("token reload failed; the tokens loaded before may still be accepted by some workers")
+            return
+        log.info("tokens reloaded", extra={"token_file": str(settings.token_file), "tokens": n})
+        if settings.token_file is not None and token_file_exposed(settings.token_file):
+            log.warning(f"--token-file {settings.token_file} is readable by group or others; "
+                        f"run: chmod 600 {settings.token_file}", extra={"token_file": str(settings.token_file)})
+
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.should_exit:
                 return
+            if hasattr(signal, "SIGHUP"):
+                asyncio.get_running_loop().add_signal_handler(
+                    signal.SIGHUP, lambda: threading.Thread(target=reload_tokens, name="sigmaflight-sighup").start()
+                )
             port = self.servers[0].sockets[0].getsockname()[1] if self.servers else settings.port
             scheme = "https" if tls else "http"
             service = app.state.service if hasattr(app.state, "service") else None

@@ -18,6 +18,7 @@ import torch
 from control.jobs.manager import Backend, JobManager, NotFinished
 from control.node import Node, NodeConfig
 from control.settings import Settings
+from dataplane.auth import TokenSet
 from pipeline.models import Policy
 
 log = logging.getLogger("sigmaflight.service")
@@ -116,6 +117,25 @@ class Service:
             if got != digest:
                 log.error("a worker's digest differs after a change of weights",
                           extra={"model": model_id, "digest": digest, "worker_digest": got, "change": method})
+
+    def reload_tokens(self, rest: TokenSet) -> int:
+        """Re-read --token-file (SIGHUP) and swap the accepted tokens on both planes: `rest` (the
+        REST middleware's), this node's Flight server, and every Ray worker's (a replacement
+        worker starts with them). Fail closed: a file that is now missing, unreadable or empty
+        raises TokenFileError and nothing changes; so does a server started without auth
+        (ValueError). Returns the number of tokens now accepted."""
+        if self.settings.token_file is None:
+            raise ValueError("no --token-file to reload (tokens from SIGMAFLIGHT_TOKEN only change with a restart)")
+        tokens = self.settings.tokens()  # TokenFileError: the file is unusable now; keep the old tokens
+        if not rest:
+            raise ValueError("auth is off on this server; restart it with --token-file to turn it on")
+        with self._change_lock:
+            self.flight.set_tokens(tokens)
+            rest.replace(tokens)
+            push: Any = getattr(self.backend, "set_tokens", None)
+            if push is not None:
+                push(tokens)
+        return len(rest)
 
     def start(self) -> None:
         model = self.registry.get(self.settings.model)

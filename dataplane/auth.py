@@ -28,13 +28,27 @@ def bearer_token(header: str | bytes | None) -> bytes | None:
 
 
 class TokenSet:
-    """The configured tokens; `matches` compares against every one (no early exit, never logged)."""
+    """The configured tokens; `matches` compares against every one (no early exit, never logged).
+
+    `replace` swaps them for a reload (one reference assignment: a request checks against the
+    old set or the new one, never a mix). It refuses an empty set: a reload never turns auth off."""
 
     def __init__(self, tokens: Collection[str]) -> None:
         self._tokens = [t.encode() for t in tokens if t]
 
     def __bool__(self) -> bool:
         return bool(self._tokens)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def replace(self, tokens: Collection[str]) -> None:
+        new = [t.encode() for t in tokens if t]
+        if not new:
+            raise ValueError("no token in the new set; keeping the old one (a reload never turns auth off)")
+        if not self._tokens:
+            raise ValueError("auth is off on this server; restart it with tokens to turn it on")
+        self._tokens = new
 
     def matches(self, header: str | bytes | None) -> bool:
         given = bearer_token(header)

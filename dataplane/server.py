@@ -50,13 +50,13 @@ class BearerTokenMiddlewareFactory(flight.ServerMiddlewareFactory):
 
     def __init__(self, tokens: Collection[str]) -> None:
         super().__init__()
-        self._tokens = TokenSet(tokens)
-        if not self._tokens:
+        self.tokens = TokenSet(tokens)
+        if not self.tokens:
             raise ValueError("tokens must hold at least one non-empty token")
 
     def start_call(self, info: flight.CallInfo, headers: dict[str, list[str]]) -> None:
         values = headers.get("authorization") or headers.get("Authorization") or []
-        ok = self._tokens.matches(values[0] if values else None)
+        ok = self.tokens.matches(values[0] if values else None)
         if not ok:
             raise flight.FlightUnauthenticatedError(
                 "missing or wrong bearer token (send the header 'authorization: Bearer <token>')"
@@ -119,8 +119,9 @@ class FlightDataServer(flight.FlightServerBase):
     ) -> None:
         scheme = "grpc+tls" if tls_certificates else "grpc+tcp"
         middleware: dict[str, flight.ServerMiddlewareFactory] = {"slots": _CallSlotFactory()}
-        if tokens:
-            middleware["auth"] = BearerTokenMiddlewareFactory(tokens)
+        self._auth = BearerTokenMiddlewareFactory(tokens) if tokens else None
+        if self._auth is not None:
+            middleware["auth"] = self._auth
         super().__init__(
             f"{scheme}://{host}:{port}",
             tls_certificates=tls_certificates or None,
@@ -179,6 +180,13 @@ class FlightDataServer(flight.FlightServerBase):
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def set_tokens(self, tokens: Collection[str]) -> None:
+        """Replace the accepted bearer tokens (a reload); calls already admitted go on. Raises
+        ValueError for an empty set, or on a server started without tokens (auth stays as it was)."""
+        if self._auth is None:
+            raise ValueError("this Flight server has no auth; restart it with tokens to turn it on")
+        self._auth.tokens.replace(tokens)
 
     def metrics(self) -> dict[str, int]:
         with self._lock:

@@ -394,7 +394,22 @@ class RayBackend:
             self._weights_version += 1
         return self._broadcast("unload_lora", model_id)
 
-    def _broadcast(self, method: str, *args: Any) -> list[str]:
+    def set_tokens(self, tokens: list[str]) -> None:
+        """The accepted bearer tokens of every live worker's Flight server (a reload), once each
+        has them; a worker started later (a replacement) gets them too."""
+        with self._lock:
+            self._config = replace(self._config, tokens=tuple(tokens))
+        n = len(self._call_all("set_tokens", list(tokens)))
+        log.info("tokens pushed to ray workers", extra={"workers": n})
+
+    def _broadcast(self, method: str, model_id: str, *args: Any) -> list[str]:
+        digests = self._call_all(method, model_id, *args)
+        log.info("change of weights pushed to ray workers", extra={"model": model_id, "change": method,
+                                                                    "workers": len(digests)})
+        return digests
+
+    def _call_all(self, method: str, *args: Any) -> list[str]:
+        """`method(*args)` on every live worker at once; their answers (a dead one is replaced)."""
         with self._lock:
             slots = [s for s in self._slots if s.alive]
         pending = [(s, getattr(s.handle, method).remote(*args)) for s in slots]
@@ -404,8 +419,6 @@ class RayBackend:
                 digests.append(str(self._ray.get(call, timeout=self._start_timeout_s)))
             except self._ray.exceptions.RayActorError as exc:
                 self._mark_dead(slot, exc)
-        log.info("change of weights pushed to ray workers", extra={"model": args[0], "change": method,
-                                                                    "workers": len(digests)})
         return digests
 
     def locations_for(self, job_id: str) -> list[str]:

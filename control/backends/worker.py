@@ -166,6 +166,11 @@ class RolloutWorker:
     def result_info(self, job_id: str) -> dict[str, Any] | None:
         return self.backend.result_info(job_id)
 
+    def set_tokens(self, tokens: list[str]) -> str:
+        """Replace this worker's Flight bearer tokens (a reload on the control plane)."""
+        self.node.flight.set_tokens(tokens)
+        return "ok"
+
     def load_weights(self, model_id: str, state: dict[str, torch.Tensor]) -> str:
         """New transformer weights for `model_id` (checked by the control plane); rollouts that
         start after this returns run on them. Returns the model's new digest."""

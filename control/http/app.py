@@ -42,6 +42,7 @@ from control.policy import policy
 from control.service import Service
 from control.settings import Settings
 from control.streams import output_bytes, stream_tickets, streams_of_request, validate_outputs
+from dataplane.auth import TokenSet
 from pipeline.rollout import estimate_latent_bytes, validate_spec
 from pipeline.spec import RolloutInputError, RolloutSpec
 from sigmaflight.wire import (
@@ -404,7 +405,7 @@ def create_app(settings: Settings, service: Service | None = None) -> Starlette:
         finally:
             await run_in_threadpool(svc.stop)
 
-    tokens = settings.tokens()
+    tokens = TokenSet(settings.tokens())  # the REST plane's; Service.reload_tokens swaps it with Flight's
     app = Starlette(
         routes=ROUTES,
         middleware=[
@@ -420,5 +421,6 @@ def create_app(settings: Settings, service: Service | None = None) -> Starlette:
         lifespan=lifespan,
     )
     app.state.http_counts = http_counts
+    app.state.tokens = tokens
     app.state.openapi = openapi_document(auth=bool(tokens))
     return app

@@ -73,9 +73,11 @@ class RequestIdMiddleware:
 class BearerAuthMiddleware:
     """Every route but the open ones needs `Authorization: Bearer <token>`; compared in constant time."""
 
-    def __init__(self, app: ASGIApp, tokens: Collection[str], open_paths: Collection[str] = ("/healthz",)) -> None:
+    def __init__(
+        self, app: ASGIApp, tokens: TokenSet | Collection[str], open_paths: Collection[str] = ("/healthz",)
+    ) -> None:
         self.app = app
-        self.tokens = TokenSet(tokens)
+        self.tokens = tokens if isinstance(tokens, TokenSet) else TokenSet(tokens)  # a TokenSet: reloadable
         self.open_paths = set(open_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
