@@ -1,10 +1,11 @@
 """What `sigmaflight serve` runs: flags from Settings, a preflight check, then uvicorn.
 
 Imported only by the `serve` command (sigmaflight/cli.py), so the users' side never loads
-the server. SIGHUP re-reads --token-file (both planes, every Ray worker); a file that is now
-missing, unreadable or empty changes nothing (an error line; the old tokens stay). Startup mistakes (unknown --model, a missing --model-dir, a pipeline directory
+the server. Startup mistakes (unknown --model, a missing --model-dir, a pipeline directory
 diffusers cannot load, a --token-file that is missing, unreadable or holds no token) end in
-one line on stderr and exit status 2, before uvicorn starts.
+one line on stderr and exit status 2, before uvicorn starts. SIGHUP re-reads --token-file
+(both planes, every Ray worker); a file that is now missing, unreadable or empty changes
+nothing (an error line; the old tokens stay).
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ class Service:
         self.store.on_unavailable = self._result_unavailable
         self.ready = False
         self._change_lock = threading.Lock()
-        """One change of weights at a time, registry and workers together (workers see the same order)."""
+        """One change of weights (or of tokens) at a time, registry and workers together (workers
+        see the same order)."""
 
     def _result_unavailable(self, rollout_id: str, reason: str) -> None:
         """The store lost a finished trajectory (its file truncated or corrupted): REST stops

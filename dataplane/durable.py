@@ -115,8 +115,9 @@ class DurableDir:
     def attach_streams(self, entries: list[Entry]) -> None:
         """After ``scan``: give each entry the stream files written for it (memory-mapped,
         checked), and remove the other ``.arrow`` files: half-written ones and those of rollouts
-        that never finished or expired while the server was down (other files are left alone). A corrupt stream file is
-        renamed ``.corrupt`` and that stream answers "not held any more"; the trajectory is served."""
+        that never finished or expired while the server was down (other files are left alone).
+        A corrupt stream file is renamed ``.corrupt`` and that stream answers "not held any
+        more"; the trajectory is served."""
         self.stream_dir.mkdir(parents=True, exist_ok=True)
         by_id = {e.rollout_id: e for e in entries}
         for p in sorted(self.stream_dir.iterdir()):

@@ -71,7 +71,7 @@ class Entry:
         self.extras: dict[str, pa.Table] = {}
         self.extra_bytes = 0
         """Bytes of the published extra streams held on the heap (counted in the budget);
-        streams mapped from their files after a restart count 0."""
+        streams mapped from their files (after a restart or a spill) count 0."""
         self.stream_paths: dict[str, Path] = {}
         """The durable file of each extra stream (data_dir), once written."""
         self._mapped_streams: set[str] = set()
@@ -261,7 +261,7 @@ class Entry:
     def served_table(self, start: int = 0, stride: int = 1) -> tuple[pa.Table, int] | None:
         """`snapshot` as one table and its bytes, made once per batch list: a finished rollout
         pulled again costs no Python per batch (RecordBatch.nbytes walks every buffer: 260 us
-        a call for 9 batches, 5% of a 16 MiB pull). None if not succeeded."""
+        a call for 9 batches, about 4% of a 16 MiB pull). None if not succeeded."""
         with self.cond:
             if self.state != "succeeded":
                 return None
