@@ -55,9 +55,10 @@ def test_serve_with_ray_workers_hands_out_worker_locations_and_their_shared_memo
         assert '"stopped"' in server.log_text  # the graceful path ran: ray.init must not steal SIGTERM
 
 
-def test_ray_workers_serve_the_outputs_stream_and_the_policy_version():
+def test_ray_workers_serve_the_outputs_stream_the_policy_version_and_reloaded_tokens(tmp_path):
     """return.outputs on a Ray worker: the worker's Flight server holds the stream, equal to the stock
-    pipeline's own decode of the same latents; the metadata carries digest and weights_version."""
+    pipeline's own decode of the same latents; the metadata carries digest and weights_version.
+    With --token-file, a SIGHUP after editing it reaches the worker's Flight server."""
     import json
 
     import numpy as np
@@ -66,18 +67,29 @@ def test_ray_workers_serve_the_outputs_stream_and_the_policy_version():
     from pipeline.models import ModelRegistry
     from sigmaflight import Client
     from tests.control.test_outputs_e2e import CASES, _stock_outputs
+    from tests.faults.test_token_reload import NEW, OLD, _flight_ok, _hup_and_wait, _write
 
     case = CASES["tiny-sd3"]
     model = ModelRegistry().get("tiny-sd3")
-    flags = ("--backend", "ray", "--ray-address", "local", "--workers", "1", "--ray-num-cpus", "1")
-    with ServerProcess(*flags, timeout=180) as server, Client(server.rest_url) as client:
+    tokens = tmp_path / "tokens.txt"
+    _write(tokens, OLD + "\n")
+    flags = ("--backend", "ray", "--ray-address", "local", "--workers", "1", "--ray-num-cpus", "1",
+             "--token-file", str(tokens))
+    with ServerProcess(*flags, timeout=180) as server, Client(server.rest_url, token=OLD) as client:
         ticket = client.submit(num_inference_steps=2, seed=4, sampler={"type": "ode"}, expected_digest=model.digest,
                                return_={"outputs": True, "steps": [0, 2]}, **case)
-        assert ticket.flight.locations[0] != server.flight_url  # the worker's Flight server
+        worker, outputs = ticket.flight.locations[0], ticket.flight.streams["outputs"].ticket
+        assert worker != server.flight_url  # the worker's Flight server
         client.wait(ticket, timeout=120)
-        with flight.FlightClient(ticket.flight.locations[0]) as fc:
-            table = fc.do_get(flight.Ticket(ticket.flight.streams["outputs"].ticket.encode())).read_all()
+        auth = flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {OLD}".encode())])
+        with flight.FlightClient(worker) as fc:
+            table = fc.do_get(flight.Ticket(outputs.encode()), options=auth).read_all()
         traj = client.pull(ticket)
+
+        _write(tokens, NEW + "\n")  # rotate: the worker's Flight server follows the control plane
+        _hup_and_wait(server, '"tokens reloaded"', 0)
+        assert '"tokens pushed to ray workers"' in server.log_text
+        assert _flight_ok(worker, NEW, outputs) and not _flight_ok(worker, OLD, outputs)
     want, x_t = _stock_outputs(model, case, 2, traj.latent(0))
     assert torch.equal(x_t, traj.latent(2))
     assert np.array_equal(table.column("image").combine_chunks().to_numpy_ndarray(), want)
