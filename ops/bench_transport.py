@@ -540,7 +540,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  doget-py   Python inside do_get per call: sigmaflight {d['sigmaflight_us']:.0f} us, bare "
                       f"{d['bare_us']:.0f} us; a pull takes {d['pull_ms']:.3f} ms (bare {d['bare_pull_ms']:.3f} ms), so "
                       f"the difference bounds the ratio at {1 / (1 + extra_us / 1e3 / d['pull_ms']):.3f}x; measured "
-                      f"{d['bare_pull_ms'] / d['pull_ms']:.3f}x (medians, alternating pulls in one process)", flush=True)
+                      f"{d['bare_pull_ms'] / d['pull_ms']:.3f}x (medians, pulls in turn in one process)", flush=True)
                 continue
             r = run_path(path, size, a.repeats, int(a.batch_mib * MiB), a.warmup)
             rows.append(r)
