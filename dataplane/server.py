@@ -311,14 +311,8 @@ class FlightDataServer(flight.FlightServerBase):
             raise
         call = context.get_middleware("slots")
         done = entry.served_table(start, stride) if isinstance(call, _CallSlot) else None
-        if done is not None:
-            # Finished: a C++ table reader streams it, with no Python (and no GIL) per batch;
-            # the slot is freed when the call completes.
-            call.slot = slot
-            table, nbytes = done
-            with self._lock:
-                self.bytes_served += nbytes
-            return flight.RecordBatchStream(table, options=_IPC_OPTIONS)
+        if done is not None:  # finished: the whole table at once
+            return self._send_table(call, slot, *done)
         return flight.GeneratorStream(entry.schema, self._serve(entry, start, stride, slot, should_stop))
 
     def _do_get_stream(
@@ -335,13 +329,17 @@ class FlightDataServer(flight.FlightServerBase):
         except BaseException:
             slot.free()
             raise
-        call = context.get_middleware("slots")
+        return self._send_table(context.get_middleware("slots"), slot, table, int(table.nbytes))
+
+    def _send_table(self, call: object, slot: _StreamSlot, table: pa.Table, nbytes: int) -> flight.RecordBatchStream:
+        """Stream a whole table by a C++ table reader, with no Python (and no GIL) per batch; the
+        slot is freed when gRPC says the call is over (the slots middleware), else at once."""
         if isinstance(call, _CallSlot):
             call.slot = slot
         else:
             slot.free()
         with self._lock:
-            self.bytes_served += table.nbytes
+            self.bytes_served += nbytes
         return flight.RecordBatchStream(table, options=_IPC_OPTIONS)
 
     def get_flight_info(
