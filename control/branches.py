@@ -92,7 +92,7 @@ def find_parent(store: ResultStore, rollout_id: str, backend: Any = None) -> Par
         try:
             conditioning = entry.stream_table(CONDITIONING)
         except StreamNotFound:
-            conditioning = None  # not held any more (a restart): the branch encodes the prompts again
+            conditioning = None  # not held any more (no intact file after a restart): encode the prompts again
     return _parent(rollout_id, entry.header, batches, conditioning)
 
 
