@@ -124,23 +124,11 @@ def serve(kind: str, size: int, batch_bytes: int = 8 * MiB) -> None:
     if kind in ("flight", "shm", "bare"):
         import tempfile
 
-        from dataplane.record import StepBatch, TrajectoryHeader
         from dataplane.server import FlightDataServer
-        from dataplane.store import ResultStore
 
-        sig = torch.linspace(1, 0, K, dtype=torch.float32)
-        header = TrajectoryHeader(
-            rollout_id="bench", sigmas=sig, timesteps=sig[:-1] * 1000, steps=tuple(range(K)),
-            sde_steps=tuple(range(K - 1)), seeds=tuple(range(B)), num_outputs_per_prompt=1,
-            latent_shape=tuple(lat.shape[2:]), latent_dtype=torch.float32, log_probs=False, rollout={},
-        )
         shm_dir = Path(tempfile.mkdtemp(prefix="sf-bench-", dir="/dev/shm")) if kind == "shm" else None
-        store = ResultStore(memory_budget_bytes=4 << 30, max_batch_bytes=batch_bytes, shm_dir=shm_dir)
-        w = store.create(header)
-        for k in range(K):
-            w.append(StepBatch(step=k, latent=lat[k], log_prob=None))
-        w.finish()
-        del lat, w  # the store holds the data now (heap, or the shm file)
+        store = _filled_store(lat, batch_bytes, shm_dir)
+        del lat  # the store holds the data now (heap, or the shm file)
         srv: Any = FlightDataServer(store) if kind != "bare" else _bare_server(store)
         srv.start()
         port = srv.port
@@ -208,6 +196,27 @@ def serve(kind: str, size: int, batch_bytes: int = 8 * MiB) -> None:
     stop_serving()
     print(json.dumps({"rss_base": base, "rss_peak": peak}), flush=True)
     os._exit(0)
+
+
+def _filled_store(lat: Any, batch_bytes: int, shm_dir: Path | None = None) -> Any:
+    """A ResultStore holding the finished rollout "bench" of `lat` [K, B, C, H, W]."""
+    import torch
+
+    from dataplane.record import StepBatch, TrajectoryHeader
+    from dataplane.store import ResultStore
+
+    sig = torch.linspace(1, 0, K, dtype=torch.float32)
+    header = TrajectoryHeader(
+        rollout_id="bench", sigmas=sig, timesteps=sig[:-1] * 1000, steps=tuple(range(K)),
+        sde_steps=tuple(range(K - 1)), seeds=tuple(range(B)), num_outputs_per_prompt=1,
+        latent_shape=tuple(lat.shape[2:]), latent_dtype=torch.float32, log_probs=False, rollout={},
+    )
+    store = ResultStore(memory_budget_bytes=4 << 30, max_batch_bytes=batch_bytes, shm_dir=shm_dir)
+    w = store.create(header)
+    for k in range(K):
+        w.append(StepBatch(step=k, latent=lat[k], log_prob=None))
+    w.finish()
+    return store
 
 
 def _bare_server(store: Any) -> Any:
@@ -357,19 +366,9 @@ def doget_python(size: int, repeats: int) -> dict[str, float]:
     holds the GIL) for sigmaflight's FlightDataServer and the bare server over the same store,
     against the time of a whole pull. Precise where vs-bare's pull-to-pull noise is not."""
     import pyarrow.flight as flight
-    import torch
 
-    from dataplane.record import StepBatch, TrajectoryHeader
     from dataplane.server import FlightDataServer
-    from dataplane.store import ResultStore
 
-    lat = make_latents(size)
-    sig = torch.linspace(1, 0, K, dtype=torch.float32)
-    header = TrajectoryHeader(
-        rollout_id="bench", sigmas=sig, timesteps=sig[:-1] * 1000, steps=tuple(range(K)),
-        sde_steps=tuple(range(K - 1)), seeds=tuple(range(B)), num_outputs_per_prompt=1,
-        latent_shape=tuple(lat.shape[2:]), latent_dtype=torch.float32, log_probs=False, rollout={},
-    )
     inside: dict[str, list[float]] = {"sigmaflight": [], "bare": []}
     pulls: list[float] = []
     bare_pulls: list[float] = []
@@ -385,12 +384,7 @@ def doget_python(size: int, repeats: int) -> dict[str, float]:
 
         return Timed
 
-    with ResultStore(memory_budget_bytes=4 << 30, max_batch_bytes=8 * MiB) as store:
-        w = store.create(header)
-        for k in range(K):
-            w.append(StepBatch(step=k, latent=lat[k], log_prob=None))
-        w.finish()
-        del lat, w
+    with _filled_store(make_latents(size), 8 * MiB) as store:
         bare_cls = type(_bare_server(store))
         servers = {"sigmaflight": timed("sigmaflight", FlightDataServer)(store).start(),
                    "bare": timed("bare", bare_cls)("grpc+tcp://127.0.0.1:0")}
