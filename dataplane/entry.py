@@ -123,15 +123,19 @@ class Entry:
             self.cond.notify_all()
         return nbytes
 
+    def check_publish(self, name: str) -> None:
+        """Raise (ValueError, or RuntimeError when not running) if stream `name` cannot be published now."""
+        if name not in self.streams_requested:
+            raise ValueError(f"rollout {self.rollout_id}: stream {name!r} was not requested")
+        if name in self.extras:
+            raise ValueError(f"rollout {self.rollout_id}: stream {name!r} was published already")
+        if self.state != "running":
+            raise RuntimeError(f"rollout {self.rollout_id} is {self.state}; cannot publish {name!r}")
+
     def publish(self, name: str, table: pa.Table) -> int:
         """Add one extra stream (whole) and wake its consumers; returns its bytes."""
         with self.cond:
-            if name not in self.streams_requested:
-                raise ValueError(f"rollout {self.rollout_id}: stream {name!r} was not requested")
-            if name in self.extras:
-                raise ValueError(f"rollout {self.rollout_id}: stream {name!r} was published already")
-            if self.state != "running":
-                raise RuntimeError(f"rollout {self.rollout_id} is {self.state}; cannot publish {name!r}")
+            self.check_publish(name)
             self.extras[name] = table
             self.extra_bytes += table.nbytes
             self.cond.notify_all()

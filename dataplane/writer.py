@@ -67,8 +67,8 @@ class TrajectoryWriter:
         With a data dir its file is written first (durable before the trajectory's rename);
         a failed write raises OSError naming the stream, and the producer fails the rollout."""
         e = self._entry
-        if self._durable is not None and e.state == "running" and name in e.streams_requested \
-                and name not in e.extras:
+        if self._durable is not None:
+            e.check_publish(name)  # before the file: a refused stream leaves none behind
             try:
                 path = self._durable.write_stream(e.rollout_id, name, table, e.ticket)
             except OSError as exc:
