@@ -14,8 +14,11 @@ from tests.dataplane.helpers import build_header, fill
 
 
 def test_client_disconnect_mid_stream_frees_the_stream(store):
-    store.max_batch_bytes = 1 << 16
-    fill(store, build_header("big", T=7, B=8, shape=(16, 32, 32)))  # 64 batches of 64 KiB
+    # 64 MiB in 1 MiB batches: far more than gRPC's flow-control windows and the loopback socket
+    # buffers hold, so the server is still writing when the client stops reading. (With 4 MiB the
+    # whole table could be in flight before read_chunk returned, and the call was already over.)
+    store.max_batch_bytes = 1 << 20
+    fill(store, build_header("big", T=7, B=8, shape=(16, 128, 128)))
     with FlightDataServer(store) as srv:
         c = flight.FlightClient(srv.locations[0])
         reader = c.do_get(flight.Ticket(store.ticket_for("big").encode()))
@@ -29,7 +32,7 @@ def test_client_disconnect_mid_stream_frees_the_stream(store):
             time.sleep(0.05)
         assert srv.metrics()["active_streams"] == 0
         with TrajectoryClient(srv.locations[0]) as tc:  # still serving
-            assert tc.pull("big").latents.shape == (8, 8, 16, 32, 32)
+            assert tc.pull("big").latents.shape == (8, 8, 16, 128, 128)
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
