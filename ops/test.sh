@@ -8,5 +8,10 @@ echo "== ruff" >&2
 .venv/bin/ruff check control dataplane pipeline sigmaflight tests ops
 echo "== mypy" >&2
 .venv/bin/mypy
-echo "== pytest" >&2
-exec .venv/bin/python -m pytest "$@"
+# One pytest worker per CPU (at most 4; SIGMAFLIGHT_TEST_WORKERS overrides, 0 runs in this
+# process). Most tests wait on a real server process starting (~6 s of imports and model builds),
+# so two workers on two cores nearly halve the wall time. --dist loadfile keeps a file's tests
+# on one worker: its module-scoped servers start once.
+workers="${SIGMAFLIGHT_TEST_WORKERS:-$(.venv/bin/python -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
+echo "== pytest ($workers workers)" >&2
+exec .venv/bin/python -m pytest -n "$workers" --dist loadfile "$@"
