@@ -47,7 +47,8 @@ def test_a_stalled_journal_write_blocks_neither_the_event_loop_nor_status_reads(
                 took[name] = time.monotonic() - t0
                 assert r.status_code == 200, (name, r.text)
             assert c.get(f"/v1/rollouts/{done['id']}").json()["status"] == "succeeded"
-            assert max(took.values()) < 1.0, f"reads waited for the stalled journal write: {took}"
+            # the write stalls for 5 s; 2.5 s leaves slack for a loaded box (a pytest worker per core)
+            assert max(took.values()) < 2.5, f"reads waited for the stalled journal write: {took}"
             assert poster.is_alive(), f"the POST was not stalled while we measured: {stalled}"
         finally:
             journal.execute("ROLLBACK")
