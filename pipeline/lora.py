@@ -60,7 +60,8 @@ class LoraAdapter:
     tensors: Mapping[str, torch.Tensor]
     """Normalised keys (no `base_model.model.` prefix) -> the values loaded, in the model's dtype, on CPU."""
     digest: str
-    """adapter_digest(base digest, config_json, tensors)."""
+    """adapter_digest(the base transformer's component digest, config_json, tensors): the
+    transformer's entry in the model's per-component digests while the adapter is on."""
 
     @property
     def rank(self) -> int:
@@ -151,7 +152,10 @@ def parse_lora_config(raw: object) -> Any:
 
 
 def config_json(config: Any) -> str:
-    d = {k: v for k, v in config.to_dict().items() if k not in _META_KEYS}
+    """The adapter's config as canonical JSON (sorted keys), part of its digest. Leaves out the
+    file's own keys and `init_lora_weights`: how the factors would start does not change an
+    adapter whose factors are given (the server places it with plain init and loads them)."""
+    d = {k: v for k, v in config.to_dict().items() if k not in _META_KEYS and k != "init_lora_weights"}
     return json.dumps(_jsonable(d), sort_keys=True, separators=(",", ":"))
 
 

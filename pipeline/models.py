@@ -12,6 +12,11 @@ pipeline in use: it builds a new pipeline object around a new transformer whose 
 tensors are the old ones (shared, not copied) and swaps it in under the model's lock, so a
 rollout that read `LoadedModel.policy()` keeps its weights to the end and the next one sees
 the new. Changes of one model are serialised (`LoadedModel.push_lock`).
+
+The digest is made of one digest per component (`component_digests`: the transformer, each
+text encoder, the VAE), so a trainer that holds only some of them (no text encoders, replaying on
+the conditioning stream) can still check the ones it has against a trajectory's
+`model.components`, and a push hashes only the transformer.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ __all__ = [
     "ModelLoadError",
     "ModelRegistry",
     "Policy",
+    "combine_digests",
+    "component_digest",
+    "component_digests",
     "max_image_size",
     "weights_digest",
 ]
@@ -64,6 +72,9 @@ class Policy:
     base_digest: str
     """The digest of the weights without the adapter (== digest when no LoRA is loaded)."""
     lora: LoraAdapter | None = None
+    components: Mapping[str, str] = field(default_factory=dict)
+    """component name -> its digest (`digest` == combine_digests(components)); with a LoRA the
+    transformer's is the adapter digest over the base transformer's."""
 
 
 @dataclass(kw_only=True)
@@ -89,22 +100,26 @@ class LoadedModel:
     base_digest: str = ""
     """Digest of the base weights ("" until set: then `digest`)."""
     lora: LoraAdapter | None = None
+    components: dict[str, str] = field(default_factory=dict)
+    """Per-component digests of the weights a rollout runs with (see Policy.components)."""
+    base_components: dict[str, str] = field(default_factory=dict)
+    """Per-component digests of the base weights (without the adapter)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     push_lock: threading.Lock = field(default_factory=threading.Lock)
     """Held for the whole of a change of weights: changes of one model run one at a time."""
     tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
     """Fast tokenizers mutate their padding/truncation state per call: one call at a time."""
-    digest_prefix: Any = None
-    """sha256 state after the components sorted before "transformer" (they never change): pushes hash the rest."""
 
     def __post_init__(self) -> None:
         if not self.base_digest:
             self.base_digest = self.digest
+        if not self.base_components:
+            self.base_components = dict(self.components)
 
     def policy(self) -> Policy:
         with self.lock:
             return Policy(pipeline=self.pipeline, digest=self.digest, weights_version=self.weights_version,
-                          base_digest=self.base_digest, lora=self.lora)
+                          base_digest=self.base_digest, lora=self.lora, components=dict(self.components))
 
     def snapshot(self) -> tuple[Any, str]:
         with self.lock:
@@ -116,37 +131,35 @@ class LoadedModel:
             return (self.base_pipeline if self.base_pipeline is not None else self.pipeline).transformer
 
 
-def _hash_module(h: Any, name: str, module: torch.nn.Module) -> None:
+def component_digest(name: str, module: torch.nn.Module) -> str:
+    """sha256 over one component's state dict: for each tensor, sorted by key,
+    "<name>.<key>:<dtype>:<shape>\\n" and then its raw bytes."""
+    h = hashlib.sha256()
     for key, tensor in sorted(module.state_dict().items()):
         t = tensor.detach().to("cpu").contiguous()
         h.update(f"{name}.{key}:{t.dtype}:{tuple(t.shape)}\n".encode())
         h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")
-
-
-def weights_digest(pipeline: Any) -> str:
-    """sha256 over the state dicts of all torch modules of a pipeline (names, dtypes, shapes, bytes)."""
-    h = hashlib.sha256()
-    for name, module in sorted(pipeline.components.items()):
-        if isinstance(module, torch.nn.Module):
-            _hash_module(h, name, module)
     return h.hexdigest()
 
 
-def _digest_prefix(pipeline: Any) -> Any:
-    h = hashlib.sha256()
-    for name, module in sorted(pipeline.components.items()):
-        if name < "transformer" and isinstance(module, torch.nn.Module):
-            _hash_module(h, name, module)
-    return h
+def component_digests(pipeline: Any) -> dict[str, str]:
+    """{component name: component_digest} for every torch module of a pipeline (None ones skipped)."""
+    return {name: component_digest(name, module) for name, module in sorted(pipeline.components.items())
+            if isinstance(module, torch.nn.Module)}
 
 
-def _digest_from(prefix: Any, pipeline: Any) -> str:
-    """weights_digest(pipeline), given the hash state of the components before "transformer"."""
-    h = prefix.copy()
-    for name, module in sorted(pipeline.components.items()):
-        if name >= "transformer" and isinstance(module, torch.nn.Module):
-            _hash_module(h, name, module)
-    return str(h.hexdigest())
+def combine_digests(components: Mapping[str, str]) -> str:
+    """The weights digest from the per-component ones: sha256 over "sigmaflight/weights/v2\\n" and
+    "<name>:<digest>\\n" per component, sorted by name."""
+    h = hashlib.sha256(b"sigmaflight/weights/v2\n")
+    for name in sorted(components):
+        h.update(f"{name}:{components[name]}\n".encode())
+    return h.hexdigest()
+
+
+def weights_digest(pipeline: Any) -> str:
+    """The digest of all the torch modules of a pipeline: combine_digests(component_digests(pipeline))."""
+    return combine_digests(component_digests(pipeline))
 
 
 def _with_transformer(pipeline: Any, transformer: Any) -> Any:
@@ -312,10 +325,12 @@ class ModelRegistry:
             del new
             current = model.base_pipeline if model.base_pipeline is not None else model.pipeline
             pipeline = _with_transformer(current, transformer)
-            digest = _digest_from(self._prefix(model, pipeline), pipeline)
+            components = {**model.base_components, "transformer": component_digest("transformer", transformer)}
+            digest = combine_digests(components)
             with model.lock:
                 model.pipeline, model.base_pipeline, model.lora = pipeline, None, None
                 model.digest = model.base_digest = digest
+                model.components, model.base_components = components, dict(components)
                 model.weights_version += 1
             return model.policy()
 
@@ -331,17 +346,19 @@ class ModelRegistry:
         JSON-decoded). Raises RolloutInputError naming the key or `lora_config[.field]`: unknown
         target module, wrong rank or shape, NaN/Inf, missing or invalid lora_config, a key that is
         not a LoRA tensor, a missing factor. The base tensors are shared, not copied. Returns the
-        new Policy: digest = adapter digest of (base digest, config, tensors), weights_version + 1.
+        new Policy: the transformer's component digest is the adapter digest of (the base
+        transformer's digest, config, tensors), the others stay; weights_version + 1.
         """
         model = self.get(model_id)
         with model.push_lock:
             base_pipeline = model.base_pipeline if model.base_pipeline is not None else model.pipeline
-            transformer, adapter = attach_adapter(base_pipeline.transformer, model.base_digest, tensors, lora_config,
-                                                  dtype=model.dtype)
+            transformer, adapter = attach_adapter(base_pipeline.transformer, model.base_components["transformer"],
+                                                  tensors, lora_config, dtype=model.dtype)
             pipeline = _with_transformer(base_pipeline, transformer)
+            components = {**model.base_components, "transformer": adapter.digest}
             with model.lock:
                 model.pipeline, model.base_pipeline, model.lora = pipeline, base_pipeline, adapter
-                model.digest = adapter.digest
+                model.components, model.digest = components, combine_digests(components)
                 model.weights_version += 1
             return model.policy()
 
@@ -354,7 +371,7 @@ class ModelRegistry:
                 if model.base_pipeline is None:
                     raise LoraNotLoaded(f"model {model_id!r} has no LoRA adapter")
                 model.pipeline, model.base_pipeline, model.lora = model.base_pipeline, None, None
-                model.digest = model.base_digest
+                model.digest, model.components = model.base_digest, dict(model.base_components)
                 model.weights_version += 1
             return model.policy()
 
@@ -388,28 +405,22 @@ class ModelRegistry:
 
     # ------------------------------------------------------------------ internals
 
-    @staticmethod
-    def _prefix(model: LoadedModel, pipeline: Any) -> Any:
-        if model.digest_prefix is None:
-            model.digest_prefix = _digest_prefix(pipeline)
-        return model.digest_prefix
-
     def _build_builtin(self, model_id: str) -> LoadedModel:
         spec = _BUILTINS[model_id]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(spec.seed)
             pipeline = spec.build()
         _prepare(pipeline, self._device, self._dtype)
-        prefix = _digest_prefix(pipeline)
+        components = component_digests(pipeline)
         return LoadedModel(
             id=model_id,
             family=spec.family,
             pipeline=pipeline,
             device=self._device,
             dtype=self._dtype,
-            digest=_digest_from(prefix, pipeline),
+            digest=combine_digests(components),
             defaults=spec.defaults,
-            digest_prefix=prefix,
+            components=components,
         )
 
     def _load_local(self, model_id: str, path: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -433,16 +444,16 @@ class ModelRegistry:
             num_frames=9 if family == "wan" else None,
             call_kwargs=builtin_kwargs,
         )
-        prefix = _digest_prefix(pipeline)
+        components = component_digests(pipeline)
         return LoadedModel(
             id=model_id,
             family=family,
             pipeline=pipeline,
             device=device,
             dtype=dtype,
-            digest=_digest_from(prefix, pipeline),
+            digest=combine_digests(components),
             defaults=defaults,
-            digest_prefix=prefix,
+            components=components,
         )
 
 

@@ -88,6 +88,7 @@ class _Driver:
         digest: str,
         *,
         weights_version: int = 0,
+        components: Mapping[str, str] | None = None,
         on_schedule: Callable[[ScheduleSnapshot], None] | None,
         on_step: Callable[[StepCapture], None] | None,
         on_progress: Callable[[int, int], None] | None,
@@ -101,6 +102,7 @@ class _Driver:
         self.seeds = seeds
         self.digest = digest
         self.weights_version = weights_version
+        self.components = dict(components) if components else None
         self.T = spec.num_inference_steps
         self.steps = frozenset(captured_steps(spec)) if spec.capture else frozenset()
         self.sde_steps = frozenset(requested_sde_steps(spec))
@@ -150,6 +152,7 @@ class _Driver:
             native_dtype=sample.dtype,
             model_digest=self.digest,
             model_weights_version=self.weights_version,
+            model_components=self.components,
             start_step=self.spec.start_step,
             prompt_index=self.spec.prompt_indices(),
             parent_sample=self.spec.parent_samples(),
@@ -240,6 +243,7 @@ def run_rollout(
         seeds,
         digest,
         weights_version=policy.weights_version,
+        components=policy.components,
         on_schedule=on_schedule,
         on_step=on_step,
         on_progress=on_progress,
@@ -302,6 +306,7 @@ def rollout_metadata(model: LoadedModel, spec: RolloutSpec, snapshot: ScheduleSn
             "dtype": str(model.dtype).removeprefix("torch."),
             "digest": snapshot.model_digest or model.digest,
             "weights_version": snapshot.model_weights_version,
+            **({"components": dict(snapshot.model_components)} if snapshot.model_components else {}),
         },
         "scheduler": {
             "class": snapshot.scheduler_class,

@@ -18,9 +18,12 @@ has the typed errors. docs/trainers.md has the whole tour.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import time
 import warnings
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
@@ -359,15 +362,16 @@ def replay_log_probs(
     With the server's weights this gives the trajectory's own `log_probs` bit for bit; with
     `grad=True` the result carries a graph to the model's trainable parameters.
 
-    The trajectory's `model.digest` is compared with the digest of `model`'s current weights:
-    when they differ (the trajectory was made with other weights, e.g. before a weights push, or
-    this is an off-policy inner step) it warns `WeightsMismatch`, or raises ValueError with
-    `strict=True`. `check_weights=False` skips the check (an off-policy step on purpose).
+    The trajectory's `model.components` (a weights digest per component) are compared with
+    `current_components(model)`, the components `model` holds as they are now (None ones, such as
+    text encoders a trainer leaves out, are skipped; a trajectory without `components` is compared
+    on its whole `model.digest`): when one differs (the trajectory was made with other weights,
+    e.g. before a weights push, or this is an off-policy inner step) it warns `WeightsMismatch`
+    naming it, or raises ValueError with `strict=True`. `check_weights=False` skips the check (an
+    off-policy step on purpose).
 
     `conditioning`: the rollout's "conditioning/v1" tensors (`Client.pull_conditioning`): the
-    prompts are not encoded, so `model`'s text encoders may be None. The digest covers every
-    module of the pipeline, text encoders included: a pipeline without them cannot match it, so
-    pass `check_weights=False` there (and compare the transformer yourself if needed)."""
+    prompts are not encoded, so `model`'s text encoders may be None."""
     from pipeline.replay import Replayer
 
     if check_weights:
@@ -385,42 +389,114 @@ def replay_log_probs(
     )
 
 
-_digest_cache: dict[int, tuple[tuple[tuple[int, int], ...], str]] = {}
+_digest_cache: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[list[tuple[Any, int]], str]]] = (
+    weakref.WeakKeyDictionary())
 
 
-def current_digest(model: Any) -> str:
-    """The weights digest of `model.pipeline` as it is now (pipeline.models.weights_digest).
-
-    Cached per pipeline on the identities and in-place version counters of its tensors, so a
-    replay loop pays the hash only after the weights changed (an optimizer step, a load)."""
-    from pipeline.models import weights_digest
-
-    pipeline = model.pipeline
-    key = tuple(
-        (id(t), t._version)
-        for m in pipeline.components.values() if isinstance(m, torch.nn.Module)
-        for t in m.state_dict(keep_vars=True).values()
-    )
-    cached = _digest_cache.get(id(pipeline))
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    digest = weights_digest(pipeline)
-    _digest_cache[id(pipeline)] = (key, digest)
+def _cached(module: torch.nn.Module, what: str, tensors: list[torch.Tensor], make: Callable[[], str]) -> str:
+    """make(), remembered for `module` while `tensors` are the same objects with the same in-place
+    version counters (weak references: a tensor freed and another at its address is a miss)."""
+    slot = _digest_cache.setdefault(module, {})
+    hit = slot.get(what)
+    if hit is not None and len(hit[0]) == len(tensors) and all(
+        ref() is t and version == t._version for (ref, version), t in zip(hit[0], tensors, strict=True)
+    ):
+        return hit[1]
+    digest = make()
+    slot[what] = ([(weakref.ref(t), t._version) for t in tensors], digest)
     return digest
 
 
+def current_components(model: Any) -> dict[str, str]:
+    """{component: digest} of `model.pipeline`'s torch modules as they are now, the way the server
+    makes a trajectory's `model.components` (pipeline.models.component_digests). A peft-wrapped
+    transformer with one adapter (`get_peft_model` or `add_adapter`) gets the digest the server
+    gives it once that adapter is pushed: the adapter digest over its base weights, config and factors.
+
+    Cached per module on the identities and in-place version counters of its tensors, so a
+    replay loop pays the hash only after the weights changed (an optimizer step, a load); under
+    a LoRA only the factors are hashed again, the frozen base once."""
+    from pipeline.models import component_digest
+
+    out: dict[str, str] = {}
+    for name, module in sorted(model.pipeline.components.items()):
+        if not isinstance(module, torch.nn.Module):
+            continue
+        tensors = list(module.state_dict(keep_vars=True).values())
+        peft_config = getattr(module, "peft_config", None)
+        if isinstance(peft_config, Mapping) and len(peft_config) == 1:
+            out[name] = _cached(module, "adapter:" + name, tensors, functools.partial(_adapter_digest, name, module))
+        else:
+            out[name] = _cached(module, name, tensors, functools.partial(component_digest, name, module))
+    return out
+
+
+def current_digest(model: Any) -> str:
+    """The weights digest of `model.pipeline` as it is now (pipeline.models.weights_digest)."""
+    from pipeline.models import combine_digests
+
+    return combine_digests(current_components(model))
+
+
+def _adapter_digest(name: str, module: Any) -> str:
+    from peft import get_peft_model_state_dict
+
+    from pipeline.lora import PEFT_PREFIX, adapter_digest, config_json, parse_lora_config
+    from pipeline.models import component_digest
+
+    ((adapter_name, config),) = module.peft_config.items()
+    # get_peft_model's PeftModel prefixes every key with `base_model.model.`; add_adapter does not
+    base = {k.removeprefix(PEFT_PREFIX).replace(".base_layer.", "."): v
+            for k, v in module.state_dict(keep_vars=True).items() if ".lora_" not in k}
+    base_digest = _cached(module, "base:" + name, list(base.values()),
+                          lambda: component_digest(name, _StateDict(base)))
+    dtype = next(iter(base.values())).dtype  # the server holds the factors in the model's dtype
+    factors = {k.removeprefix(PEFT_PREFIX): v.detach().to("cpu", dtype)
+               for k, v in get_peft_model_state_dict(module, adapter_name=adapter_name).items()}
+    cfg = parse_lora_config(json.loads(json.dumps(config.to_dict(), default=sorted)))  # as push_lora sends it
+    return adapter_digest(base_digest, config_json(cfg), factors)
+
+
+class _StateDict(torch.nn.Module):
+    """A module whose state_dict is the given tensors (to hash a peft-wrapped module's base weights)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        super().__init__()
+        self._tensors = dict(tensors)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return dict(self._tensors)
+
+
 def _check_weights(model: Any, traj: Trajectory, *, strict: bool) -> None:
-    made_with = (traj.metadata.get("model") or {}).get("digest")
+    made = traj.metadata.get("model") or {}
+    made_with, recorded = made.get("digest"), made.get("components")
     if made_with is None:
         return
-    have = current_digest(model)
-    if have == made_with:
-        return
-    message = (
-        f"trajectory {traj.header.rollout_id} was made with weights {made_with[:12]}, but the model "
-        f"replaying it has weights {have[:12]}: the log-probs are not the rollout's own "
-        "(pass check_weights=False for an intended off-policy replay)"
-    )
+    have = current_components(model)
+    if isinstance(recorded, Mapping) and "transformer" in recorded and "transformer" in have:
+        # Compare the components this model holds (a trainer without text encoders holds fewer).
+        differ = sorted(n for n in have if have[n] != recorded.get(n))
+        if not differ:
+            return
+        detail = ", ".join(
+            f"{n} ({_short(have[n])}, the rollout's {_short(recorded[n])})" if n in recorded
+            else f"{n} (the rollout's model has none)" for n in differ)
+        message = (f"trajectory {traj.header.rollout_id} was made with other weights than the model replaying it "
+                   f"has: {detail}")
+    else:
+        from pipeline.models import combine_digests
+
+        have_digest = combine_digests(have)
+        if have_digest == made_with:
+            return
+        message = (f"trajectory {traj.header.rollout_id} was made with weights {made_with[:12]}, but the model "
+                   f"replaying it has weights {have_digest[:12]}")
+    message += ": the log-probs are not the rollout's own (pass check_weights=False for an intended off-policy replay)"
     if strict:
         raise ValueError(message)
     warnings.warn(WeightsMismatch(message), stacklevel=3)
+
+
+def _short(digest: str) -> str:
+    return digest[:12] + "..."

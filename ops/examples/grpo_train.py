@@ -154,8 +154,11 @@ def train(
             ratio = torch.ones_like(logp_old)
             transformer.train(False)  # dropout off: the server's forward, bit for bit
             for k in range(inner_steps):
-                # [B, S], graph to the LoRA factors; the steps after the first are off-policy on purpose.
-                logp_new = replay_log_probs(model, traj, grad=True, check_weights=False, conditioning=cond)[:, sde]
+                # [B, S], graph to the LoRA factors. The first step must be on-policy: the weights check
+                # (the transformer's adapter digest against the rollout's) raises otherwise; the steps
+                # after it are off-policy on purpose.
+                logp_new = replay_log_probs(model, traj, grad=True, check_weights=k == 0, strict=True,
+                                            conditioning=cond)[:, sde]
                 loss, ratio = policy_loss(logp_new, logp_old, adv, clip)
                 if k == 0:
                     on_policy_one = torch.equal(ratio.detach(), torch.ones_like(ratio))

@@ -16,7 +16,7 @@ from safetensors.torch import save
 from pipeline.models import LoadedModel, ModelRegistry
 from pipeline.replay import Replayer
 from sigmaflight import Client
-from sigmaflight.client import rollout_spec
+from sigmaflight.client import replay_log_probs, rollout_spec
 from sigmaflight.errors import ApiError
 from tests.servers import ServerProcess
 
@@ -87,6 +87,20 @@ def test_lora_put_changes_trajectories_delete_restores_base_and_a_peft_trainer_r
         assert torch.isfinite(with_lora.log_probs[:, list(with_lora.sde_steps)]).all()
         assert _same(replayed, with_lora.log_probs)
         assert not _same(Replayer(base).log_probs(rollout_spec(with_lora), **kw), with_lora.log_probs)
+        # ... and the weights check knows it: its peft-wrapped transformer gets the adapter digest the
+        # server recorded (base weights, config, factors); the base alone is refused, naming the transformer
+        assert with_lora.metadata["model"]["components"]["transformer"] != base.components["transformer"]
+        assert _same(replay_log_probs(trainer, with_lora, strict=True), with_lora.log_probs)
+        with pytest.raises(ValueError, match="made with other weights .*: transformer "):
+            replay_log_probs(base, with_lora, strict=True)
+        factor = next(p for n, p in wrapped.named_parameters() if "lora_B" in n)
+        kept = factor.detach().clone()
+        with torch.no_grad():  # one factor moved (an optimizer step): no longer the rollout's policy
+            factor.add_(1e-3)
+        with pytest.raises(ValueError, match="transformer "):
+            replay_log_probs(trainer, with_lora, strict=True)
+        with torch.no_grad():
+            factor.copy_(kept)  # `adapter` shares these tensors: the pushes below need the original
 
         gone = client.delete_lora("tiny-sd3")
         assert gone["digest"] == base.digest and gone["weights_version"] == 2 and gone["lora"] is None

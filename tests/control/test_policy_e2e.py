@@ -37,7 +37,7 @@ def test_policy_version_and_stale_policy(tmp_path):
                                           "expected_digest": base.digest}).json()
         wait_for_status(c, ok["id"], {"succeeded"})
         assert _rollout_meta(ok)["model"] == {"id": "tiny-sd3", "dtype": "float32", "digest": base.digest,
-                                              "weights_version": 0}
+                                              "weights_version": 0, "components": base.components}
 
         # hold the only worker, queue a rollout that expects the current weights, then push new ones
         blocker = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 4000, "seed": 2,
@@ -75,4 +75,5 @@ def test_policy_version_and_stale_policy(tmp_path):
         meta = _rollout_meta(fresh)["model"]
         assert meta["digest"] == new_digest and meta["weights_version"] == 1
         assert meta["digest"] != base.digest
+        assert {n for n in meta["components"] if meta["components"][n] != base.components[n]} == {"transformer"}
         assert torch.equal(state[first], pushed.pipeline.transformer.state_dict()[first])

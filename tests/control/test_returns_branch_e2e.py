@@ -116,8 +116,14 @@ def test_conditioning_stream_reproduces_the_ode_rollout_and_replays_without_text
         assert torch.equal(traj.latent(i), stock.cpu()), f"x_{i} differs from the stock pipeline's"
     trainer = _without_text_encoders(model)
     assert all(getattr(trainer.pipeline, n) is None for n in TEXT_ENCODERS["tiny-sd3"])
-    replayed = replay_log_probs(trainer, sde_traj, conditioning=sde_cond, check_weights=False)
+    # The weights check runs on the components the trainer holds (transformer, VAE): silent here
+    # (warnings are errors), and a moved transformer weight is named.
+    replayed = replay_log_probs(trainer, sde_traj, conditioning=sde_cond, strict=True)
     assert torch.isfinite(sde_traj.log_probs).all() and torch.equal(replayed, sde_traj.log_probs)
+    with torch.no_grad():
+        next(trainer.pipeline.transformer.parameters()).view(-1)[0] += 1e-3
+    with pytest.raises(ValueError, match=r"made with other weights .*: transformer \("):
+        replay_log_probs(trainer, sde_traj, conditioning=sde_cond, strict=True)
 
 
 def _parent(client: Client, **extra: Any) -> Any:

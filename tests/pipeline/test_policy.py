@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from pipeline.models import ModelLoadError, ModelRegistry, weights_digest
+from pipeline.models import ModelLoadError, ModelRegistry, component_digest, component_digests, weights_digest
 from pipeline.rollout import run_rollout
 from pipeline.spec import RolloutInputError, RolloutSpec
 
@@ -29,6 +29,31 @@ def test_version_counts_pushes_and_digest_is_the_whole_pipelines():
     assert model.weights_version == 2
     row = next(r for r in reg.describe() if r["id"] == "tiny-sd3")
     assert row["digest"] == model.digest and row["weights_version"] == 2 and row["lora"] is None
+
+
+def test_per_component_digests_follow_each_module_and_a_push_moves_only_the_transformers():
+    reg = ModelRegistry()
+    model = reg.get("tiny-sd3")
+    p0 = model.policy()
+    torch_modules = sorted(n for n, m in model.pipeline.components.items() if isinstance(m, torch.nn.Module))
+    assert sorted(p0.components) == torch_modules == ["text_encoder", "text_encoder_2", "text_encoder_3",
+                                                      "transformer", "vae"]
+    assert len(set(p0.components.values())) == len(torch_modules)
+    p1 = reg.replace_weights("tiny-sd3", _shifted(model, 0.01))
+    moved = sorted(n for n in p0.components if p0.components[n] != p1.components[n])
+    assert moved == ["transformer"] and p1.components == component_digests(model.pipeline)
+    # the same weights in another module object (a rebuilt model) have the same digests
+    fresh = ModelRegistry().get("tiny-sd3")
+    assert fresh.components == p0.components and fresh.pipeline.vae is not model.pipeline.vae
+    # one byte of one text encoder moves that component's digest and the whole digest, nothing else
+    with torch.no_grad():
+        next(fresh.pipeline.text_encoder_2.parameters()).view(-1)[0] += 1.0
+    changed = component_digests(fresh.pipeline)
+    assert sorted(n for n in changed if changed[n] != p0.components[n]) == ["text_encoder_2"]
+    assert weights_digest(fresh.pipeline) != p0.digest
+    # the name is part of a component's digest: the same weights under two names differ
+    vae = model.pipeline.vae
+    assert component_digest("vae", vae) != component_digest("vae_2", vae)
 
 
 def test_push_takes_the_tensors_without_a_copy_and_leaves_the_old_pipeline_alone():

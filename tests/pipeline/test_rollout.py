@@ -145,7 +145,9 @@ def test_metadata_is_json(registry):
     spec = RolloutSpec(model="tiny-flux", prompts=("a cat",), num_inference_steps=2, seed=1)
     res = run_rollout(model, spec)
     meta = json.loads(json.dumps(rollout_metadata(model, spec, res.snapshot)))
-    assert meta["model"] == {"id": "tiny-flux", "dtype": "float32", "digest": model.digest, "weights_version": 0}
+    assert meta["model"] == {"id": "tiny-flux", "dtype": "float32", "digest": model.digest, "weights_version": 0,
+                             "components": model.components}
+    assert sorted(meta["model"]["components"]) == ["text_encoder", "text_encoder_2", "transformer", "vae"]
     assert meta["scheduler"]["class"] == "FlowMatchEulerDiscreteScheduler"
     assert meta["scheduler"]["config"]["use_dynamic_shifting"] is True
     assert "mu" in meta["scheduler"]["set_timesteps"]
