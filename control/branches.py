@@ -5,9 +5,10 @@ The parent's x_k rows, schedule (sigmas, timesteps, set_timesteps kwargs), promp
 when it published one, its "conditioning/v1" stream are read from the store the control plane
 serves; the branch inherits model, prompts, negative_prompt, guidance_scale, height, width,
 num_frames and num_inference_steps from the parent's recorded request. With the Ray backend the parent's
-trajectory lives in a worker's store: its finished table comes to the control plane through the
-Ray object store (`RayBackend.trajectory_ref`) and x_k travels on in the branch's spec (the
-parent's conditioning stream does not: the branch encodes the prompts again); see docs/trainers.md.
+trajectory lives in a worker's store: its finished table and, when it published one, its
+conditioning stream come to the control plane through the Ray object store
+(`RayBackend.trajectory_ref`, `RayBackend.stream_ref`), and x_k and the conditioning rows travel
+on in the branch's spec to whichever worker runs it; see docs/trainers.md.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataplane.codec import batch_to_tensors
 from dataplane.record import TrajectoryHeader
 from dataplane.schema import header_from_schema
 from dataplane.store import ResultStore
-from dataplane.streams import CONDITIONING, KEY_COLUMNS, StreamNotFound, column_tensor
+from dataplane.streams import CONDITIONING, KEY_COLUMNS, StreamNotFound, column_tensor, requested_streams
 from pipeline.spec import BranchStart, RolloutInputError, RolloutSpec
 
 INHERITED = ("model", "prompts", "negative_prompt", "guidance_scale", "height", "width", "num_frames",
@@ -112,7 +113,14 @@ def _from_ray(backend: Any, rollout_id: str) -> Parent | None:
             "branch_from.rollout", f"rollout {rollout_id!r}: its Ray worker could not hand over the trajectory "
             f"({type(exc).__name__})"
         ) from None
-    return _parent(rollout_id, header_from_schema(table.schema), table.to_batches(), None)
+    header = header_from_schema(table.schema)
+    conditioning = None
+    if CONDITIONING in requested_streams(header):
+        try:
+            conditioning = ray.get(backend.stream_ref(rollout_id, CONDITIONING))
+        except Exception:  # gone meanwhile: the branch encodes the prompts again (the same tensors)
+            conditioning = None
+    return _parent(rollout_id, header, table.to_batches(), conditioning)
 
 
 def check_inherited(body: Mapping[str, Any], parent: Parent, defaults: Any) -> None:

@@ -435,6 +435,14 @@ class RayBackend:
             raise KeyError(job_id)
         return slot.handle.table.remote(job_id)
 
+    def stream_ref(self, job_id: str, name: str) -> Any:
+        """An ObjectRef to a finished rollout's extra stream as a pyarrow.Table (None when it
+        was not asked for or is not held), put in the object store by the worker that holds it."""
+        slot = self._where.get(job_id)
+        if slot is None:
+            raise KeyError(job_id)
+        return slot.handle.stream.remote(job_id, name)
+
     def worker_for(self, job_id: str) -> Any:
         """The actor handle holding a rollout (tests and tools)."""
         return self._where[job_id].handle

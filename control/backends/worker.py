@@ -200,6 +200,21 @@ class RolloutWorker:
             raise RuntimeError(f"rollout {job_id} is {entry.state}, not succeeded")
         return pa.Table.from_batches(list(entry.iter_batches()), schema=entry.schema)
 
+    def stream(self, job_id: str, name: str) -> pa.Table | None:
+        """A succeeded rollout's extra stream ("outputs", "conditioning") as one Arrow table; None
+        when the rollout did not ask for it or it is not held any more. Raises KeyError if unknown,
+        RuntimeError if not succeeded. Through Ray it lands in the object store, as `table` does
+        (a branch's control plane reads its parent's conditioning this way)."""
+        from dataplane.streams import StreamNotFound
+
+        entry = self.store.get(job_id)
+        if entry.state != "succeeded":
+            raise RuntimeError(f"rollout {job_id} is {entry.state}, not succeeded")
+        try:
+            return entry.stream_table(name)
+        except StreamNotFound:
+            return None
+
     def ping(self) -> int:
         return os.getpid()
 

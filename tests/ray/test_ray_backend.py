@@ -15,9 +15,11 @@ import torch
 from control.backends.local import LocalBackend
 from control.backends.ray import RayBackend, trajectory_ref
 from control.backends.worker import WorkerConfig
+from control.branches import branch_spec, find_parent
 from control.jobs.manager import Job, JobManager
 from dataplane.client import Trajectory
 from dataplane.store import ResultStore
+from dataplane.streams import column_tensor
 from pipeline.models import ModelRegistry
 from pipeline.spec import RolloutSpec, SamplerSpec
 
@@ -148,6 +150,27 @@ def test_object_store_path_gives_the_same_table_as_flight(jobs, backend):
     assert ray.get(trajectory_ref(job.id)).equals(over_flight)  # by id, from any process in the cluster
     with pytest.raises(KeyError):
         trajectory_ref("no-such-rollout")
+
+
+def test_a_parent_on_a_worker_brings_its_conditioning_stream_to_the_branch(jobs, backend):
+    job, _ = jobs.submit(spec(seed=11, return_conditioning=True), {})
+    plain, _ = jobs.submit(spec(seed=12), {})
+    for j in (job, plain):
+        assert wait(jobs, j.id, {"succeeded", "failed"}) == "succeeded", j.error
+    with flight.FlightClient(backend.locations_for(job.id)[0]) as fc:  # plain Flight, from its worker
+        info = fc.get_flight_info(flight.FlightDescriptor.for_path("rollouts", job.id, "conditioning"))
+        want = fc.do_get(info.endpoints[0].ticket).read_all()
+    empty = ResultStore(memory_budget_bytes=1 << 20)  # the control plane's own store holds neither
+    parent = find_parent(empty, job.id, backend)
+    assert parent.conditioning is not None and parent.conditioning.equals(want)
+    branch = branch_spec(parent, spec(seed=13), step=1, samples=[1]).branch_from
+    assert branch is not None and branch.conditioning is not None
+    assert set(branch.conditioning) == {"prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds",
+                                        "negative_pooled_prompt_embeds"}
+    for name, rows in branch.conditioning.items():  # parent sample 1's rows, bit for bit
+        assert torch.equal(rows, column_tensor(want, name)[[1]]), name
+    assert find_parent(empty, plain.id, backend).conditioning is None  # none asked for: encode again
+    empty.close()
 
 
 def test_progress_crosses_the_actor_boundary_and_cancel_stops_the_rollout(jobs):
