@@ -23,6 +23,7 @@ import torch
 
 from control.jobs.manager import Job
 from control.node import Node, NodeConfig
+from dataplane.streams import StreamNotFound
 from pipeline.spec import RolloutCancelled, RolloutSpec
 
 log = logging.getLogger("sigmaflight.worker")
@@ -205,8 +206,6 @@ class RolloutWorker:
         when the rollout did not ask for it or it is not held any more. Raises KeyError if unknown,
         RuntimeError if not succeeded. Through Ray it lands in the object store, as `table` does
         (a branch's control plane reads its parent's conditioning this way)."""
-        from dataplane.streams import StreamNotFound
-
         entry = self.store.get(job_id)
         if entry.state != "succeeded":
             raise RuntimeError(f"rollout {job_id} is {entry.state}, not succeeded")
