@@ -46,6 +46,7 @@ __all__ = [
     "component_digest",
     "component_digests",
     "max_image_size",
+    "state_digest",
     "weights_digest",
 ]
 
@@ -132,10 +133,15 @@ class LoadedModel:
 
 
 def component_digest(name: str, module: torch.nn.Module) -> str:
-    """sha256 over one component's state dict: for each tensor, sorted by key,
+    """sha256 over one component's state dict (`state_digest` of it)."""
+    return state_digest(name, module.state_dict())
+
+
+def state_digest(name: str, state: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over the tensors of component `name`: for each, sorted by key,
     "<name>.<key>:<dtype>:<shape>\\n" and then its raw bytes."""
     h = hashlib.sha256()
-    for key, tensor in sorted(module.state_dict().items()):
+    for key, tensor in sorted(state.items()):
         t = tensor.detach().to("cpu").contiguous()
         h.update(f"{name}.{key}:{t.dtype}:{tuple(t.shape)}\n".encode())
         h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")

@@ -442,30 +442,19 @@ def _adapter_digest(name: str, module: Any) -> str:
     from peft import get_peft_model_state_dict
 
     from pipeline.lora import PEFT_PREFIX, adapter_digest, config_json, parse_lora_config
-    from pipeline.models import component_digest
+    from pipeline.models import state_digest
 
     ((adapter_name, config),) = module.peft_config.items()
     # get_peft_model's PeftModel prefixes every key with `base_model.model.`; add_adapter does not
     base = {k.removeprefix(PEFT_PREFIX).replace(".base_layer.", "."): v
             for k, v in module.state_dict(keep_vars=True).items() if ".lora_" not in k}
     base_digest = _cached(module, "base:" + name, list(base.values()),
-                          lambda: component_digest(name, _StateDict(base)))
+                          lambda: state_digest(name, base))
     dtype = next(iter(base.values())).dtype  # the server holds the factors in the model's dtype
     factors = {k.removeprefix(PEFT_PREFIX): v.detach().to("cpu", dtype)
                for k, v in get_peft_model_state_dict(module, adapter_name=adapter_name).items()}
     cfg = parse_lora_config(json.loads(json.dumps(config.to_dict(), default=sorted)))  # as push_lora sends it
     return adapter_digest(base_digest, config_json(cfg), factors)
-
-
-class _StateDict(torch.nn.Module):
-    """A module whose state_dict is the given tensors (to hash a peft-wrapped module's base weights)."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        super().__init__()
-        self._tensors = dict(tensors)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        return dict(self._tensors)
 
 
 def _check_weights(model: Any, traj: Trajectory, *, strict: bool) -> None:
