@@ -19,13 +19,18 @@ from typing import Any
 
 import pyarrow as pa
 import torch
-
-from dataplane.codec import batch_to_tensors
-from dataplane.record import TrajectoryHeader
-from dataplane.schema import header_from_schema
-from dataplane.store import ResultStore
-from dataplane.streams import CONDITIONING, KEY_COLUMNS, StreamNotFound, column_tensor, requested_streams
-from pipeline.spec import BranchStart, RolloutInputError, RolloutSpec
+from sigmaflight.dataplane.codec import batch_to_tensors
+from sigmaflight.dataplane.record import TrajectoryHeader
+from sigmaflight.dataplane.schema import header_from_schema
+from sigmaflight.dataplane.store import ResultStore
+from sigmaflight.dataplane.streams import (
+    CONDITIONING,
+    KEY_COLUMNS,
+    StreamNotFound,
+    column_tensor,
+    requested_streams,
+)
+from sigmaflight.pipeline.spec import BranchStart, RolloutInputError, RolloutSpec
 
 INHERITED = ("model", "prompts", "negative_prompt", "guidance_scale", "height", "width", "num_frames",
              "num_inference_steps")

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from control.backends.local import LocalBackend
-from dataplane.server import FlightDataServer
-from dataplane.store import ResultStore
-from pipeline.models import ModelRegistry
+from sigmaflight.control.backends.local import LocalBackend
+from sigmaflight.dataplane.server import FlightDataServer
+from sigmaflight.dataplane.store import ResultStore
+from sigmaflight.pipeline.models import ModelRegistry
 
 log = logging.getLogger("sigmaflight.node")
 

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, get_args
 
-from control.settings import Settings, TokenFileError, token_file_exposed
+from sigmaflight.control.settings import Settings, TokenFileError, token_file_exposed
 
 log = logging.getLogger("sigmaflight")
 
@@ -62,9 +62,8 @@ def serve(settings: Settings) -> int:
     # transformers announces optional backends it lacks (torchvision) on import; not our users' concern.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import uvicorn
-
-    from control import logs
-    from control.http.app import create_app
+    from sigmaflight.control import logs
+    from sigmaflight.control.http.app import create_app
 
     logs.configure(settings.log_level, settings.log_format)
     if settings.token_file is not None and token_file_exposed(settings.token_file):
@@ -140,8 +139,8 @@ def serve(settings: Settings) -> int:
 
 def preflight(settings: Settings) -> None:
     """Refuse settings the server cannot start with, naming the flag and the reason (StartupError)."""
-    from control.node import local_model_dirs
-    from pipeline.models import ModelLoadError, ModelRegistry, check_flow_match
+    from sigmaflight.control.node import local_model_dirs
+    from sigmaflight.pipeline.models import ModelLoadError, ModelRegistry, check_flow_match
 
     try:
         settings.tokens()  # a --token-file that is missing, unreadable or empty: fail closed

@@ -14,12 +14,11 @@ from typing import Any
 
 import pyarrow.flight as flight
 import torch
-
-from control.jobs.manager import Backend, JobManager, NotFinished
-from control.node import Node, NodeConfig
-from control.settings import Settings
-from dataplane.auth import TokenSet
-from pipeline.models import Policy
+from sigmaflight.control.jobs.manager import Backend, JobManager, NotFinished
+from sigmaflight.control.node import Node, NodeConfig
+from sigmaflight.control.settings import Settings
+from sigmaflight.dataplane.auth import TokenSet
+from sigmaflight.pipeline.models import Policy
 
 log = logging.getLogger("sigmaflight.service")
 
@@ -52,7 +51,7 @@ class Service:
         self.registry, self.store, self.flight = self.node.registry, self.node.store, self.node.flight
         self.backend: Backend
         if settings.backend == "ray":
-            from control.backends.ray import RayBackend
+            from sigmaflight.control.backends.ray import RayBackend
 
             self.backend = RayBackend.from_settings(settings)
         else:

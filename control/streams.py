@@ -12,13 +12,12 @@ from typing import Any
 
 import pyarrow as pa
 import torch
-
-from dataplane.record import TrajectoryHeader
-from dataplane.streams import CONDITIONING, OUTPUTS, TRAJECTORY, stream_table
-from dataplane.tickets import stream_ticket
-from pipeline.decode import DECODABLE_FAMILIES, decode_uint8
-from pipeline.models import LoadedModel
-from pipeline.spec import RolloutInputError, RolloutSpec
+from sigmaflight.dataplane.record import TrajectoryHeader
+from sigmaflight.dataplane.streams import CONDITIONING, OUTPUTS, TRAJECTORY, stream_table
+from sigmaflight.dataplane.tickets import stream_ticket
+from sigmaflight.pipeline.decode import DECODABLE_FAMILIES, decode_uint8
+from sigmaflight.pipeline.models import LoadedModel
+from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec
 
 __all__ = ["output_bytes", "outputs_table", "stream_names", "streams_of_request", "stream_tickets",
            "validate_outputs"]

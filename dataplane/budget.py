@@ -14,9 +14,9 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 
-from dataplane.entry import Entry
+from sigmaflight.dataplane.entry import Entry
 
-log = logging.getLogger("dataplane.store")
+log = logging.getLogger("sigmaflight.dataplane.store")
 
 TRIM_MIN_BYTES = 16 << 20
 """Freeing at least this much gives the heap back to the OS (malloc_trim)."""

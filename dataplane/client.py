@@ -6,7 +6,7 @@ shared-memory file (the ``file://...?host=`` location of its FlightInfo endpoint
 zero-copy views over the mapped file. Anything else (another host, an unreadable file, a
 running rollout, ``transport="flight"``) goes over gRPC; the debug log says why.
 
-    from dataplane.client import TrajectoryClient
+    from sigmaflight.dataplane.client import TrajectoryClient
     with TrajectoryClient("grpc+tcp://127.0.0.1:8815", token="...") as c:
         traj = c.pull(ticket_or_rollout_id)          # everything, one copy, aligned
         for i, x, x_next, s, s_next, lp in traj.transitions():
@@ -35,14 +35,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 import torch
-
-from dataplane.codec import StepTensors, batch_to_tensors
-from dataplane.durable import FOOTER_TICKET
-from dataplane.files import map_trajectory, read_trajectory
-from dataplane.record import TrajectoryHeader
-from dataplane.schema import header_from_schema, schema_metadata
-from dataplane.server import DESCRIPTOR_ROOT
-from dataplane.shm import host_id, parse_file_location
+from sigmaflight.dataplane.codec import StepTensors, batch_to_tensors
+from sigmaflight.dataplane.durable import FOOTER_TICKET
+from sigmaflight.dataplane.files import map_trajectory, read_trajectory
+from sigmaflight.dataplane.record import TrajectoryHeader
+from sigmaflight.dataplane.schema import header_from_schema, schema_metadata
+from sigmaflight.dataplane.server import DESCRIPTOR_ROOT
+from sigmaflight.dataplane.shm import host_id, parse_file_location
 
 log = logging.getLogger(__name__)
 Transport = Literal["auto", "flight"]
@@ -421,7 +420,7 @@ class TrajectoryClient:
     ) -> None:
         """``transport="flight"`` always streams over gRPC; ``"auto"`` reads a finished
         rollout's shared-memory file when its location names this host (``host``: this
-        host's id, default ``dataplane.shm.host_id()``) and the file can be opened."""
+        host's id, default ``sigmaflight.dataplane.shm.host_id()``) and the file can be opened."""
         if transport not in ("auto", "flight"):
             raise ValueError(f"transport must be 'auto' or 'flight', got {transport!r}")
         self.transport = transport

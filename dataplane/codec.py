@@ -18,9 +18,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-
-from dataplane.record import StepBatch, TrajectoryHeader
-from dataplane.schema import arrow_value_type, latent_dtype_of, numpy_dtype, trajectory_schema
+from sigmaflight.dataplane.record import StepBatch, TrajectoryHeader
+from sigmaflight.dataplane.schema import arrow_value_type, latent_dtype_of, numpy_dtype, trajectory_schema
 
 DEFAULT_MAX_BATCH_BYTES = 8 << 20
 """Keep record batches within 1-8 MiB: the measured fast range for Flight here. A step

@@ -19,9 +19,8 @@ import time
 from pathlib import Path
 
 import pyarrow as pa
-
-from dataplane.entry import Entry
-from dataplane.files import (
+from sigmaflight.dataplane.entry import Entry
+from sigmaflight.dataplane.files import (
     TEMP_SUFFIX,
     CorruptTrajectoryFile,
     TrajectoryFileWriter,
@@ -29,11 +28,11 @@ from dataplane.files import (
     map_trajectory,
     write_trajectory,
 )
-from dataplane.schema import header_from_schema
-from dataplane.streams import FORMATS
-from dataplane.tickets import is_minted
+from sigmaflight.dataplane.schema import header_from_schema
+from sigmaflight.dataplane.streams import FORMATS
+from sigmaflight.dataplane.tickets import is_minted
 
-log = logging.getLogger("dataplane.store")
+log = logging.getLogger("sigmaflight.dataplane.store")
 
 FOOTER_TICKET = "sigmaflight.ticket"
 

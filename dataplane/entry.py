@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 import pyarrow as pa
-
-from dataplane.record import TrajectoryHeader
-from dataplane.streams import StreamNotFound, requested_streams
+from sigmaflight.dataplane.record import TrajectoryHeader
+from sigmaflight.dataplane.streams import StreamNotFound, requested_streams
 
 State = Literal["running", "succeeded", "failed", "cancelled"]
 StopCheck = Callable[[], "str | None"]

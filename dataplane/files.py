@@ -20,8 +20,7 @@ from typing import NamedTuple
 
 import crc32c
 import pyarrow as pa
-
-from dataplane.schema import FORMAT, KEY_FORMAT, header_from_schema
+from sigmaflight.dataplane.schema import FORMAT, KEY_FORMAT, header_from_schema
 
 TEMP_SUFFIX = ".partial"
 """Suffix of files being written; never served, removed on the next scan."""

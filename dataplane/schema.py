@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-
-from dataplane.record import TrajectoryHeader
+from sigmaflight.dataplane.record import TrajectoryHeader
 
 FORMAT = "trajectory/v1"
 

@@ -25,11 +25,10 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
-
-from dataplane.auth import TokenSet
-from dataplane.store import Entry, ResultStore, RolloutEnded, StreamNotFound, TicketNotFound
-from dataplane.streams import EXTRA_STREAMS
-from dataplane.tickets import stream_ticket
+from sigmaflight.dataplane.auth import TokenSet
+from sigmaflight.dataplane.store import Entry, ResultStore, RolloutEnded, StreamNotFound, TicketNotFound
+from sigmaflight.dataplane.streams import EXTRA_STREAMS
+from sigmaflight.dataplane.tickets import stream_ticket
 
 log = logging.getLogger(__name__)
 

@@ -30,13 +30,12 @@ from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import pyarrow as pa
+from sigmaflight.dataplane.budget import MemoryBudget, trim_if_large
+from sigmaflight.dataplane.durable import open_writer
+from sigmaflight.dataplane.entry import Entry
+from sigmaflight.dataplane.files import TEMP_SUFFIX, MappedTrajectory, map_trajectory
 
-from dataplane.budget import MemoryBudget, trim_if_large
-from dataplane.durable import open_writer
-from dataplane.entry import Entry
-from dataplane.files import TEMP_SUFFIX, MappedTrajectory, map_trajectory
-
-log = logging.getLogger("dataplane.store")
+log = logging.getLogger("sigmaflight.dataplane.store")
 
 LOCK_NAME = ".sigmaflight.lock"
 

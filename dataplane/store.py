@@ -22,17 +22,23 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dataplane.budget import MemoryBudget, malloc_trim, trim_if_large
-from dataplane.codec import DEFAULT_MAX_BATCH_BYTES
-from dataplane.durable import DurableDir, serve_from_durable
-from dataplane.entry import EndedState, Entry, EntryInfo, RolloutEnded, State, StopCheck
-from dataplane.files import CorruptTrajectoryFile, verify_batches
-from dataplane.record import TrajectoryHeader
-from dataplane.schema import trajectory_schema
-from dataplane.shm import ShmDir
-from dataplane.streams import EXTRA_STREAMS, StreamNotFound
-from dataplane.tickets import TICKET_PREFIX, Resolved, TicketNotFound, TicketRegistry, split_stream_ticket
-from dataplane.writer import TrajectoryWriter
+from sigmaflight.dataplane.budget import MemoryBudget, malloc_trim, trim_if_large
+from sigmaflight.dataplane.codec import DEFAULT_MAX_BATCH_BYTES
+from sigmaflight.dataplane.durable import DurableDir, serve_from_durable
+from sigmaflight.dataplane.entry import EndedState, Entry, EntryInfo, RolloutEnded, State, StopCheck
+from sigmaflight.dataplane.files import CorruptTrajectoryFile, verify_batches
+from sigmaflight.dataplane.record import TrajectoryHeader
+from sigmaflight.dataplane.schema import trajectory_schema
+from sigmaflight.dataplane.shm import ShmDir
+from sigmaflight.dataplane.streams import EXTRA_STREAMS, StreamNotFound
+from sigmaflight.dataplane.tickets import (
+    TICKET_PREFIX,
+    Resolved,
+    TicketNotFound,
+    TicketRegistry,
+    split_stream_ticket,
+)
+from sigmaflight.dataplane.writer import TrajectoryWriter
 
 __all__ = [
     "TICKET_PREFIX",
@@ -48,7 +54,7 @@ __all__ = [
     "malloc_trim",
 ]
 
-log = logging.getLogger("dataplane.store")
+log = logging.getLogger("sigmaflight.dataplane.store")
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 

@@ -20,9 +20,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
-
-from dataplane.record import TrajectoryHeader
-from dataplane.schema import (
+from sigmaflight.dataplane.record import TrajectoryHeader
+from sigmaflight.dataplane.schema import (
     KEY_DTYPE,
     KEY_FORMAT,
     KEY_ROLLOUT,

@@ -6,12 +6,11 @@ from __future__ import annotations
 from typing import Literal, Protocol
 
 import pyarrow as pa
-
-from dataplane.codec import encode_step
-from dataplane.durable import DurableDir
-from dataplane.entry import Entry
-from dataplane.files import TrajectoryFileWriter
-from dataplane.record import StepBatch
+from sigmaflight.dataplane.codec import encode_step
+from sigmaflight.dataplane.durable import DurableDir
+from sigmaflight.dataplane.entry import Entry
+from sigmaflight.dataplane.files import TrajectoryFileWriter
+from sigmaflight.dataplane.record import StepBatch
 
 
 class StoreHooks(Protocol):

@@ -2,7 +2,7 @@
 
 For each model, in one process and one run: the rollout (`run_rollout`, the model's default
 steps, B samples, no capture: what the loop itself costs) and the "outputs/v1" table built
-from its x_T (`control.streams.outputs_table`: VAE decode, post-processing, Arrow table), each
+from its x_T (`sigmaflight.control.streams.outputs_table`: VAE decode, post-processing, Arrow table), each
 the median of --repeats runs after one warm-up. Prints per-image milliseconds and the ratio.
 
     .venv/bin/python ops/bench_decode.py                       # tiny-sd3 and small-sd3, B=4
@@ -22,11 +22,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from control.backends.local import header_for  # noqa: E402
-from control.streams import outputs_table  # noqa: E402
-from pipeline.models import ModelRegistry  # noqa: E402
-from pipeline.rollout import rollout_metadata, run_rollout  # noqa: E402
-from pipeline.spec import RolloutSpec, SamplerSpec  # noqa: E402
+from sigmaflight.control.backends.local import header_for  # noqa: E402
+from sigmaflight.control.streams import outputs_table  # noqa: E402
+from sigmaflight.pipeline.models import ModelRegistry  # noqa: E402
+from sigmaflight.pipeline.rollout import rollout_metadata, run_rollout  # noqa: E402
+from sigmaflight.pipeline.spec import RolloutSpec, SamplerSpec  # noqa: E402
 
 
 def measure(registry: ModelRegistry, model_id: str, samples: int, repeats: int) -> dict[str, float]:

@@ -54,8 +54,7 @@ class Sampler(threading.Thread):
 def bench_push(model_id: str, pushes: int) -> None:
     import torch
     from safetensors.torch import save
-
-    from pipeline.models import ModelRegistry
+    from sigmaflight.pipeline.models import ModelRegistry
 
     pipe = ModelRegistry().get(model_id).pipeline
     state = pipe.transformer.state_dict()

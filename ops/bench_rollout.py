@@ -27,10 +27,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from pipeline.calls import call_kwargs
-    from pipeline.models import ModelRegistry
-    from pipeline.rollout import run_rollout, sample_seeds
-    from pipeline.spec import RolloutSpec, SamplerSpec
+    from sigmaflight.pipeline.calls import call_kwargs
+    from sigmaflight.pipeline.models import ModelRegistry
+    from sigmaflight.pipeline.rollout import run_rollout, sample_seeds
+    from sigmaflight.pipeline.spec import RolloutSpec, SamplerSpec
 
     model = ModelRegistry().get(args.model)
     prompts = tuple(f"prompt {k}" for k in range(args.prompts))

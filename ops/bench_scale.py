@@ -34,14 +34,13 @@ def main() -> None:
     args = ap.parse_args()
 
     import ray
-
-    from control.backends.local import LocalBackend
-    from control.backends.ray import RayBackend
-    from control.backends.worker import WorkerConfig
-    from control.jobs.manager import JobManager
-    from dataplane.store import ResultStore
-    from pipeline.models import ModelRegistry
-    from pipeline.spec import RolloutSpec, SamplerSpec
+    from sigmaflight.control.backends.local import LocalBackend
+    from sigmaflight.control.backends.ray import RayBackend
+    from sigmaflight.control.backends.worker import WorkerConfig
+    from sigmaflight.control.jobs.manager import JobManager
+    from sigmaflight.dataplane.store import ResultStore
+    from sigmaflight.pipeline.models import ModelRegistry
+    from sigmaflight.pipeline.spec import RolloutSpec, SamplerSpec
 
     torch.set_num_threads(args.threads)
     prompts = tuple(f"prompt {k}" for k in range(args.prompts))

@@ -29,9 +29,9 @@ def percentile(values: list[float], q: float) -> float:
 
 def in_process(model_id: str, bodies: list[dict]) -> float:
     """Seconds to run every body's rollout in-process, one after the other, with full capture."""
-    from pipeline.models import ModelRegistry
-    from pipeline.rollout import run_rollout
-    from pipeline.spec import RolloutSpec, SamplerSpec
+    from sigmaflight.pipeline.models import ModelRegistry
+    from sigmaflight.pipeline.rollout import run_rollout
+    from sigmaflight.pipeline.spec import RolloutSpec, SamplerSpec
 
     model = ModelRegistry().get(model_id)
     specs = [

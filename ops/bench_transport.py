@@ -124,7 +124,7 @@ def serve(kind: str, size: int, batch_bytes: int = 8 * MiB) -> None:
     if kind in ("flight", "shm", "bare"):
         import tempfile
 
-        from dataplane.server import FlightDataServer
+        from sigmaflight.dataplane.server import FlightDataServer
 
         shm_dir = Path(tempfile.mkdtemp(prefix="sf-bench-", dir="/dev/shm")) if kind == "shm" else None
         store = _filled_store(lat, batch_bytes, shm_dir)
@@ -201,9 +201,8 @@ def serve(kind: str, size: int, batch_bytes: int = 8 * MiB) -> None:
 def _filled_store(lat: Any, batch_bytes: int, shm_dir: Path | None = None) -> Any:
     """A ResultStore holding the finished rollout "bench" of `lat` [K, B, C, H, W]."""
     import torch
-
-    from dataplane.record import StepBatch, TrajectoryHeader
-    from dataplane.store import ResultStore
+    from sigmaflight.dataplane.record import StepBatch, TrajectoryHeader
+    from sigmaflight.dataplane.store import ResultStore
 
     sig = torch.linspace(1, 0, K, dtype=torch.float32)
     header = TrajectoryHeader(
@@ -263,14 +262,14 @@ def pull(kind: str, port: int, size: int, repeats: int, streams: int, warmup: in
             out.copy_(src)
             times.append(time.perf_counter() - t0)
     elif kind in ("shm-pull", "shm-pull-into", "shm-chunks"):
-        from dataplane.client import TrajectoryClient
+        from sigmaflight.dataplane.client import TrajectoryClient
 
         client = TrajectoryClient(f"grpc+tcp://127.0.0.1:{port}")
         ticket = client.info("bench")["ticket"]
         assert client.local_file(ticket) is not None, "the shm file is not readable here"
         buffer = None
         if kind == "shm-pull-into":  # one warm buffer (huge pages, faulted in outside the clock)
-            from dataplane.client import empty_hugepages
+            from sigmaflight.dataplane.client import empty_hugepages
 
             shape = client.pull(ticket).latents.shape
             buffer = empty_hugepages(tuple(shape), torch.float32).zero_()
@@ -288,7 +287,7 @@ def pull(kind: str, port: int, size: int, repeats: int, streams: int, warmup: in
             times.append(time.perf_counter() - t0)
             assert got == nbytes, (got, nbytes)
     elif kind == "vs-bare":
-        from dataplane.client import TrajectoryClient
+        from sigmaflight.dataplane.client import TrajectoryClient
 
         ports = [port, port2]
         clients = [TrajectoryClient(f"grpc+tcp://127.0.0.1:{p}", transport="flight") for p in ports]
@@ -307,7 +306,7 @@ def pull(kind: str, port: int, size: int, repeats: int, streams: int, warmup: in
                           "rss_peak": peak}), flush=True)
         return
     elif kind.startswith("flight") or kind == "bare":
-        from dataplane.client import TrajectoryClient
+        from sigmaflight.dataplane.client import TrajectoryClient
 
         client = TrajectoryClient(f"grpc+tcp://127.0.0.1:{port}", transport="flight")
         ticket = "bench" if kind == "bare" else client.info("bench")["ticket"]  # bare ignores the ticket
@@ -366,8 +365,7 @@ def doget_python(size: int, repeats: int) -> dict[str, float]:
     holds the GIL) for sigmaflight's FlightDataServer and the bare server over the same store,
     against the time of a whole pull. Precise where vs-bare's pull-to-pull noise is not."""
     import pyarrow.flight as flight
-
-    from dataplane.server import FlightDataServer
+    from sigmaflight.dataplane.server import FlightDataServer
 
     inside: dict[str, list[float]] = {"sigmaflight": [], "bare": []}
     pulls: list[float] = []

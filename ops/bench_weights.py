@@ -1,7 +1,7 @@
 """A LoRA push against a full weights push of the same model: wall time and peak RSS, one run.
 
 Each push starts from safetensors bytes (what `PUT /v1/models/{id}/weights` or `.../lora`
-receives) and ends with the new weights swapped in: parse (`pipeline.safetensors_io.read_safetensors`,
+receives) and ends with the new weights swapped in: parse (`sigmaflight.pipeline.safetensors_io.read_safetensors`,
 zero-copy; a third line shows `safetensors.torch.load`, which copies), check,
 build the new transformer, digest. Full push: the whole transformer state dict, perturbed.
 LoRA push: a peft adapter with Flow-GRPO's SD3 target modules (rank --rank). Peak RSS is the
@@ -64,10 +64,9 @@ def main() -> int:
     import torch
     from peft import LoraConfig, get_peft_model_state_dict
     from safetensors.torch import load, save
-
-    from pipeline.lora import share_tensors_copy
-    from pipeline.models import ModelRegistry
-    from pipeline.safetensors_io import lora_config_from_metadata, read_safetensors
+    from sigmaflight.pipeline.lora import share_tensors_copy
+    from sigmaflight.pipeline.models import ModelRegistry
+    from sigmaflight.pipeline.safetensors_io import lora_config_from_metadata, read_safetensors
 
     torch.set_num_threads(1)
     reg = ModelRegistry()

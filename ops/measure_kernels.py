@@ -20,11 +20,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.models import ModelRegistry  # noqa: E402
-from pipeline.rollout import run_rollout  # noqa: E402
-from pipeline.schedules import RolloutScheduler  # noqa: E402
-from pipeline.seeds import draw_noise  # noqa: E402
-from pipeline.spec import RolloutSpec, SamplerSpec  # noqa: E402
+from sigmaflight.pipeline.models import ModelRegistry  # noqa: E402
+from sigmaflight.pipeline.rollout import run_rollout  # noqa: E402
+from sigmaflight.pipeline.schedules import RolloutScheduler  # noqa: E402
+from sigmaflight.pipeline.seeds import draw_noise  # noqa: E402
+from sigmaflight.pipeline.spec import RolloutSpec, SamplerSpec  # noqa: E402
+
 from tests.pipeline.test_kernels import flow_grpo_step, sglang_step  # noqa: E402
 
 A = 0.7

@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.models import ModelRegistry  # noqa: E402
-from pipeline.rollout import run_rollout  # noqa: E402
-from pipeline.spec import BranchStart, RolloutSpec, SamplerSpec  # noqa: E402
+from sigmaflight.pipeline.models import ModelRegistry  # noqa: E402
+from sigmaflight.pipeline.rollout import run_rollout  # noqa: E402
+from sigmaflight.pipeline.spec import BranchStart, RolloutSpec, SamplerSpec  # noqa: E402
 
 
 def _interleaved_median_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:

@@ -4,5 +4,5 @@
 # Extra arguments go to `sigmaflight serve` (see `sigmaflight serve --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ops/setup.sh none
+ops/setup.sh server
 exec .venv/bin/sigmaflight serve "$@"

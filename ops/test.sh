@@ -3,11 +3,11 @@
 # ruff, mypy, then pytest. Extra arguments go to pytest (e.g. ops/test.sh -k flight -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ops/setup.sh test,ray  # ray: tests/ray start a local 2-CPU Ray cluster (~30 s)
+ops/setup.sh server,test,ray  # ray: tests/ray start a local 2-CPU Ray cluster (~30 s)
 echo "== ruff" >&2
 .venv/bin/ruff check control dataplane pipeline sigmaflight tests ops
 echo "== mypy" >&2
-.venv/bin/mypy
+ops/typecheck.sh
 # One pytest worker per CPU (at most 4; SIGMAFLIGHT_TEST_WORKERS overrides, 0 runs in this
 # process). Most tests wait on a real server process starting (~6 s of imports and model builds),
 # so two workers on two cores nearly halve the wall time. --dist loadfile keeps a file's tests

@@ -1,6 +1,6 @@
 """Built-in models: tiny diffusers pipelines from the real classes with seeded random weights.
 
-Each is assembled inside `torch.random.fork_rng` by `pipeline.models.ModelRegistry` so that the
+Each is assembled inside `torch.random.fork_rng` by `sigmaflight.pipeline.models.ModelRegistry` so that the
 same id gives the same weights bit for bit on every build; nothing is downloaded.
 `_BUILTINS` maps a model id to its family, seed, builder and request defaults.
 """

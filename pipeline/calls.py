@@ -11,11 +11,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-
-from pipeline.conditioning import conditioning_call_kwargs
-from pipeline.models import LoadedModel
-from pipeline.seeds import sample_generators
-from pipeline.spec import RolloutInputError, RolloutSpec
+from sigmaflight.pipeline.conditioning import conditioning_call_kwargs
+from sigmaflight.pipeline.models import LoadedModel
+from sigmaflight.pipeline.seeds import sample_generators
+from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec
 
 __all__ = ["call_kwargs", "call_overrides"]
 
@@ -46,7 +45,7 @@ def call_kwargs(
     (`spec.branch_from`) passes `latents=` its parent rows' x_k, each repeated
     num_outputs_per_prompt times, and one prompt per parent row (the pipeline repeats it,
     parent-major; `run_rollout` and the replay pass a branch its `branch_conditioning` instead,
-    which is bit-exact). `conditioning` (B rows, `pipeline.conditioning` names) replaces the
+    which is bit-exact). `conditioning` (B rows, `sigmaflight.pipeline.conditioning` names) replaces the
     prompts: one output per row, no text encoder.
     """
     d = model.defaults

@@ -22,9 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-
-from pipeline.models import LoadedModel
-from pipeline.spec import RolloutInputError, RolloutSpec
+from sigmaflight.pipeline.models import LoadedModel
+from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec
 
 __all__ = ["CONDITIONING_NAMES", "TransformerRecorder", "conditioning_from_calls", "check_conditioning",
            "conditioning_call_kwargs", "encode_prompts", "branch_conditioning"]

@@ -21,8 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from pipeline.models import LoadedModel
+from sigmaflight.pipeline.models import LoadedModel
 
 __all__ = ["DECODABLE_FAMILIES", "decode_latents", "decode_uint8"]
 

@@ -57,8 +57,7 @@ import math
 from collections.abc import Iterable
 
 import torch
-
-from pipeline.spec import SamplerSpec
+from sigmaflight.pipeline.spec import SamplerSpec
 
 __all__ = ["kernel_mean_std", "step_log_prob", "gaussian_log_prob", "transition_std", "stochastic_transitions"]
 

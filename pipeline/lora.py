@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from pipeline.spec import RolloutInputError
+from sigmaflight.pipeline.spec import RolloutInputError
 
 __all__ = ["LoraAdapter", "PEFT_PREFIX", "attach_adapter", "adapter_digest", "parse_lora_config", "share_tensors_copy"]
 

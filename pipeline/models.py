@@ -30,10 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from pipeline.builtins import _BUILTINS, _CLIP_LEN, _T5_LEN, ModelDefaults
-from pipeline.lora import LoraAdapter, attach_adapter, share_tensors_copy
-from pipeline.spec import RolloutInputError
+from sigmaflight.pipeline.builtins import _BUILTINS, _CLIP_LEN, _T5_LEN, ModelDefaults
+from sigmaflight.pipeline.lora import LoraAdapter, attach_adapter, share_tensors_copy
+from sigmaflight.pipeline.spec import RolloutInputError
 
 __all__ = [
     "LoadedModel",
@@ -50,7 +49,7 @@ __all__ = [
     "weights_digest",
 ]
 
-_ = _BUILTINS  # re-exported: control/plot.py reads pipeline.models._BUILTINS
+_ = _BUILTINS  # re-exported: control/plot.py reads sigmaflight.pipeline.models._BUILTINS
 
 
 class ModelLoadError(ValueError):

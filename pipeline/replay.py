@@ -17,15 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
-from pipeline.calls import call_kwargs, call_overrides
-from pipeline.conditioning import branch_conditioning, check_conditioning
-from pipeline.kernels import step_log_prob, stochastic_transitions
-from pipeline.models import LoadedModel
-from pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
-from pipeline.spec import RolloutSpec
-from pipeline.stepping import advance
-from pipeline.validation import requested_sde_steps, validate_spec
+from sigmaflight.pipeline.calls import call_kwargs, call_overrides
+from sigmaflight.pipeline.conditioning import branch_conditioning, check_conditioning
+from sigmaflight.pipeline.kernels import step_log_prob, stochastic_transitions
+from sigmaflight.pipeline.models import LoadedModel
+from sigmaflight.pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
+from sigmaflight.pipeline.spec import RolloutSpec
+from sigmaflight.pipeline.stepping import advance
+from sigmaflight.pipeline.validation import requested_sde_steps, validate_spec
 
 __all__ = ["Replayer", "ReplayResult", "step_log_prob"]
 

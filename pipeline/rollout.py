@@ -18,22 +18,25 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
-
-from pipeline.calls import call_kwargs, call_overrides
-from pipeline.conditioning import TransformerRecorder, branch_conditioning, conditioning_from_calls
-from pipeline.kernels import step_log_prob, stochastic_transitions
-from pipeline.models import LoadedModel
-from pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
-from pipeline.seeds import derive_seeds, noise_seed, sample_seeds
-from pipeline.spec import (
+from sigmaflight.pipeline.calls import call_kwargs, call_overrides
+from sigmaflight.pipeline.conditioning import (
+    TransformerRecorder,
+    branch_conditioning,
+    conditioning_from_calls,
+)
+from sigmaflight.pipeline.kernels import step_log_prob, stochastic_transitions
+from sigmaflight.pipeline.models import LoadedModel
+from sigmaflight.pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
+from sigmaflight.pipeline.seeds import derive_seeds, noise_seed, sample_seeds
+from sigmaflight.pipeline.spec import (
     RolloutCancelled,
     RolloutNonFinite,
     RolloutSpec,
     ScheduleSnapshot,
     StepCapture,
 )
-from pipeline.stepping import advance
-from pipeline.validation import (
+from sigmaflight.pipeline.stepping import advance
+from sigmaflight.pipeline.validation import (
     capture_dtype,
     captured_steps,
     estimate_latent_bytes,
@@ -70,7 +73,7 @@ class RolloutResult:
     """Weights digest of the model that ran."""
     conditioning: Mapping[str, torch.Tensor] | None = None
     """With `return_conditioning`: the tensors the transformer consumed, keyed by the stock
-    `__call__` keyword (`pipeline.conditioning.CONDITIONING_NAMES`), B rows prompt-major, on CPU."""
+    `__call__` keyword (`sigmaflight.pipeline.conditioning.CONDITIONING_NAMES`), B rows prompt-major, on CPU."""
     prompt_index: tuple[int, ...] = ()
     """Index into the prompts of each sample (the parent row's for a branch)."""
     parent_sample: tuple[int, ...] | None = None

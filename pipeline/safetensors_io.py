@@ -20,8 +20,7 @@ import warnings
 from typing import Any
 
 import torch
-
-from pipeline.spec import RolloutInputError
+from sigmaflight.pipeline.spec import RolloutInputError
 
 __all__ = ["read_safetensors", "lora_config_from_metadata", "MAX_HEADER_BYTES"]
 

@@ -21,8 +21,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
     FlowMatchEulerDiscreteSchedulerOutput,
 )
-
-from pipeline.spec import RolloutInputError
+from sigmaflight.pipeline.spec import RolloutInputError
 
 __all__ = ["StepDriver", "RolloutScheduler", "make_rollout_scheduler", "per_call_pipeline"]
 

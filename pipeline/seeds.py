@@ -14,8 +14,7 @@ import hashlib
 from collections.abc import Sequence
 
 import torch
-
-from pipeline.spec import RolloutSpec
+from sigmaflight.pipeline.spec import RolloutSpec
 
 __all__ = ["SEED_MASK", "derive_seeds", "noise_seed", "sample_seeds", "draw_noise", "sample_generators"]
 

@@ -189,7 +189,7 @@ class ScheduleSnapshot:
     model_weights_version: int = 0
     """weights_version of the model that ran, read with the digest and the weights (contract "Policy version")."""
     model_components: Mapping[str, str] | None = None
-    """Per-component weights digests of the model that ran (`pipeline.models.component_digests`)."""
+    """Per-component weights digests of the model that ran (`sigmaflight.pipeline.models.component_digests`)."""
     start_step: int = 0
     """k for a branch rollout (steps k..T ran), else 0."""
     prompt_index: tuple[int, ...] = ()

@@ -10,11 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-from pipeline.kernels import kernel_mean_std
-from pipeline.schedules import RolloutScheduler
-from pipeline.seeds import draw_noise
-from pipeline.spec import SamplerSpec
+from sigmaflight.pipeline.kernels import kernel_mean_std
+from sigmaflight.pipeline.schedules import RolloutScheduler
+from sigmaflight.pipeline.seeds import draw_noise
+from sigmaflight.pipeline.spec import SamplerSpec
 
 __all__ = ["advance"]
 

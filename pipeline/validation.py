@@ -11,11 +11,10 @@ import math
 from collections.abc import Sequence
 
 import torch
-
-from pipeline.conditioning import CONDITIONING_NAMES, check_conditioning
-from pipeline.models import LoadedModel, max_image_size
-from pipeline.seeds import SEED_MASK
-from pipeline.spec import RolloutInputError, RolloutSpec
+from sigmaflight.pipeline.conditioning import CONDITIONING_NAMES, check_conditioning
+from sigmaflight.pipeline.models import LoadedModel, max_image_size
+from sigmaflight.pipeline.seeds import SEED_MASK
+from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec
 
 __all__ = [
     "GUIDANCE_SCALE_MAX",

@@ -4,9 +4,8 @@ Nothing here loads server code: no Starlette, uvicorn, job journal or Ray (the s
 control/; `sigmaflight serve` imports it only when it runs).
 """
 
-from dataplane.client import Trajectory, Transition
-from pipeline.replay import Replayer, step_log_prob
 from sigmaflight.client import Client, replay_log_probs, rollout_spec
+from sigmaflight.dataplane.client import Trajectory, Transition
 from sigmaflight.errors import (
     ApiError,
     NotFound,
@@ -15,6 +14,7 @@ from sigmaflight.errors import (
     Unauthorized,
     WeightsMismatch,
 )
+from sigmaflight.pipeline.replay import Replayer, step_log_prob
 
 __all__ = [
     "ApiError",

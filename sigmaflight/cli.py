@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
-        from control.serve import main as serve_main
+        from sigmaflight.control.serve import main as serve_main
 
         return serve_main(argv[1:])
     args = build_parser().parse_args(argv)

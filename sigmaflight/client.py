@@ -4,7 +4,7 @@
     client = Client("http://127.0.0.1:8000", token=None)
     ticket = client.submit(prompts=["a red cube"], num_outputs_per_prompt=4, num_inference_steps=8, seed=7)
     status = client.wait(ticket, timeout=60)          # RolloutFailed (RolloutCancelled) unless it succeeded
-    traj = client.pull(ticket)                        # dataplane.client.Trajectory (torch)
+    traj = client.pull(ticket)                        # sigmaflight.dataplane.client.Trajectory (torch)
     images = client.pull_outputs(ticket)              # uint8 [B, H, W, 3], with return={"outputs": True}
     for i, x, x_next, sigma, sigma_next, log_prob in traj.transitions():
         ...
@@ -32,9 +32,8 @@ import pyarrow as pa
 import torch
 from pyarrow import flight
 
-from dataplane.client import Trajectory, TrajectoryClient, Transport
-from dataplane.streams import KEY_COLUMNS, column_tensor
-from pipeline.spec import BranchStart, RolloutSpec, SamplerSpec
+from sigmaflight.dataplane.client import Trajectory, TrajectoryClient, Transport
+from sigmaflight.dataplane.streams import KEY_COLUMNS, column_tensor
 from sigmaflight.errors import (
     ApiError,
     NotFound,
@@ -43,6 +42,7 @@ from sigmaflight.errors import (
     Unauthorized,
     WeightsMismatch,
 )
+from sigmaflight.pipeline.spec import BranchStart, RolloutSpec, SamplerSpec
 from sigmaflight.wire import TERMINAL, RolloutStatus, Ticket
 
 __all__ = [
@@ -246,7 +246,7 @@ class Client:
         return st.flight.locations[0], st.flight.ticket
 
     def pull(self, ticket: str | Ticket) -> Trajectory:
-        """The whole trajectory as torch tensors (waits for a running rollout; see dataplane.client).
+        """The whole trajectory as torch tensors (waits for a running rollout; see sigmaflight.dataplane.client).
 
         A rollout that ended failed raises RolloutFailed, a cancelled one RolloutCancelled, an
         unknown ticket NotFound, a refused token Unauthorized: each with the server's message."""
@@ -357,7 +357,7 @@ def replay_log_probs(
     check_weights: bool = True,
     conditioning: Mapping[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """log p(x_{i+1} | x_i) [B, T] recomputed with `model` (a pipeline.models.LoadedModel) on `traj`.
+    """log p(x_{i+1} | x_i) [B, T] recomputed with `model` (a sigmaflight.pipeline.models.LoadedModel) on `traj`.
 
     With the server's weights this gives the trajectory's own `log_probs` bit for bit; with
     `grad=True` the result carries a graph to the model's trainable parameters.
@@ -372,7 +372,7 @@ def replay_log_probs(
 
     `conditioning`: the rollout's "conditioning/v1" tensors (`Client.pull_conditioning`): the
     prompts are not encoded, so `model`'s text encoders may be None."""
-    from pipeline.replay import Replayer
+    from sigmaflight.pipeline.replay import Replayer
 
     if check_weights:
         _check_weights(model, traj, strict=strict)
@@ -409,14 +409,14 @@ def _cached(module: torch.nn.Module, what: str, tensors: list[torch.Tensor], mak
 
 def current_components(model: Any) -> dict[str, str]:
     """{component: digest} of `model.pipeline`'s torch modules as they are now, the way the server
-    makes a trajectory's `model.components` (pipeline.models.component_digests). A peft-wrapped
+    makes a trajectory's `model.components` (sigmaflight.pipeline.models.component_digests). A peft-wrapped
     transformer with one adapter (`get_peft_model` or `add_adapter`) gets the digest the server
     gives it once that adapter is pushed: the adapter digest over its base weights, config and factors.
 
     Cached per module on the identities and in-place version counters of its tensors, so a
     replay loop pays the hash only after the weights changed (an optimizer step, a load); under
     a LoRA only the factors are hashed again, the frozen base once."""
-    from pipeline.models import component_digest
+    from sigmaflight.pipeline.models import component_digest
 
     out: dict[str, str] = {}
     for name, module in sorted(model.pipeline.components.items()):
@@ -432,8 +432,8 @@ def current_components(model: Any) -> dict[str, str]:
 
 
 def current_digest(model: Any) -> str:
-    """The weights digest of `model.pipeline` as it is now (pipeline.models.weights_digest)."""
-    from pipeline.models import combine_digests
+    """The weights digest of `model.pipeline` as it is now (sigmaflight.pipeline.models.weights_digest)."""
+    from sigmaflight.pipeline.models import combine_digests
 
     return combine_digests(current_components(model))
 
@@ -441,8 +441,8 @@ def current_digest(model: Any) -> str:
 def _adapter_digest(name: str, module: Any) -> str:
     from peft import get_peft_model_state_dict
 
-    from pipeline.lora import PEFT_PREFIX, adapter_digest, config_json, parse_lora_config
-    from pipeline.models import state_digest
+    from sigmaflight.pipeline.lora import PEFT_PREFIX, adapter_digest, config_json, parse_lora_config
+    from sigmaflight.pipeline.models import state_digest
 
     ((adapter_name, config),) = module.peft_config.items()
     # get_peft_model's PeftModel prefixes every key with `base_model.model.`; add_adapter does not
@@ -474,7 +474,7 @@ def _check_weights(model: Any, traj: Trajectory, *, strict: bool) -> None:
         message = (f"trajectory {traj.header.rollout_id} was made with other weights than the model replaying it "
                    f"has: {detail}")
     else:
-        from pipeline.models import combine_digests
+        from sigmaflight.pipeline.models import combine_digests
 
         have_digest = combine_digests(have)
         if have_digest == made_with:

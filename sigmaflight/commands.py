@@ -111,8 +111,8 @@ def _human(n: float) -> str:
 def run_pull(args: argparse.Namespace) -> int:
     from pyarrow import flight
 
-    from dataplane.files import CorruptTrajectoryFile, read_trajectory
-    from dataplane.schema import KEY_ROLLOUT, schema_metadata
+    from sigmaflight.dataplane.files import CorruptTrajectoryFile, read_trajectory
+    from sigmaflight.dataplane.schema import KEY_ROLLOUT, schema_metadata
 
     out = Path(args.output)
     with _client(args) as client:
@@ -147,8 +147,8 @@ def _stream_to_file(reader: Any, out: Path, meta: dict[str, Any], desc: str) -> 
     """Write the stream to `out` (through `out.partial`) with a tqdm bar of steps; the steps written."""
     from tqdm import tqdm
 
-    from dataplane.files import TrajectoryFileWriter
-    from dataplane.schema import KEY_STEPS
+    from sigmaflight.dataplane.files import TrajectoryFileWriter
+    from sigmaflight.dataplane.schema import KEY_STEPS
 
     steps = list(meta.get(KEY_STEPS) or [])
     writer = TrajectoryFileWriter(out, reader.schema)  # writes <out>.partial, replacing an old one

@@ -5,7 +5,7 @@ Layout (PLOT_WIDTH x PLOT_HEIGHT pixels at DPI):
              transitions marked (red) and told apart in the legend;
   top right: log_prob per transition i, one line per sample (a legend entry each) or, with
              more than MAX_SAMPLE_LEGEND samples, one colour and legend entry per prompt;
-  bottom:    the final latents x_T decoded through the model's own VAE (pipeline.decode,
+  bottom:    the final latents x_T decoded through the model's own VAE (sigmaflight.pipeline.decode,
              every family: images, or frames of a video), one column per sample with the
              sample's prompt under it. When it cannot decode (x_T not streamed, the model
              not available here, --no-decode) the panel says why.
@@ -67,13 +67,13 @@ def _prompt_of_sample(rep: Report, sample: int) -> int:
 def decode_final(path: str | Path, rep: Report, *, model_dir: str | Path | None = None) -> Decoded:
     """Decode x_T of the trajectory file through the model's VAE, or say why not."""
     model_id = (rep.rollout.get("model") or {}).get("id")
-    from dataplane.client import Trajectory
+    from sigmaflight.dataplane.client import Trajectory
 
     traj = Trajectory.from_file(path)
     if not traj.has_step(traj.num_steps):
         return Decoded(None, f"x_T (step {traj.num_steps}) was not streamed: add it to return.steps")
-    from pipeline.decode import decode_uint8
-    from pipeline.models import ModelRegistry
+    from sigmaflight.pipeline.decode import decode_uint8
+    from sigmaflight.pipeline.models import ModelRegistry
 
     registry = ModelRegistry()
     try:

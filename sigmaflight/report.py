@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dataplane.schema import (
+from sigmaflight.dataplane.schema import (
     FORMAT,
     KEY_FORMAT,
     KEY_LOG_PROBS,

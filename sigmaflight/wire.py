@@ -1,6 +1,6 @@
 """Wire models of the REST API (pydantic v2, unknown fields rejected).
 
-They are separate from the engine's internal records (`pipeline.spec`): one explicit
+They are separate from the engine's internal records (`sigmaflight.pipeline.spec`): one explicit
 converter, `to_spec`, turns a validated request into a `RolloutSpec`.
 """
 
@@ -10,7 +10,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
-from pipeline.spec import RolloutSpec, SamplerSpec
+from sigmaflight.pipeline.spec import RolloutSpec, SamplerSpec
 
 INT64_MAX = (1 << 63) - 1
 RolloutState = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired"]

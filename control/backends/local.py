@@ -9,15 +9,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from control.jobs.manager import Job
-from control.policy import check_started_with
-from control.streams import outputs_table, stream_names
-from dataplane.record import StepBatch, TrajectoryHeader
-from dataplane.store import ResultStore
-from dataplane.streams import CONDITIONING, stream_table
-from pipeline.models import ModelRegistry
-from pipeline.rollout import parent_metadata, rollout_metadata, run_rollout
-from pipeline.spec import RolloutCancelled, ScheduleSnapshot, StepCapture
+from sigmaflight.control.jobs.manager import Job
+from sigmaflight.control.policy import check_started_with
+from sigmaflight.control.streams import outputs_table, stream_names
+from sigmaflight.dataplane.record import StepBatch, TrajectoryHeader
+from sigmaflight.dataplane.store import ResultStore
+from sigmaflight.dataplane.streams import CONDITIONING, stream_table
+from sigmaflight.pipeline.models import ModelRegistry
+from sigmaflight.pipeline.rollout import parent_metadata, rollout_metadata, run_rollout
+from sigmaflight.pipeline.spec import RolloutCancelled, ScheduleSnapshot, StepCapture
 
 
 def header_for(

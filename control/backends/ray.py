@@ -19,9 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from control.backends.worker import RolloutWorker, WorkerConfig
-from control.jobs.manager import Job
-from pipeline.spec import RolloutCancelled
+from sigmaflight.control.backends.worker import RolloutWorker, WorkerConfig
+from sigmaflight.control.jobs.manager import Job
+from sigmaflight.pipeline.spec import RolloutCancelled
 
 log = logging.getLogger("sigmaflight.ray")
 

@@ -20,11 +20,10 @@ from typing import Any
 
 import pyarrow as pa
 import torch
-
-from control.jobs.manager import Job
-from control.node import Node, NodeConfig
-from dataplane.streams import StreamNotFound
-from pipeline.spec import RolloutCancelled, RolloutSpec
+from sigmaflight.control.jobs.manager import Job
+from sigmaflight.control.node import Node, NodeConfig
+from sigmaflight.dataplane.streams import StreamNotFound
+from sigmaflight.pipeline.spec import RolloutCancelled, RolloutSpec
 
 log = logging.getLogger("sigmaflight.worker")
 
@@ -183,7 +182,7 @@ class RolloutWorker:
 
     def unload_lora(self, model_id: str) -> str:
         """Drop the adapter, if any (a replacement worker may never have had it); returns the digest."""
-        from pipeline.models import LoraNotLoaded
+        from sigmaflight.pipeline.models import LoraNotLoaded
 
         try:
             return self.registry.unload_lora(model_id).digest

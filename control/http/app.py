@@ -16,6 +16,34 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from sigmaflight.control.branches import Parent, StaleParent, branch_spec, check_inherited, find_parent
+from sigmaflight.control.http import metrics
+from sigmaflight.control.http.errors import HttpError, error_response, invalid
+from sigmaflight.control.http.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
+from sigmaflight.control.http.openapi import openapi_document
+from sigmaflight.control.http.weights import (
+    LORA_PATH,
+    WEIGHTS_PATH,
+    WEIGHTS_PATH_REGEX,
+    delete_lora,
+    put_lora,
+    put_weights,
+)
+from sigmaflight.control.jobs.manager import (
+    IdempotencyConflict,
+    Job,
+    NotAccepting,
+    QueueFull,
+    Unavailable,
+    iso,
+)
+from sigmaflight.control.policy import policy
+from sigmaflight.control.service import Service
+from sigmaflight.control.settings import Settings
+from sigmaflight.control.streams import output_bytes, stream_tickets, streams_of_request, validate_outputs
+from sigmaflight.dataplane.auth import TokenSet
+from sigmaflight.pipeline.rollout import estimate_latent_bytes, validate_spec
+from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
@@ -24,27 +52,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from control.branches import Parent, StaleParent, branch_spec, check_inherited, find_parent
-from control.http import metrics
-from control.http.errors import HttpError, error_response, invalid
-from control.http.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
-from control.http.openapi import openapi_document
-from control.http.weights import (
-    LORA_PATH,
-    WEIGHTS_PATH,
-    WEIGHTS_PATH_REGEX,
-    delete_lora,
-    put_lora,
-    put_weights,
-)
-from control.jobs.manager import IdempotencyConflict, Job, NotAccepting, QueueFull, Unavailable, iso
-from control.policy import policy
-from control.service import Service
-from control.settings import Settings
-from control.streams import output_bytes, stream_tickets, streams_of_request, validate_outputs
-from dataplane.auth import TokenSet
-from pipeline.rollout import estimate_latent_bytes, validate_spec
-from pipeline.spec import RolloutInputError, RolloutSpec
 from sigmaflight.wire import (
     STATES,
     ErrorInfo,

@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-from control.jobs import STATES
+from sigmaflight.control.jobs import STATES
 
 if TYPE_CHECKING:
-    from control.service import Service
+    from sigmaflight.control.service import Service
 
 __all__ = ["CONTENT_TYPE", "ServiceCollector", "registry_for", "render"]
 

@@ -9,11 +9,10 @@ import uuid
 from collections import Counter
 from collections.abc import Collection, Sequence
 
+from sigmaflight.control.http.errors import error_body
+from sigmaflight.dataplane.auth import TokenSet
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from control.http.errors import error_body
-from dataplane.auth import TokenSet
 
 log = logging.getLogger("sigmaflight.http")
 

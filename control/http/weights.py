@@ -22,14 +22,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from sigmaflight.control.http.errors import error_response
+from sigmaflight.pipeline.models import LoraNotLoaded
+from sigmaflight.pipeline.safetensors_io import lora_config_from_metadata, read_safetensors
+from sigmaflight.pipeline.spec import RolloutInputError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-
-from control.http.errors import error_response
-from pipeline.models import LoraNotLoaded
-from pipeline.safetensors_io import lora_config_from_metadata, read_safetensors
-from pipeline.spec import RolloutInputError
 
 WEIGHTS_PATH = "/v1/models/{model_id}/weights"
 LORA_PATH = "/v1/models/{model_id}/lora"

@@ -1,6 +1,6 @@
 """Jobs: the bounded queue and worker threads (manager.py) and the durable sqlite journal (journal.py)."""
 
-from control.jobs.manager import (
+from sigmaflight.control.jobs.manager import (
     Backend,
     IdempotencyConflict,
     Job,
@@ -9,6 +9,7 @@ from control.jobs.manager import (
     QueueFull,
     iso,
 )
+
 from sigmaflight.wire import STATES, TERMINAL
 
 __all__ = [

@@ -21,8 +21,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from control.jobs.journal import Journal
-from pipeline.spec import RolloutCancelled, RolloutSpec
+from sigmaflight.control.jobs.journal import Journal
+from sigmaflight.pipeline.spec import RolloutCancelled, RolloutSpec
+
 from sigmaflight.wire import TERMINAL
 
 log = logging.getLogger("sigmaflight.jobs")

@@ -40,8 +40,8 @@ import numpy as np
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from PIL import Image
+from sigmaflight.pipeline.models import LoadedModel, ModelRegistry
 
-from pipeline.models import LoadedModel, ModelRegistry
 from sigmaflight.client import Client, replay_log_probs
 
 MODEL = "tiny-sd3"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import save
+from sigmaflight.pipeline.kernels import step_log_prob as step_log_prob_impl
+from sigmaflight.pipeline.models import ModelRegistry, weights_digest
+from sigmaflight.pipeline.replay import Replayer as ReplayerImpl
 
-from pipeline.kernels import step_log_prob as step_log_prob_impl
-from pipeline.models import ModelRegistry, weights_digest
-from pipeline.replay import Replayer as ReplayerImpl
 from sigmaflight import Client as ReExported
 from sigmaflight import Replayer, Trajectory, step_log_prob
 from sigmaflight.client import ApiError, Client, RolloutFailed, replay_log_probs, rollout_spec

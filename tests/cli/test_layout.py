@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SERVER_ONLY = ("starlette", "uvicorn", "ray", "control", "pydantic_settings")
+SERVER_ONLY = ("starlette", "uvicorn", "ray", "pydantic_settings")
 
 
 def _modules_after(code: str) -> list[str]:
@@ -20,7 +20,8 @@ def _modules_after(code: str) -> list[str]:
 
 
 def _server_modules(mods: list[str]) -> list[str]:
-    return [m for m in mods if m.split(".")[0] in SERVER_ONLY or m == "sqlite3"]
+    return [m for m in mods if m.split(".")[0] in SERVER_ONLY or m == "sqlite3"
+            or m == "sigmaflight.control" or m.startswith("sigmaflight.control.")]
 
 
 def test_import_sigmaflight_loads_no_server_code():
@@ -40,5 +41,5 @@ def test_client_commands_load_no_server_code():
 
 def test_the_probe_sees_server_modules():
     """The check above can fail: importing the server shows up in the same probe."""
-    mods = _server_modules(_modules_after("import control.http.app"))
-    assert "starlette" in mods and "control.jobs.journal" in mods and "sqlite3" in mods
+    mods = _server_modules(_modules_after("import sigmaflight.control.http.app"))
+    assert "starlette" in mods and "sigmaflight.control.jobs.journal" in mods and "sqlite3" in mods

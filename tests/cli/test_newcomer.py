@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from sigmaflight.pipeline.models import ModelRegistry, weights_digest
 
-from pipeline.models import ModelRegistry, weights_digest
 from sigmaflight import Client, RolloutCancelled, RolloutFailed, replay_log_probs
 from sigmaflight.cli import build_parser, main
 from sigmaflight.errors import NotFound, WeightsMismatch

@@ -2,7 +2,7 @@
 
 References: the request the test sent (prompts, prompt-major sample order), the file read with
 plain pyarrow (sigmas, log_prob column), and the stock pipeline's decode (tests/pipeline/test_decode.py
-checks pipeline.decode against it; here, the images drawn are those bytes).
+checks sigmaflight.pipeline.decode against it; here, the images drawn are those bytes).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def test_video_shows_frames_per_sample(files, tmp_path):
 
 
 def test_local_model_dir_decodes_with_its_vae(files, tmp_path):
-    from pipeline.models import ModelRegistry
+    from sigmaflight.pipeline.models import ModelRegistry
 
     ModelRegistry().get("tiny-sd3").pipeline.save_pretrained(tmp_path / "m")
     _, built_in = _figure(files["sd3"])

@@ -8,12 +8,11 @@ import sqlite3
 import time
 
 import pytest
-
-from control.backends.local import LocalBackend
-from control.jobs.manager import IdempotencyConflict, Job, JobManager, NotFinished, QueueFull
-from dataplane.store import ResultStore
-from pipeline.models import ModelRegistry
-from pipeline.spec import RolloutSpec
+from sigmaflight.control.backends.local import LocalBackend
+from sigmaflight.control.jobs.manager import IdempotencyConflict, Job, JobManager, NotFinished, QueueFull
+from sigmaflight.dataplane.store import ResultStore
+from sigmaflight.pipeline.models import ModelRegistry
+from sigmaflight.pipeline.spec import RolloutSpec
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import save
+from sigmaflight.pipeline.models import LoadedModel, ModelRegistry
+from sigmaflight.pipeline.replay import Replayer
 
-from pipeline.models import LoadedModel, ModelRegistry
-from pipeline.replay import Replayer
 from sigmaflight import Client
 from sigmaflight.client import replay_log_probs, rollout_spec
 from sigmaflight.errors import ApiError

@@ -17,8 +17,8 @@ import pyarrow.flight as flight
 import pytest
 import torch
 from PIL import Image
+from sigmaflight.pipeline.models import ModelRegistry
 
-from pipeline.models import ModelRegistry
 from sigmaflight import Client
 from tests.servers import ServerProcess, wait_for_status
 from tests.stock import stock_scheduler

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pyarrow.flight as flight
 import torch
+from sigmaflight.pipeline.models import ModelRegistry, weights_digest
 
-from pipeline.models import ModelRegistry, weights_digest
 from sigmaflight import Client
 from sigmaflight.errors import ApiError
 from tests.servers import ServerProcess, wait_for_status

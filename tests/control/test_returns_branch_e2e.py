@@ -1,7 +1,7 @@
 """`return.velocities`, `return.conditioning` and `branch_from` through the real server (REST +
 Flight), read with plain pyarrow.
 
-References: the replay (`pipeline.replay.Replayer`) on the pulled latents for velocities; the
+References: the replay (`sigmaflight.pipeline.replay.Replayer`) on the pulled latents for velocities; the
 stock diffusers pipeline fed the pulled conditioning instead of prompts (latents=x_0, same
 guidance) for the conditioning stream; for branches, the parent's own stored x_k and schedule
 read back with plain pyarrow.
@@ -18,9 +18,9 @@ import pyarrow.compute as pc
 import pyarrow.flight as flight
 import pytest
 import torch
+from sigmaflight.pipeline.models import ModelRegistry
+from sigmaflight.pipeline.replay import Replayer
 
-from pipeline.models import ModelRegistry
-from pipeline.replay import Replayer
 from sigmaflight import Client
 from sigmaflight.client import replay_log_probs, rollout_spec
 from tests.pipeline.test_loop_returns import TEXT_ENCODERS, _stock_call, _without_text_encoders

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
+from sigmaflight.control.serve import build_parser, settings_from_args
+from sigmaflight.control.settings import Settings
 
-from control.serve import build_parser, settings_from_args
-from control.settings import Settings
 from sigmaflight.wire import RolloutRequest, to_spec
 
 
@@ -92,7 +92,8 @@ def test_invalid_setting_is_refused_with_its_name():
 def test_wire_status_names_are_the_job_states():
     from typing import get_args
 
-    from control.jobs import STATES, TERMINAL
+    from sigmaflight.control.jobs import STATES, TERMINAL
+
     from sigmaflight.wire import RolloutState
 
     assert get_args(RolloutState) == STATES

@@ -8,10 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-
-from dataplane.record import StepBatch, TrajectoryHeader
-from dataplane.server import FlightDataServer
-from dataplane.store import ResultStore
+from sigmaflight.dataplane.record import StepBatch, TrajectoryHeader
+from sigmaflight.dataplane.server import FlightDataServer
+from sigmaflight.dataplane.store import ResultStore
 
 HeaderFactory = Callable[..., TrajectoryHeader]
 

@@ -4,10 +4,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from sigmaflight.dataplane.codec import batch_to_tensors, encode_step, latent_view
+from sigmaflight.dataplane.record import StepBatch
+from sigmaflight.dataplane.schema import trajectory_schema
 
-from dataplane.codec import batch_to_tensors, encode_step, latent_view
-from dataplane.record import StepBatch
-from dataplane.schema import trajectory_schema
 from tests.dataplane.helpers import build_header
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

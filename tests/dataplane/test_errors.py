@@ -7,9 +7,9 @@ import time
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
+from sigmaflight.dataplane.client import TrajectoryClient
+from sigmaflight.dataplane.server import FlightDataServer
 
-from dataplane.client import TrajectoryClient
-from dataplane.server import FlightDataServer
 from tests.dataplane.helpers import build_header, fill
 
 BAD_TICKETS = [b"", b"nope", b"\xff\xfe\x00garbage", b"sft1_" + b"x" * 5000, b"__import__('os')"]

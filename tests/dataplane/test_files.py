@@ -9,11 +9,11 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.ipc as ipc
 import torch
+from sigmaflight.dataplane.client import Trajectory
+from sigmaflight.dataplane.codec import encode_step
+from sigmaflight.dataplane.files import read_table, write_trajectory
+from sigmaflight.dataplane.schema import trajectory_schema
 
-from dataplane.client import Trajectory
-from dataplane.codec import encode_step
-from dataplane.files import read_table, write_trajectory
-from dataplane.schema import trajectory_schema
 from tests.dataplane.helpers import build_header, make_steps
 
 

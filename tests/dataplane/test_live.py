@@ -6,10 +6,10 @@ import time
 import pyarrow.flight as flight
 import pytest
 import torch
+from sigmaflight.dataplane.client import TrajectoryClient
+from sigmaflight.dataplane.server import FlightDataServer
+from sigmaflight.dataplane.store import ResultStore
 
-from dataplane.client import TrajectoryClient
-from dataplane.server import FlightDataServer
-from dataplane.store import ResultStore
 from tests.dataplane.helpers import build_header, make_steps
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sigmaflight.dataplane.client import Trajectory, TrajectoryClient
+from sigmaflight.dataplane.server import FlightDataServer
+from sigmaflight.dataplane.store import ResultStore
 
-from dataplane.client import Trajectory, TrajectoryClient
-from dataplane.server import FlightDataServer
-from dataplane.store import ResultStore
 from tests.dataplane.helpers import build_header, expected_log_prob, fill
 
 _ids = itertools.count()

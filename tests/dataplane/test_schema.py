@@ -6,10 +6,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from dataplane.client import Trajectory
-from dataplane.codec import encode_step
-from dataplane.schema import (
+from sigmaflight.dataplane.client import Trajectory
+from sigmaflight.dataplane.codec import encode_step
+from sigmaflight.dataplane.schema import (
     COLUMNS,
     FORMAT,
     exact_float32,
@@ -17,6 +16,7 @@ from dataplane.schema import (
     header_from_schema,
     trajectory_schema,
 )
+
 from tests.dataplane.helpers import build_header, make_steps
 
 

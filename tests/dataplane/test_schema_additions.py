@@ -12,12 +12,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 import torch
+from sigmaflight.dataplane.client import Trajectory
+from sigmaflight.dataplane.codec import batch_to_tensors, encode_step
+from sigmaflight.dataplane.record import StepBatch
+from sigmaflight.dataplane.schema import COLUMNS, header_from_schema, trajectory_schema
+from sigmaflight.dataplane.store import ResultStore
 
-from dataplane.client import Trajectory
-from dataplane.codec import batch_to_tensors, encode_step
-from dataplane.record import StepBatch
-from dataplane.schema import COLUMNS, header_from_schema, trajectory_schema
-from dataplane.store import ResultStore
 from tests.dataplane.helpers import build_header
 
 PARENT = {"rollout": "p0", "step": 1, "samples": [2, 0]}
@@ -112,7 +112,7 @@ def test_velocity_column_survives_the_stores_file(tmp_path):
 
 
 def test_extra_streams_carry_the_headers_prompt_index():
-    from dataplane.streams import CONDITIONING, stream_table
+    from sigmaflight.dataplane.streams import CONDITIONING, stream_table
 
     h = _branch_header()
     table = stream_table(CONDITIONING, h, {"prompt_embeds": torch.zeros(4, 2, 3)})

@@ -14,13 +14,13 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 import torch
+from sigmaflight.dataplane.client import Trajectory, TrajectoryClient
+from sigmaflight.dataplane.codec import batch_to_tensors
+from sigmaflight.dataplane.record import StepBatch, TrajectoryHeader
+from sigmaflight.dataplane.server import FlightDataServer
+from sigmaflight.dataplane.shm import host_id, parse_file_location
+from sigmaflight.dataplane.store import ResultStore, TrajectoryWriter
 
-from dataplane.client import Trajectory, TrajectoryClient
-from dataplane.codec import batch_to_tensors
-from dataplane.record import StepBatch, TrajectoryHeader
-from dataplane.server import FlightDataServer
-from dataplane.shm import host_id, parse_file_location
-from dataplane.store import ResultStore, TrajectoryWriter
 from tests.dataplane.helpers import build_header, fill, make_steps, mapped_ranges
 from tests.servers import ServerProcess, wait_for_status
 
@@ -86,7 +86,7 @@ def test_real_server_offers_the_file_and_a_same_host_client_reads_it_without_a_s
             assert torch.equal(st.latent, over_grpc.latent(st.step))
 
         # a client that is told another host id, and one whose file vanished, fall back to Flight
-        caplog.set_level(logging.DEBUG, logger="dataplane.client")
+        caplog.set_level(logging.DEBUG, logger="sigmaflight.dataplane.client")
         with TrajectoryClient(server.flight_url, host="another-host") as other:
             _equal(other.pull(ticket), over_grpc)
         assert "not this host" in caplog.text
@@ -203,7 +203,7 @@ def test_a_file_of_another_trajectory_at_the_path_is_not_read(tmp_path, caplog):
             fill(s2, build_header("x", T=2, B=2), seed=5)  # same id, another ticket and values
             os.replace(tmp_path / "shm2" / "x.arrow", other)
         os.replace(other, tmp_path / "shm" / "x.arrow")
-        caplog.set_level(logging.DEBUG, logger="dataplane.client")
+        caplog.set_level(logging.DEBUG, logger="sigmaflight.dataplane.client")
         with TrajectoryClient(srv.locations[0]) as tc:
             got = tc.pull("x")
         assert "holds another trajectory" in caplog.text and srv.metrics()["streams_served"] == 1
@@ -258,7 +258,7 @@ def test_pull_reads_on_a_pool_closes_its_descriptor_and_copies_from_the_mapping_
             assert local is not None and len(local.batches) > 8
         for i, st in ref.items():
             assert torch.equal(got.latent(i), st.latent)
-        caplog.set_level(logging.DEBUG, logger="dataplane.client")
+        caplog.set_level(logging.DEBUG, logger="sigmaflight.dataplane.client")
         path.unlink()  # mapped already; the reopen for preadv fails
         again = Trajectory.from_batches(local.schema, local.batches, source=local.source)
         assert "copying from the mapped file" in caplog.text

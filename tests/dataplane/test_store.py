@@ -13,11 +13,11 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 import torch
+from sigmaflight.dataplane.client import Trajectory, TrajectoryClient
+from sigmaflight.dataplane.files import read_trajectory, write_trajectory
+from sigmaflight.dataplane.server import FlightDataServer
+from sigmaflight.dataplane.store import ResultStore, TicketNotFound
 
-from dataplane.client import Trajectory, TrajectoryClient
-from dataplane.files import read_trajectory, write_trajectory
-from dataplane.server import FlightDataServer
-from dataplane.store import ResultStore, TicketNotFound
 from tests.dataplane.helpers import build_header, fill, make_steps
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ KILLED_WRITER = textwrap.dedent(
     import os, signal, sys, torch
     sys.path.insert(0, {root!r})
     from tests.dataplane.helpers import build_header, fill, make_steps
-    from dataplane.store import ResultStore
+    from sigmaflight.dataplane.store import ResultStore
     s = ResultStore(memory_budget_bytes=1 << 30, data_dir={data!r})
     fill(s, build_header("done", T=3), seed=7)
     print(s.ticket_for("done"), flush=True)

@@ -11,11 +11,11 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 import torch
+from sigmaflight.dataplane.server import FlightDataServer
+from sigmaflight.dataplane.store import ResultStore
+from sigmaflight.dataplane.streams import column_tensor, stream_table
+from sigmaflight.dataplane.tickets import stream_ticket
 
-from dataplane.server import FlightDataServer
-from dataplane.store import ResultStore
-from dataplane.streams import column_tensor, stream_table
-from dataplane.tickets import stream_ticket
 from tests.dataplane.helpers import build_header, make_steps, mapped_ranges
 
 
@@ -110,7 +110,7 @@ def test_stream_files_without_a_finished_rollout_are_removed_at_start(tmp_path, 
     with ResultStore(memory_budget_bytes=1 << 30, data_dir=data) as store:
         _run(store, header, _tables(header), finish=False)  # the server stops before the rollout finishes
     assert (data / "streams" / "s3.outputs.arrow").exists()
-    caplog.set_level(logging.WARNING, logger="dataplane.store")
+    caplog.set_level(logging.WARNING, logger="sigmaflight.dataplane.store")
     with ResultStore(memory_budget_bytes=1 << 30, data_dir=data) as store:
         assert store.ids() == []
     assert not list((data / "streams").iterdir())

@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 import torch
+from sigmaflight.dataplane.streams import column_tensor, stream_table
+from sigmaflight.dataplane.tickets import stream_ticket
 
-from dataplane.streams import column_tensor, stream_table
-from dataplane.tickets import stream_ticket
 from tests.dataplane.helpers import build_header, make_steps
 
 

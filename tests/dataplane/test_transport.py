@@ -7,9 +7,9 @@ import time
 import pyarrow.flight as flight
 import pytest
 import torch
+from sigmaflight.dataplane.client import TrajectoryClient
+from sigmaflight.dataplane.server import FlightDataServer
 
-from dataplane.client import TrajectoryClient
-from dataplane.server import FlightDataServer
 from tests.dataplane.helpers import build_header, fill
 
 

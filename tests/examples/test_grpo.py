@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from sigmaflight.pipeline.models import ModelRegistry
 
-from pipeline.models import ModelRegistry
 from tests.servers import ServerProcess
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "ops" / "examples" / "grpo_train.py"

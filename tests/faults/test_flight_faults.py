@@ -90,7 +90,7 @@ def test_flight_release_of_a_running_rollout_is_refused(server: ServerProcess) -
 
 @pytest.mark.timeout(120)
 def test_pull_by_id_of_a_queued_rollout_waits_for_it(server: ServerProcess) -> None:
-    from dataplane.client import TrajectoryClient
+    from sigmaflight.dataplane.client import TrajectoryClient
 
     mid = {"prompts": ["mid"], "num_inference_steps": 1500, "seed": 53, "return": {"steps": [0, 1500]}}
     with server.client() as c:
@@ -107,7 +107,7 @@ def test_pull_by_id_of_a_queued_rollout_waits_for_it(server: ServerProcess) -> N
 @pytest.mark.timeout(120)
 def test_iter_steps_parallel_stopped_early_frees_its_streams() -> None:
     """Its own server: today the leaked pumps hold their stream slots for good."""
-    from dataplane.client import TrajectoryClient
+    from sigmaflight.dataplane.client import TrajectoryClient
 
     with _server() as server:
         with server.client() as c:

@@ -54,8 +54,7 @@ def _changed_weights() -> tuple[bytes, dict]:
     """The tiny SD3 transformer's state dict, every float tensor nudged by seeded noise."""
     import torch
     from safetensors.torch import save
-
-    from pipeline.models import ModelRegistry
+    from sigmaflight.pipeline.models import ModelRegistry
 
     state = ModelRegistry().get("tiny-sd3").pipeline.transformer.state_dict()
     g = torch.Generator().manual_seed(7)

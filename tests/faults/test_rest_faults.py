@@ -96,8 +96,7 @@ def ddim_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A local diffusers pipeline whose scheduler is not flow-match: the tiny SD3 built by the
     registry, saved with a stock diffusers DDIMScheduler in place of its FlowMatch one."""
     from diffusers import DDIMScheduler
-
-    from pipeline.models import ModelRegistry
+    from sigmaflight.pipeline.models import ModelRegistry
 
     root = tmp_path_factory.mktemp("models")
     pipe = ModelRegistry().get("tiny-sd3").pipeline

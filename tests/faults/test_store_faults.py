@@ -173,10 +173,11 @@ def test_truncated_spilled_file_makes_the_rollout_unavailable(tmp_path) -> None:
 
 @pytest.mark.timeout(60)
 def test_a_second_flight_server_on_the_same_store_serves_live_streams() -> None:
-    """Not reachable from outside (one Flight server per process): uses dataplane.server and
-    dataplane.store directly, with the data-plane test helpers for a header and its steps."""
-    from dataplane.server import FlightDataServer
-    from dataplane.store import ResultStore
+    """Not reachable from outside (one Flight server per process): uses sigmaflight.dataplane.server and
+    sigmaflight.dataplane.store directly, with the data-plane test helpers for a header and its steps."""
+    from sigmaflight.dataplane.server import FlightDataServer
+    from sigmaflight.dataplane.store import ResultStore
+
     from tests.dataplane.helpers import build_header, make_steps
 
     store = ResultStore(memory_budget_bytes=1 << 30)

@@ -20,8 +20,7 @@ def _digest(table) -> str:
 def test_push_keeps_running_rollout_on_old_weights_and_next_on_new() -> None:
     import torch
     from safetensors.torch import save
-
-    from pipeline.models import ModelRegistry, weights_digest
+    from sigmaflight.pipeline.models import ModelRegistry, weights_digest
 
     pipe = ModelRegistry().get("tiny-sd3").pipeline
     old_digest = weights_digest(pipe)

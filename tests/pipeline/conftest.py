@@ -1,6 +1,5 @@
 import pytest
-
-from pipeline.models import ModelRegistry
+from sigmaflight.pipeline.models import ModelRegistry
 
 
 @pytest.fixture(scope="session")

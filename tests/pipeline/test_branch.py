@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 import torch
+from sigmaflight.pipeline.kernels import step_log_prob
+from sigmaflight.pipeline.replay import Replayer
+from sigmaflight.pipeline.rollout import parent_metadata, rollout_metadata, run_rollout
+from sigmaflight.pipeline.spec import BranchStart, RolloutInputError, RolloutSpec, SamplerSpec
 
-from pipeline.kernels import step_log_prob
-from pipeline.replay import Replayer
-from pipeline.rollout import parent_metadata, rollout_metadata, run_rollout
-from pipeline.spec import BranchStart, RolloutInputError, RolloutSpec, SamplerSpec
 from tests.pipeline.test_kernels import flow_grpo_step
 
 T = 4

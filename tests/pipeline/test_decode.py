@@ -1,4 +1,4 @@
-"""pipeline.decode against the stock diffusers pipelines: the same final latents give the same bytes.
+"""sigmaflight.pipeline.decode against the stock diffusers pipelines: the same final latents give the same bytes.
 
 Reference: the stock pipeline's own `__call__` with its own decode. A step-end callback records
 the latents the loop ends on (x_T); decode_uint8 of those must equal numpy.asarray of the
@@ -12,9 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
-from pipeline.decode import decode_latents, decode_uint8
-from pipeline.models import LoadedModel, ModelRegistry
+from sigmaflight.pipeline.decode import decode_latents, decode_uint8
+from sigmaflight.pipeline.models import LoadedModel, ModelRegistry
 
 
 def _stock(model: LoadedModel, output_type: str, **kw: Any) -> tuple[Any, torch.Tensor]:

@@ -16,9 +16,8 @@ from typing import Any
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-
-from pipeline.kernels import kernel_mean_std, step_log_prob
-from pipeline.spec import SamplerSpec
+from sigmaflight.pipeline.kernels import kernel_mean_std, step_log_prob
+from sigmaflight.pipeline.spec import SamplerSpec
 
 EPS32 = torch.finfo(torch.float32).eps
 ULPS = 4  # "within a few float32 ULPs"

@@ -14,13 +14,12 @@ from typing import Any
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-
-from pipeline.conditioning import CONDITIONING_NAMES
-from pipeline.models import LoadedModel
-from pipeline.replay import Replayer
-from pipeline.rollout import run_rollout
-from pipeline.spec import RolloutInputError, RolloutSpec, SamplerSpec
-from pipeline.validation import estimate_latent_bytes
+from sigmaflight.pipeline.conditioning import CONDITIONING_NAMES
+from sigmaflight.pipeline.models import LoadedModel
+from sigmaflight.pipeline.replay import Replayer
+from sigmaflight.pipeline.rollout import run_rollout
+from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec, SamplerSpec
+from sigmaflight.pipeline.validation import estimate_latent_bytes
 
 CASES: dict[str, dict[str, Any]] = {
     "tiny-sd3": dict(prompts=("a cat", "the dog"), num_outputs_per_prompt=2, guidance_scale=4.5, negative_prompt="blurry"),

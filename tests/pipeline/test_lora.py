@@ -2,7 +2,7 @@
 
 References: the stock base model (a separate registry), and a trainer's own peft-wrapped
 transformer built with `peft.get_peft_model` or diffusers' `add_adapter` from the same base
-weights, replayed with pipeline.replay.Replayer over the trainer's pipeline.
+weights, replayed with sigmaflight.pipeline.replay.Replayer over the trainer's pipeline.
 """
 
 import copy
@@ -12,11 +12,10 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
-
-from pipeline.models import LoadedModel, LoraNotLoaded, ModelRegistry
-from pipeline.replay import Replayer
-from pipeline.rollout import run_rollout
-from pipeline.spec import RolloutInputError, RolloutSpec, SamplerSpec
+from sigmaflight.pipeline.models import LoadedModel, LoraNotLoaded, ModelRegistry
+from sigmaflight.pipeline.replay import Replayer
+from sigmaflight.pipeline.rollout import run_rollout
+from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec, SamplerSpec
 
 # Flow-GRPO's LoRA targets for SD3 (its SD3 training script wraps these with get_peft_model, r=32, alpha=64)
 TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",

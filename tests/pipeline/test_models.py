@@ -1,10 +1,9 @@
 from typing import Any
 
 import torch
-
-from pipeline.models import ModelRegistry
-from pipeline.rollout import run_rollout
-from pipeline.spec import RolloutSpec
+from sigmaflight.pipeline.models import ModelRegistry
+from sigmaflight.pipeline.rollout import run_rollout
+from sigmaflight.pipeline.spec import RolloutSpec
 
 
 def test_builtins_are_deterministic_and_in_eval_mode(registry):

@@ -5,10 +5,15 @@ import threading
 
 import pytest
 import torch
-
-from pipeline.models import ModelLoadError, ModelRegistry, component_digest, component_digests, weights_digest
-from pipeline.rollout import run_rollout
-from pipeline.spec import RolloutInputError, RolloutSpec
+from sigmaflight.pipeline.models import (
+    ModelLoadError,
+    ModelRegistry,
+    component_digest,
+    component_digests,
+    weights_digest,
+)
+from sigmaflight.pipeline.rollout import run_rollout
+from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec
 
 SPEC = RolloutSpec(model="tiny-sd3", prompts=("a cat",), num_inference_steps=3, seed=3)
 

@@ -1,9 +1,8 @@
 import pytest
 import torch
-
-from pipeline.replay import Replayer, step_log_prob
-from pipeline.rollout import run_rollout
-from pipeline.spec import RolloutSpec, SamplerSpec
+from sigmaflight.pipeline.replay import Replayer, step_log_prob
+from sigmaflight.pipeline.rollout import run_rollout
+from sigmaflight.pipeline.spec import RolloutSpec, SamplerSpec
 
 
 def _run(registry, kind, steps=None, return_steps=None, num_steps=3):

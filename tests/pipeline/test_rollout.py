@@ -3,15 +3,20 @@ from typing import Any
 
 import pytest
 import torch
-
-from pipeline.rollout import (
+from sigmaflight.pipeline.rollout import (
     derive_seeds,
     estimate_latent_bytes,
     rollout_metadata,
     run_rollout,
     validate_spec,
 )
-from pipeline.spec import RolloutCancelled, RolloutInputError, RolloutNonFinite, RolloutSpec, SamplerSpec
+from sigmaflight.pipeline.spec import (
+    RolloutCancelled,
+    RolloutInputError,
+    RolloutNonFinite,
+    RolloutSpec,
+    SamplerSpec,
+)
 
 
 def _latents(res):
@@ -203,8 +208,8 @@ def test_unknown_model(registry):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_bf16_on_gpu_captures_native_and_replays():
-    from pipeline.models import ModelRegistry
-    from pipeline.replay import Replayer
+    from sigmaflight.pipeline.models import ModelRegistry
+    from sigmaflight.pipeline.replay import Replayer
 
     model = ModelRegistry(device="cuda", dtype=torch.bfloat16).get("tiny-sd3")
     spec = RolloutSpec(model="tiny-sd3", prompts=("a cat",), num_inference_steps=3, seed=1)

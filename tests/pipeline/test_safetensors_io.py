@@ -1,4 +1,4 @@
-"""pipeline.safetensors_io against the safetensors package (the reference reader and writer)."""
+"""sigmaflight.pipeline.safetensors_io against the safetensors package (the reference reader and writer)."""
 
 import json
 import struct
@@ -6,10 +6,9 @@ import struct
 import pytest
 import torch
 from safetensors.torch import load, save
-
-from pipeline.models import ModelRegistry
-from pipeline.safetensors_io import lora_config_from_metadata, read_safetensors
-from pipeline.spec import RolloutInputError
+from sigmaflight.pipeline.models import ModelRegistry
+from sigmaflight.pipeline.safetensors_io import lora_config_from_metadata, read_safetensors
+from sigmaflight.pipeline.spec import RolloutInputError
 
 
 def _inside(t: torch.Tensor, body: bytes) -> bool:

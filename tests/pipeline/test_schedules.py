@@ -1,10 +1,9 @@
 import pytest
 import torch
 from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
-
-from pipeline.rollout import run_rollout
-from pipeline.schedules import make_rollout_scheduler
-from pipeline.spec import RolloutInputError, RolloutSpec
+from sigmaflight.pipeline.rollout import run_rollout
+from sigmaflight.pipeline.schedules import make_rollout_scheduler
+from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec
 
 
 def _stock(model, **set_kwargs):

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+from sigmaflight.pipeline.models import LoadedModel, ModelRegistry
+from sigmaflight.pipeline.replay import Replayer
+from sigmaflight.pipeline.rollout import rollout_metadata, run_rollout
+from sigmaflight.pipeline.spec import RolloutSpec, SamplerSpec
 
-from pipeline.models import LoadedModel, ModelRegistry
-from pipeline.replay import Replayer
-from pipeline.rollout import rollout_metadata, run_rollout
-from pipeline.spec import RolloutSpec, SamplerSpec
 from tests.stock import stock_scheduler
 
 CASES: dict[str, dict[str, Any]] = {

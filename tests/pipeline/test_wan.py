@@ -8,11 +8,10 @@ from typing import Any
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-
-from pipeline.models import ModelRegistry
-from pipeline.replay import Replayer
-from pipeline.rollout import estimate_latent_bytes, latent_shape, run_rollout, validate_spec
-from pipeline.spec import RolloutInputError, RolloutSpec, SamplerSpec
+from sigmaflight.pipeline.models import ModelRegistry
+from sigmaflight.pipeline.replay import Replayer
+from sigmaflight.pipeline.rollout import estimate_latent_bytes, latent_shape, run_rollout, validate_spec
+from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec, SamplerSpec
 
 WAN = "tiny-wan"
 

@@ -27,8 +27,7 @@ def _adapter_body() -> bytes:
     import torch
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from safetensors.torch import save
-
-    from pipeline.models import ModelRegistry
+    from sigmaflight.pipeline.models import ModelRegistry
 
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"])
     wrapped = get_peft_model(copy.deepcopy(ModelRegistry().get("tiny-sd3").pipeline.transformer), config)

@@ -11,17 +11,16 @@ import time
 import pyarrow.flight as flight
 import pytest
 import torch
-
-from control.backends.local import LocalBackend
-from control.backends.ray import RayBackend, trajectory_ref
-from control.backends.worker import WorkerConfig
-from control.branches import branch_spec, find_parent
-from control.jobs.manager import Job, JobManager
-from dataplane.client import Trajectory
-from dataplane.store import ResultStore
-from dataplane.streams import column_tensor
-from pipeline.models import ModelRegistry
-from pipeline.spec import RolloutSpec, SamplerSpec
+from sigmaflight.control.backends.local import LocalBackend
+from sigmaflight.control.backends.ray import RayBackend, trajectory_ref
+from sigmaflight.control.backends.worker import WorkerConfig
+from sigmaflight.control.branches import branch_spec, find_parent
+from sigmaflight.control.jobs.manager import Job, JobManager
+from sigmaflight.dataplane.client import Trajectory
+from sigmaflight.dataplane.store import ResultStore
+from sigmaflight.dataplane.streams import column_tensor
+from sigmaflight.pipeline.models import ModelRegistry
+from sigmaflight.pipeline.spec import RolloutSpec, SamplerSpec
 
 ray = pytest.importorskip("ray", reason="the Ray backend needs `pip install sigmaflight[ray]`")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pyarrow.flight as flight
 import pytest
 import torch
+from sigmaflight.dataplane.client import Trajectory, TrajectoryClient
+from sigmaflight.dataplane.shm import host_id, parse_file_location
 
-from dataplane.client import Trajectory, TrajectoryClient
-from dataplane.shm import host_id, parse_file_location
 from tests.dataplane.helpers import mapped_ranges
 from tests.servers import ServerProcess, wait_for_status
 
@@ -63,8 +63,8 @@ def test_ray_workers_serve_the_outputs_stream_the_policy_version_and_reloaded_to
 
     import numpy as np
     import torch
+    from sigmaflight.pipeline.models import ModelRegistry
 
-    from pipeline.models import ModelRegistry
     from sigmaflight import Client
     from tests.control.test_outputs_e2e import CASES, _stock_outputs
     from tests.faults.test_token_reload import NEW, OLD, _flight_ok, _hup_and_wait, _write

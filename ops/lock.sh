@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Remake requirements.lock: resolve every extra of pyproject.toml's ranges in a fresh venv and
+# write down exactly what was installed. torch stays the 2.13.0 CPU wheel of these machines (a
+# plain range may pull a multi-GB CUDA build). Review the diff, then run ops/test.sh on it.
+# Usage: ops/lock.sh [pip install arguments, e.g. an upgrade: 'pyarrow==27.0.0']
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py="${PYTHON:-python3.11}"
+command -v "$py" >/dev/null 2>&1 || py=python3
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+"$py" -m venv "$tmp/venv"
+"$tmp/venv/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
+"$tmp/venv/bin/python" -m pip install --quiet "torch==2.13.0" ".[server,test,ray,plot]" "$@"
+{
+  echo "# Exact versions of the served and tested environment: ops/setup.sh, ops/serve.sh, ops/test.sh"
+  echo "# and CI install with this file as pip constraints. Made by ops/lock.sh; do not edit by hand."
+  "$tmp/venv/bin/python" -m pip freeze --exclude-editable | grep -viE '^sigmaflight( |=|@)' | sed 's/^torch==\(.*\)+cpu$/torch==\1/'
+} > requirements.lock
+echo "requirements.lock: $(grep -vc '^#' requirements.lock) packages" >&2
