@@ -1,35 +1,28 @@
 """`branch_from` at POST (contract, "Branch rollouts"): resolve the parent from this server's
-own result store and build the branch's `RolloutSpec`.
+backend's results (`Backend.parent`) and build the branch's `RolloutSpec`.
 
 The parent's x_k rows, schedule (sigmas, timesteps, set_timesteps kwargs), prompt indices and,
-when it published one, its "conditioning/v1" stream are read from the store the control plane
-serves; the branch inherits model, prompts, negative_prompt, guidance_scale, height, width,
-num_frames and num_inference_steps from the parent's recorded request. With the Ray backend the parent's
-trajectory lives in a worker's store: its finished table and, when it published one, its
-conditioning stream come to the control plane through the Ray object store
-(`RayBackend.trajectory_ref`, `RayBackend.stream_ref`), and x_k and the conditioning rows travel
-on in the branch's spec to whichever worker runs it; see docs/trainers.md.
+when it published one, its "conditioning/v1" stream are read from the trajectory the backend
+holds; the branch inherits model, prompts, negative_prompt, guidance_scale, height, width,
+num_frames and num_inference_steps from the parent's recorded request. With the Ray backend the
+parent's trajectory lives in a worker's store and comes to the control plane through the Ray
+object store (`RayBackend.parent`); x_k and the conditioning rows travel on in the branch's spec
+to whichever worker runs it; see docs/trainers.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 import torch
+from sigmaflight.control.jobs.backend import Backend
 from sigmaflight.dataplane.codec import batch_to_tensors
 from sigmaflight.dataplane.record import TrajectoryHeader
-from sigmaflight.dataplane.schema import header_from_schema
-from sigmaflight.dataplane.store import ResultStore
-from sigmaflight.dataplane.streams import (
-    CONDITIONING,
-    KEY_COLUMNS,
-    StreamNotFound,
-    column_tensor,
-    requested_streams,
-)
+from sigmaflight.dataplane.streams import KEY_COLUMNS, column_tensor
 from sigmaflight.pipeline.spec import BranchStart, RolloutInputError, RolloutSpec
 
 INHERITED = ("model", "prompts", "negative_prompt", "guidance_scale", "height", "width", "num_frames",
@@ -40,12 +33,13 @@ INHERITED = ("model", "prompts", "negative_prompt", "guidance_scale", "height", 
 class StaleParent(Exception):
     """The parent ran with other weights than the model has now (409 "stale_parent")."""
 
-    def __init__(self, parent: str, parent_digest: str, digest: str) -> None:
+    def __init__(self, parent: str, parent_digest: str, digest: str, weights_version: int) -> None:
         super().__init__(
             f"parent rollout {parent} ran with weights {parent_digest[:12]}..., the model has {digest[:12]}... now: "
             "its x_k is not a state of the current policy"
         )
         self.parent, self.parent_digest, self.digest = parent, parent_digest, digest
+        self.weights_version = weights_version
 
 
 @dataclass(frozen=True)
@@ -66,66 +60,18 @@ class Parent:
         return str(self.request.get("model") or self.header.rollout.get("model", {}).get("id", ""))
 
 
-def _parent(rollout_id: str, header: TrajectoryHeader, batches: list[pa.RecordBatch],
-            conditioning: pa.Table | None) -> Parent:
-    request = header.rollout.get("request") or {}
-    digest = str((header.rollout.get("model") or {}).get("digest", ""))
-    return Parent(rollout_id, header, request, digest, batches, conditioning)
-
-
-def find_parent(store: ResultStore, rollout_id: str, backend: Any = None) -> Parent:
-    """The parent from the control plane's own store or, with the Ray backend, the finished table
-    of the worker that holds it (through the Ray object store: x_k travels to the control plane,
-    then with the branch's spec to whichever worker runs it). RolloutInputError
-    ("branch_from.rollout") when unknown or not succeeded."""
-    try:
-        entry = store.get(rollout_id)
-    except KeyError:
-        entry = None
-    if entry is None:
-        found = _from_ray(backend, rollout_id)
-        if found is not None:
-            return found
+def find_parent(backend: Backend, rollout_id: str) -> Parent:
+    """The succeeded parent `rollout_id` as the backend holds it (the local store, or a Ray worker's
+    through the object store). RolloutInputError ("branch_from.rollout") when unknown or not
+    succeeded."""
+    found = backend.parent(rollout_id)
+    if found is None:
         raise RolloutInputError(
             "branch_from.rollout", f"no succeeded rollout {rollout_id!r} on this server (unknown, unfinished, released or expired)"
         )
-    state = entry.info().state
-    batches = entry.snapshot()
-    if state != "succeeded" or batches is None:
-        raise RolloutInputError("branch_from.rollout", f"rollout {rollout_id!r} is {state}; a parent must have succeeded")
-    conditioning = None
-    if CONDITIONING in entry.streams_requested:
-        try:
-            conditioning = entry.stream_table(CONDITIONING)
-        except StreamNotFound:
-            conditioning = None  # not held any more (no intact file after a restart): encode the prompts again
-    return _parent(rollout_id, entry.header, batches, conditioning)
-
-
-def _from_ray(backend: Any, rollout_id: str) -> Parent | None:
-    """A Ray worker's finished trajectory (None: no such backend, or no worker holds it succeeded)."""
-    ref_of = getattr(backend, "trajectory_ref", None)
-    if ref_of is None:
-        return None
-    if not backend.has_result(rollout_id):
-        return None
-    import ray
-
-    try:
-        table = ray.get(ref_of(rollout_id))
-    except Exception as exc:  # the worker died or dropped it meanwhile: nothing to branch from
-        raise RolloutInputError(
-            "branch_from.rollout", f"rollout {rollout_id!r}: its Ray worker could not hand over the trajectory "
-            f"({type(exc).__name__})"
-        ) from None
-    header = header_from_schema(table.schema)
-    conditioning = None
-    if CONDITIONING in requested_streams(header):
-        try:
-            conditioning = ray.get(backend.stream_ref(rollout_id, CONDITIONING))
-        except Exception:  # gone meanwhile: the branch encodes the prompts again (the same tensors)
-            conditioning = None
-    return _parent(rollout_id, header, table.to_batches(), conditioning)
+    header = found.header
+    return Parent(rollout_id, header, header.rollout.get("request") or {},
+                  str((header.rollout.get("model") or {}).get("digest", "")), found.batches, found.conditioning)
 
 
 def check_inherited(body: Mapping[str, Any], parent: Parent, defaults: Any) -> None:
@@ -192,7 +138,6 @@ def branch_spec(parent: Parent, base: RolloutSpec, *, step: int,
         raise RolloutInputError("branch_from.samples", f"{bad} out of range: the parent has samples 0..{b - 1}")
     if len(set(rows)) != len(rows):
         raise RolloutInputError("branch_from.samples", "each parent sample may be given once")
-    req = parent.request
     index = torch.tensor(rows, dtype=torch.int64)
     start = BranchStart(
         step=step,
@@ -205,16 +150,8 @@ def branch_spec(parent: Parent, base: RolloutSpec, *, step: int,
         rollout=parent.rollout_id,
         conditioning=_conditioning(parent, rows),
     )
-    fields: dict[str, Any] = {f: getattr(base, f) for f in base.__dataclass_fields__}
-    fields.update(
-        model=parent.model,
-        prompts=tuple(req.get("prompts") or ()),
-        negative_prompt=req.get("negative_prompt"),
-        guidance_scale=req.get("guidance_scale"),
-        height=req.get("height"),
-        width=req.get("width"),
-        num_frames=req.get("num_frames"),
-        num_inference_steps=int(req.get("num_inference_steps") or parent.header.num_steps),
-        branch_from=start,
-    )
-    return RolloutSpec(**fields)
+    had = RolloutSpec.json_fields(parent.request)
+    inherited: dict[str, Any] = {name: had.get(name) for name in INHERITED}
+    inherited.update(model=parent.model, prompts=had.get("prompts") or (),
+                     num_inference_steps=int(had.get("num_inference_steps") or parent.header.num_steps))
+    return dataclasses.replace(base, **inherited, branch_from=start)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from sigmaflight.control.backends.local import LocalBackend
+from sigmaflight.control.settings import Settings
 from sigmaflight.dataplane.server import FlightDataServer
 from sigmaflight.dataplane.store import ResultStore
 from sigmaflight.pipeline.models import ModelRegistry
@@ -27,7 +28,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True, kw_only=True)
 class NodeConfig:
-    """Everything a node needs; plain data (it crosses the Ray boundary inside WorkerConfig)."""
+    """Everything a node needs; plain data (it crosses the Ray boundary inside WorkerConfig).
+
+    Made from the server's Settings in one place, `from_settings`; the service's own node and
+    every Ray worker's are that same object with what differs per process replaced."""
 
     device: str = "cpu"
     dtype: str = "float32"
@@ -44,6 +48,29 @@ class NodeConfig:
     tls_certificates: Sequence[tuple[bytes, bytes]] = ()
     max_flight_streams: int = 64
     batch_invariant: bool = False
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> NodeConfig:
+        """The node that `sigmaflight serve` runs (the token file and TLS files are read here)."""
+        return cls(
+            device=settings.device,
+            dtype=settings.dtype,
+            model_dir=_str_or_none(settings.model_dir),
+            data_dir=_str_or_none(settings.data_dir),
+            shm_dir=_str_or_none(settings.shm_dir),
+            store_budget_bytes=settings.store_budget_bytes,
+            host=settings.host,
+            port=settings.flight_port,
+            advertise_host=settings.advertise_host,
+            tokens=tuple(settings.tokens()),
+            tls_certificates=settings.tls_certificates(),
+            max_flight_streams=settings.max_flight_streams,
+            batch_invariant=settings.batch_invariant,
+        )
+
+
+def _str_or_none(path: Path | None) -> str | None:
+    return None if path is None else str(path)
 
 
 def local_model_dirs(model_dir: str | Path) -> list[Path]:

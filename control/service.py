@@ -7,6 +7,7 @@ control/node.py, the same wiring each Ray worker uses.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Mapping
@@ -14,7 +15,8 @@ from typing import Any
 
 import pyarrow.flight as flight
 import torch
-from sigmaflight.control.jobs.manager import Backend, JobManager, NotFinished
+from sigmaflight.control.jobs.backend import Backend
+from sigmaflight.control.jobs.manager import JobManager, NotFinished
 from sigmaflight.control.node import Node, NodeConfig
 from sigmaflight.control.settings import Settings
 from sigmaflight.dataplane.auth import TokenSet
@@ -23,37 +25,20 @@ from sigmaflight.pipeline.models import Policy
 log = logging.getLogger("sigmaflight.service")
 
 
-def node_config(settings: Settings) -> NodeConfig:
-    """The service's own node. With --backend ray the models run in the worker actors; here
-    they only validate requests, so they stay on the CPU."""
-    return NodeConfig(
-        device=settings.device if settings.backend == "local" else "cpu",
-        dtype=settings.dtype,
-        model_dir=str(settings.model_dir) if settings.model_dir is not None else None,
-        data_dir=str(settings.data_dir) if settings.data_dir is not None else None,
-        shm_dir=str(settings.shm_dir) if settings.shm_dir is not None else None,
-        store_budget_bytes=settings.store_budget_bytes,
-        host=settings.host,
-        port=settings.flight_port,
-        advertise_host=settings.advertise_host,
-        tokens=tuple(settings.tokens()),
-        tls_certificates=settings.tls_certificates(),
-        max_flight_streams=settings.max_flight_streams,
-        batch_invariant=settings.batch_invariant,
-    )
-
-
 class Service:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.auth_enabled = bool(settings.tokens())
-        self.node = Node(node_config(settings), on_cancel=self._cancel_from_flight, on_release=self._release_from_flight)
+        config = NodeConfig.from_settings(settings)
+        if settings.backend == "ray":  # the models run in the worker actors; here they only validate requests
+            config = dataclasses.replace(config, device="cpu")
+        self.node = Node(config, on_cancel=self._cancel_from_flight, on_release=self._release_from_flight)
         self.registry, self.store, self.flight = self.node.registry, self.node.store, self.node.flight
         self.backend: Backend
         if settings.backend == "ray":
             from sigmaflight.control.backends.ray import RayBackend
 
-            self.backend = RayBackend.from_settings(settings)
+            self.backend = RayBackend.from_settings(settings, node=config)
         else:
             self.backend = self.node.backend
         self.jobs = JobManager(
@@ -63,15 +48,15 @@ class Service:
             ttl_s=settings.ttl_s,
             data_dir=settings.data_dir,
         )
-        self.store.on_unavailable = self._result_unavailable
+        self.backend.on_result_lost(self._result_unavailable)
         self.ready = False
         self._change_lock = threading.Lock()
         """One change of weights (or of tokens) at a time, registry and workers together (workers
         see the same order)."""
 
     def _result_unavailable(self, rollout_id: str, reason: str) -> None:
-        """The store lost a finished trajectory (its file truncated or corrupted): REST stops
-        saying succeeded. (Only this node's store: Ray workers' stores are not wired yet.)"""
+        """The backend lost a finished trajectory (its file truncated or corrupted): REST stops
+        saying succeeded."""
         self.jobs.result_lost(rollout_id, reason)
 
     def _cancel_from_flight(self, rollout_id: str) -> bool:
@@ -91,7 +76,7 @@ class Service:
         this returns. Returns the new Policy (digest, weights_version)."""
         with self._change_lock:
             new = self.registry.replace_weights(model_id, state)
-            self._fan_out("load_weights", model_id, new.digest, dict(state))
+            self._check_workers("load_weights", model_id, new.digest, self.backend.load_weights(model_id, state))
             return new
 
     def push_lora(self, model_id: str, tensors: Mapping[str, torch.Tensor], lora_config: dict[str, Any]) -> Policy:
@@ -99,21 +84,21 @@ class Service:
         raises RolloutInputError naming the key), then every remote worker's, before this returns."""
         with self._change_lock:
             new = self.registry.load_lora(model_id, tensors, lora_config)
-            self._fan_out("load_lora", model_id, new.digest, dict(tensors), lora_config)
+            self._check_workers("load_lora", model_id, new.digest,
+                                self.backend.load_lora(model_id, tensors, lora_config))
             return new
 
     def remove_lora(self, model_id: str) -> Policy:
         """Drop the adapter (raises LoraNotLoaded when there is none) here, then on every worker."""
         with self._change_lock:
             new = self.registry.unload_lora(model_id)
-            self._fan_out("unload_lora", model_id, new.digest)
+            self._check_workers("unload_lora", model_id, new.digest, self.backend.unload_lora(model_id))
             return new
 
-    def _fan_out(self, method: str, model_id: str, digest: str, *args: Any) -> None:
-        push: Any = getattr(self.backend, method, None)
-        if push is None:  # the local backend shares `self.registry`
-            return
-        for got in push(model_id, *args):
+    @staticmethod
+    def _check_workers(method: str, model_id: str, digest: str, workers: list[str]) -> None:
+        """Every worker's digest after a change of weights must be the service's."""
+        for got in workers:
             if got != digest:
                 log.error("a worker's digest differs after a change of weights",
                           extra={"model": model_id, "digest": digest, "worker_digest": got, "change": method})
@@ -132,9 +117,7 @@ class Service:
         with self._change_lock:
             self.flight.set_tokens(tokens)
             rest.replace(tokens)
-            push: Any = getattr(self.backend, "set_tokens", None)
-            if push is not None:
-                push(tokens)
+            self.backend.set_tokens(tokens)
         return len(rest)
 
     def start(self) -> None:
@@ -147,7 +130,6 @@ class Service:
     def stop(self) -> None:
         self.ready = False
         self.jobs.stop("server shutting down")
-        if hasattr(self.backend, "close"):
-            self.backend.close()
+        self.backend.close()
         self.node.stop()
         log.info("stopped")

@@ -53,6 +53,13 @@ class Settings(BaseSettings):
         "auto", description="Ray cluster to join with --backend ray: auto (the running one), ray://..., or local."
     )
     ray_num_cpus: float = Field(1.0, gt=0, description="CPUs each Ray worker actor reserves (plus 1 GPU on cuda).")
+    ray_call_timeout_s: float = Field(
+        30.0, gt=0, description="Seconds a Ray worker has to answer a call (placement, progress, release); one "
+        "that does not is killed, its rollouts fail as WorkerDied, and it is replaced.",
+    )
+    ray_start_timeout_s: float = Field(
+        600.0, gt=0, description="Seconds a Ray worker has to start (load its model) or to load pushed weights.",
+    )
     queue_size: int = Field(64, ge=1, description="Rollouts that may wait; beyond it POST answers 429.")
     ttl_s: float = Field(3600.0, gt=0, description="Seconds a finished result is kept before it expires.")
 

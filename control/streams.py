@@ -7,7 +7,6 @@ The data plane builds and serves the tables (dataplane/streams.py); the pipeline
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -19,7 +18,7 @@ from sigmaflight.pipeline.decode import DECODABLE_FAMILIES, decode_uint8
 from sigmaflight.pipeline.models import LoadedModel
 from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec
 
-__all__ = ["output_bytes", "outputs_table", "stream_names", "streams_of_request", "stream_tickets",
+__all__ = ["output_bytes", "outputs_table", "stream_names", "stream_tickets",
            "validate_outputs"]
 
 
@@ -31,12 +30,6 @@ def stream_names(spec: RolloutSpec) -> list[str]:
     if getattr(spec, "return_conditioning", False):
         names.append(CONDITIONING)
     return names
-
-
-def streams_of_request(request: Mapping[str, Any]) -> list[str]:
-    """The same, from a job's canonical wire request (what the journal keeps)."""
-    ret = request.get("return") or {}
-    return [TRAJECTORY] + [n for n in (OUTPUTS, CONDITIONING) if ret.get(n)]
 
 
 def stream_tickets(ticket: str, rollout_id: str, streams: list[str]) -> dict[str, dict[str, Any]]:

@@ -1,17 +1,17 @@
 """FlightDataServer: the "trajectory/v1" streams of a ResultStore over Arrow Flight.
 
-Errors (all FlightError subclasses, with a message naming what was wrong):
-- unknown / released / expired ticket or rollout id: FlightServerError "ticket '...' not
-  found (unknown|released|expired)" -- answered at once, never a hang;
-- an extra stream ("outputs", "conditioning") the rollout was not asked for: FlightServerError
-  "stream 'outputs' of rollout <id> not found (not requested: ...)";
-- malformed descriptor (CMD, wrong path shape, non-UTF-8): FlightServerError;
-- rollout failed: FlightInternalError "rollout <id> failed: <reason>";
-- rollout cancelled: FlightServerError "rollout <id> cancelled: <reason>" (not
-  FlightCancelledError: pyarrow turns an ArrowCancelled raised inside
-  ``reader.read_all()`` into a SIGINT, i.e. a KeyboardInterrupt in the trainer);
-- missing / wrong bearer token: FlightUnauthenticatedError;
-- more than ``max_concurrent_streams`` streams: FlightUnavailableError.
+Errors (all FlightError subclasses made by dataplane/errors.py: a message naming what was
+wrong, and `extra_info` JSON {"type", "rollout", ...} that clients branch on):
+- unknown / released / expired ticket or rollout id: type "not_found" (FlightServerError
+  "ticket '...' not found (unknown|released|expired)"), answered at once, never a hang;
+- an extra stream ("outputs", "conditioning") the rollout was not asked for: "not_found"
+  ("stream 'outputs' of rollout <id> not found (not requested: ...)");
+- malformed descriptor (CMD, wrong path shape, non-UTF-8), unknown action: "bad_request";
+- rollout failed: "failed" (FlightInternalError "rollout <id> failed: <reason>");
+- rollout cancelled, released or expired while a stream waits: "cancelled", "released",
+  "expired" (FlightServerError "rollout <id> cancelled: <reason>");
+- missing / wrong bearer token: "unauthenticated" (FlightUnauthenticatedError);
+- more than ``max_concurrent_streams`` streams: "too_many_streams" (FlightUnavailableError).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 from sigmaflight.dataplane.auth import TokenSet
+from sigmaflight.dataplane.errors import flight_error, not_found, rollout_ended
 from sigmaflight.dataplane.store import Entry, ResultStore, RolloutEnded, StreamNotFound, TicketNotFound
 from sigmaflight.dataplane.streams import EXTRA_STREAMS
 from sigmaflight.dataplane.tickets import stream_ticket
@@ -57,8 +58,8 @@ class BearerTokenMiddlewareFactory(flight.ServerMiddlewareFactory):
         values = headers.get("authorization") or headers.get("Authorization") or []
         ok = self.tokens.matches(values[0] if values else None)
         if not ok:
-            raise flight.FlightUnauthenticatedError(
-                "missing or wrong bearer token (send the header 'authorization: Bearer <token>')"
+            raise flight_error(
+                "unauthenticated", "missing or wrong bearer token (send the header 'authorization: Bearer <token>')"
             )
         return None
 
@@ -215,7 +216,7 @@ class FlightDataServer(flight.FlightServerBase):
         try:
             return self.store.find(rollout_id)
         except TicketNotFound as e:
-            raise flight.FlightServerError(_clip(str(e), 300)) from None
+            raise not_found(e) from None
 
     def _flight_info(self, entry: Entry, partitions: int = 1) -> flight.FlightInfo:
         tickets = self.store.partition_tickets(entry.rollout_id, partitions)
@@ -232,7 +233,7 @@ class FlightDataServer(flight.FlightServerBase):
         try:
             return self.store.lookup_ticket(rollout_id)[0]
         except TicketNotFound as e:
-            raise flight.FlightServerError(_clip(str(e), 300)) from None
+            raise not_found(e) from None
 
     def _stream_table(
         self, entry: Entry, stream: str, should_stop: Callable[[], str | None] | None = None
@@ -241,11 +242,9 @@ class FlightDataServer(flight.FlightServerBase):
         try:
             return entry.stream_table(stream, should_stop=should_stop or self._should_stop(None))
         except StreamNotFound as e:
-            raise flight.FlightServerError(_clip(str(e), 300)) from None
+            raise flight_error("not_found", str(e), rollout=entry.rollout_id, stream=stream) from None
         except RolloutEnded as e:
-            if e.state == "failed":
-                raise flight.FlightInternalError(str(e)) from None
-            raise flight.FlightServerError(str(e)) from None
+            raise rollout_ended(e) from None
 
     def _stream_info(self, entry: Entry, stream: str) -> flight.FlightInfo:
         table = self._stream_table(entry, stream)
@@ -269,9 +268,7 @@ class FlightDataServer(flight.FlightServerBase):
                     self.bytes_served += batch.nbytes
                 yield batch
         except RolloutEnded as e:
-            if e.state == "failed":
-                raise flight.FlightInternalError(str(e)) from None
-            raise flight.FlightServerError(str(e)) from None
+            raise rollout_ended(e) from None
         finally:
             slot.free()
 
@@ -281,7 +278,7 @@ class FlightDataServer(flight.FlightServerBase):
         # and that wait must count against max_concurrent_streams too.
         with self._lock:
             if self.active_streams >= self.max_concurrent_streams:
-                raise flight.FlightUnavailableError(
+                raise flight_error("too_many_streams",
                     f"too many concurrent streams ({self.active_streams} of max_concurrent_streams="
                     f"{self.max_concurrent_streams}); retry later"
                 )
@@ -298,13 +295,10 @@ class FlightDataServer(flight.FlightServerBase):
             except RolloutEnded:
                 pass  # the entry is failed now: answered below
             if entry.state not in ("running", "succeeded"):
-                msg = f"rollout {entry.rollout_id} {entry.state}: {entry.message or entry.state}"
-                if entry.state == "failed":
-                    raise flight.FlightInternalError(msg)
-                raise flight.FlightServerError(msg)
+                raise rollout_ended(RolloutEnded(entry.rollout_id, entry.state, entry.message or entry.state))
         except TicketNotFound as e:
             slot.free()
-            raise flight.FlightServerError(str(e)) from None
+            raise not_found(e) from None
         except BaseException:
             slot.free()
             raise
@@ -324,7 +318,7 @@ class FlightDataServer(flight.FlightServerBase):
             table = self._stream_table(entry, stream, should_stop)
         except TicketNotFound as e:
             slot.free()
-            raise flight.FlightServerError(str(e)) from None
+            raise not_found(e) from None
         except BaseException:
             slot.free()
             raise
@@ -387,11 +381,11 @@ class FlightDataServer(flight.FlightServerBase):
     def do_action(self, context: flight.ServerCallContext, action: flight.Action) -> Iterator[bytes]:
         kind = action.type
         if kind not in ACTIONS:
-            raise flight.FlightServerError(f"unknown action {kind[:40]!r}; known: {sorted(ACTIONS)}")
+            raise flight_error("bad_request", f"unknown action {kind[:40]!r}; known: {sorted(ACTIONS)}")
         rid = _action_id(action.body.to_pybytes() if action.body is not None else b"")
         if kind == "cancel":
             if self._on_cancel is None:
-                raise flight.FlightServerError("this server has no cancel handler (no control plane)")
+                raise flight_error("bad_request", "this server has no cancel handler (no control plane)")
             done = bool(self._on_cancel(rid))
             return iter([json.dumps({"id": rid, "cancelled": done}).encode()])
         done = bool(self._on_release(rid) if self._on_release is not None else self.store.release(rid))
@@ -401,17 +395,17 @@ class FlightDataServer(flight.FlightServerBase):
 def _rollout_id(descriptor: flight.FlightDescriptor) -> str:
     """The rollout id (or ticket) of a ``for_path("rollouts", id)`` descriptor."""
     if descriptor.descriptor_type != flight.DescriptorType.PATH:
-        raise flight.FlightServerError(
-            f"unsupported descriptor type {descriptor.descriptor_type.name}: "
+        raise flight_error(
+            "bad_request", f"unsupported descriptor type {descriptor.descriptor_type.name}: "
             f"use FlightDescriptor.for_path({DESCRIPTOR_ROOT!r}, <rollout id>)"
         )
     try:
         path = [p.decode("utf-8") if isinstance(p, bytes) else str(p) for p in descriptor.path]
     except UnicodeDecodeError:
-        raise flight.FlightServerError("descriptor path is not UTF-8") from None
+        raise flight_error("bad_request", "descriptor path is not UTF-8") from None
     if len(path) != 2 or path[0] != DESCRIPTOR_ROOT or not path[1]:
-        raise flight.FlightServerError(
-            _clip(f"bad descriptor path {path[:4]!r}", 300) + f": expected [{DESCRIPTOR_ROOT!r}, <rollout id>] or "
+        raise flight_error(
+            "bad_request", _clip(f"bad descriptor path {path[:4]!r}", 300) + f": expected [{DESCRIPTOR_ROOT!r}, <rollout id>] or "
             f"[{DESCRIPTOR_ROOT!r}, <rollout id>, <stream>]"
         )
     return path[1]
@@ -427,8 +421,8 @@ def _rollout_stream(descriptor: flight.FlightDescriptor) -> tuple[str, str | Non
     name = parts[2].decode("utf-8", errors="replace")
     if name not in EXTRA_STREAMS:
         shown = [p.decode("utf-8", errors="replace") for p in parts]
-        raise flight.FlightServerError(
-            _clip(f"bad descriptor path {shown!r}: unknown stream {name!r}", 300)
+        raise flight_error(
+            "bad_request", _clip(f"bad descriptor path {shown!r}: unknown stream {name!r}", 300)
             + f"; expected [{DESCRIPTOR_ROOT!r}, <rollout id>] or [{DESCRIPTOR_ROOT!r}, <rollout id>, "
             f"{' | '.join(repr(n) for n in EXTRA_STREAMS)}]"
         )
@@ -447,7 +441,7 @@ def _partitioned(descriptor: flight.FlightDescriptor) -> tuple[str | None, int]:
         if not 1 <= n <= 64:
             raise ValueError
     except ValueError:
-        raise flight.FlightServerError(f"bad partition count {parts[3][:20]!r}: expected an integer in 1..64") from None
+        raise flight_error("bad_request", f"bad partition count {parts[3][:20]!r}: expected an integer in 1..64") from None
     return parts[1].decode("utf-8", errors="replace"), n
 
 
@@ -461,15 +455,15 @@ def _action_id(body: bytes) -> str:
     try:
         text = body.decode("utf-8").strip()
     except UnicodeDecodeError:
-        raise flight.FlightServerError("action body must be a rollout id (UTF-8) or JSON {\"id\": ...}") from None
+        raise flight_error("bad_request", "action body must be a rollout id (UTF-8) or JSON {\"id\": ...}") from None
     if text.startswith("{"):
         try:
             obj: Any = json.loads(text)
         except ValueError:
-            raise flight.FlightServerError("action body is not valid JSON") from None
+            raise flight_error("bad_request", "action body is not valid JSON") from None
         text = obj.get("id", "") if isinstance(obj, dict) else ""
         if not isinstance(text, str):
             text = ""
     if not text:
-        raise flight.FlightServerError("action body names no rollout id")
+        raise flight_error("bad_request", "action body names no rollout id")
     return text

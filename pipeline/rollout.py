@@ -14,7 +14,7 @@ pipeline call: pipeline/calls.py. Their public names are re-exported here, as be
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -278,31 +278,15 @@ def run_rollout(
     )
 
 
-def _request_metadata(spec: RolloutSpec) -> dict[str, Any]:
-    """The request as JSON: every RolloutSpec field, `branch_from` as its parent reference."""
-    request: dict[str, Any] = {f.name: getattr(spec, f.name) for f in fields(spec) if f.name not in ("sampler", "branch_from")}
-    request["sampler"] = asdict(spec.sampler)
-    for key in ("prompts", "seeds", "return_steps"):
-        if request[key] is not None:
-            request[key] = list(request[key])
-    if request["sampler"]["sde_steps"] is not None:
-        request["sampler"]["sde_steps"] = list(request["sampler"]["sde_steps"])
-    request["branch_from"] = parent_metadata(spec)
-    return request
-
-
 def parent_metadata(spec: RolloutSpec) -> dict[str, Any] | None:
     """The contract's `sigmaflight.parent` object of a branch rollout, {"rollout", "step",
     "samples"}; None for a rollout from x_0. A separate metadata entry for the data plane."""
-    b = spec.branch_from
-    if b is None:
-        return None
-    return {"rollout": b.rollout, "step": b.step, "samples": [int(j) for j in b.samples]}
+    return None if spec.branch_from is None else spec.branch_from.ref()
 
 
 def rollout_metadata(model: LoadedModel, spec: RolloutSpec, snapshot: ScheduleSnapshot) -> dict[str, Any]:
     """The contract's `sigmaflight.rollout` object (without `id`, which control/ assigns)."""
-    request = _request_metadata(spec)
+    request = spec.to_json()
     return {
         "model": {
             "id": model.id,

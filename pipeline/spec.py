@@ -8,7 +8,7 @@ models into a `RolloutSpec`; the loop reports a `ScheduleSnapshot` once and one
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
 import torch
@@ -22,13 +22,17 @@ class RolloutInputError(ValueError):
     """A request the engine refuses before running it.
 
     `field` is the request path of the offending value ("sampler.sde_steps",
-    "num_inference_steps", "height", ...), `reason` says why in plain words.
+    "num_inference_steps", "height", ...), `reason` says why in plain words. `loc` is the same
+    path as parts, under the body (REST's 422 `details[].loc` is ["body", *loc]): by default
+    `field` split at its dots, () for "body" itself; a name that holds dots (a tensor key) gives
+    it whole.
     """
 
-    def __init__(self, field: str, reason: str) -> None:
+    def __init__(self, field: str, reason: str, *, loc: tuple[str | int, ...] | None = None) -> None:
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
+        self.loc: tuple[str | int, ...] = loc if loc is not None else () if field == "body" else tuple(field.split("."))
 
 
 class RolloutCancelled(Exception):
@@ -96,6 +100,10 @@ class BranchStart:
     rows `samples`). Given, the branch uses them instead of encoding the prompts again, so its
     transformer sees the parent's tensors bit for bit; None: the prompts are encoded again."""
 
+    def ref(self) -> dict[str, Any]:
+        """The contract's parent reference {"rollout", "step", "samples"} (`sigmaflight.parent`)."""
+        return {"rollout": self.rollout, "step": self.step, "samples": [int(j) for j in self.samples]}
+
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutSpec:
@@ -132,6 +140,59 @@ class RolloutSpec:
     """Decode x_T after the last step and publish the "outputs/v1" stream (control/ does it)."""
     expected_digest: str | None = None
     """The weights digest the request expects; a rollout that starts with other weights fails."""
+
+    # ---- the one JSON form --------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        """The spec as JSON: every field by name, tuples as lists, `sampler` as an object and
+        `branch_from` as its parent reference {"rollout", "step", "samples"} (`BranchStart.ref`).
+
+        This is the trajectory's `sigmaflight.rollout.request`, the job journal's record and the
+        Ray hand-off (with the BranchStart's tensors beside it); `from_json` reads it back."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "sampler":
+                value = asdict(value)
+                if value["sde_steps"] is not None:
+                    value["sde_steps"] = list(value["sde_steps"])
+            elif f.name == "branch_from":
+                value = None if value is None else value.ref()
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], *, branch_from: BranchStart | None = None) -> RolloutSpec:
+        """The spec `to_json` wrote. Keys this version does not know are ignored (a newer
+        server's trajectory), missing ones take their defaults. A branch's JSON holds only its
+        parent reference: pass the resolved `branch_from` (x_k, schedule) beside it; ValueError
+        when it is missing or refers to another parent step."""
+        ref = data.get("branch_from")
+        if ref is not None:
+            if branch_from is None:
+                raise ValueError(f"a branch rollout's spec needs its BranchStart (parent {ref.get('rollout')!r}, "
+                                 f"step {ref.get('step')}): the parent's x_k and schedule")
+            if int(ref["step"]) != branch_from.step:
+                raise ValueError(f"branch_from is step {branch_from.step}, the spec's parent reference step {ref['step']}")
+        return cls(**cls.json_fields(data), branch_from=branch_from if ref is not None else None)
+
+    @classmethod
+    def json_fields(cls, data: Mapping[str, Any]) -> dict[str, Any]:
+        """The typed fields of a spec's JSON (tuples, a SamplerSpec), `branch_from` left out: what
+        `from_json` builds from, and what a branch reads of its parent's request."""
+        known = {f.name for f in fields(cls)} - {"branch_from"}
+        out = {k: v for k, v in data.items() if k in known}
+        for key in ("prompts", "seeds", "return_steps"):
+            if out.get(key) is not None:
+                out[key] = tuple(out[key])
+        if isinstance(out.get("sampler"), Mapping):
+            sampler = {k: v for k, v in out["sampler"].items() if k in SamplerSpec.__dataclass_fields__}
+            if sampler.get("sde_steps") is not None:
+                sampler["sde_steps"] = tuple(sampler["sde_steps"])
+            out["sampler"] = SamplerSpec(**sampler)
+        return out
 
     @property
     def num_samples(self) -> int:

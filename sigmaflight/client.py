@@ -17,7 +17,6 @@ has the typed errors. docs/trainers.md has the whole tour.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import time
@@ -33,6 +32,7 @@ import torch
 from pyarrow import flight
 
 from sigmaflight.dataplane.client import Trajectory, TrajectoryClient, Transport
+from sigmaflight.dataplane.errors import error_info
 from sigmaflight.dataplane.streams import KEY_COLUMNS, column_tensor
 from sigmaflight.errors import (
     ApiError,
@@ -42,7 +42,7 @@ from sigmaflight.errors import (
     Unauthorized,
     WeightsMismatch,
 )
-from sigmaflight.pipeline.spec import BranchStart, RolloutSpec, SamplerSpec
+from sigmaflight.pipeline.spec import BranchStart, RolloutSpec
 from sigmaflight.wire import TERMINAL, RolloutStatus, Ticket
 
 __all__ = [
@@ -290,24 +290,30 @@ class Client:
         return {c: column_tensor(table, c) for c in table.column_names if c not in KEY_COLUMNS}
 
     def flight_error(self, ticket: str | Ticket, exc: Exception) -> ApiError:
-        """The typed error for a Flight error on `ticket`: from the rollout's REST status when there
-        is one (RolloutCancelled, RolloutFailed), else from the Flight error's kind and message."""
-        if isinstance(exc, flight.FlightUnauthenticatedError):
-            return Unauthorized(401, "unauthorized", _flight_message(exc))
+        """The typed error for a Flight error on `ticket`, by the error's type (`extra_info`, see
+        sigmaflight.dataplane.errors): a refused token is Unauthorized; a rollout that ended other
+        than succeeded is RolloutFailed (RolloutCancelled) from its REST status when there is one;
+        an unknown ticket NotFound. The message is the server's, for people."""
+        info = error_info(exc) or {}
+        kind = info.get("type")
+        if kind == "not_found" and info.get("ended"):  # a ticket gone because its rollout ended
+            kind = info["ended"]
         message = _flight_message(exc)
+        if kind == "unauthenticated" or isinstance(exc, flight.FlightUnauthenticatedError):
+            return Unauthorized(401, "unauthorized", message)
         try:
             st = self.status(ticket)
         except ApiError:
             st = None
         if st is not None and st.status in TERMINAL and st.status != "succeeded":
             return RolloutFailed.from_status(st, message)
-        if isinstance(exc, flight.FlightInternalError):
+        if kind == "failed":
             return RolloutFailed(message)
-        if " cancelled" in message:  # the Flight server's "rollout <id> cancelled: <reason>"
+        if kind == "cancelled":
             return RolloutCancelled(message)
-        if st is None and "not found" in message.lower():
+        if kind in ("not_found", "released", "expired") and st is None:
             return NotFound(None, "not_found", message)
-        return ApiError(None, "flight_error", message)
+        return ApiError(None, kind or "flight_error", message)
 
 
 def _id(ticket: str | Ticket) -> str:
@@ -315,23 +321,16 @@ def _id(ticket: str | Ticket) -> str:
 
 
 def rollout_spec(traj: Trajectory) -> RolloutSpec:
-    """The RolloutSpec the server ran, from the trajectory's `sigmaflight.rollout.request`; for a
-    branch rollout with `branch_from` rebuilt from the trajectory (its x_k, schedule, prompt indices)."""
-    req = dict(traj.metadata["request"])
-    sampler = dict(req.pop("sampler"))
-    if sampler.get("sde_steps") is not None:
-        sampler["sde_steps"] = tuple(sampler["sde_steps"])
-    for key in ("prompts", "seeds", "return_steps"):
-        if req.get(key) is not None:
-            req[key] = tuple(req[key])
-    known = set(RolloutSpec.__dataclass_fields__) - {"branch_from"}  # a parent reference, not a BranchStart
-    spec = RolloutSpec(sampler=SamplerSpec(**sampler), **{k: v for k, v in req.items() if k in known})
+    """The RolloutSpec the server ran, from the trajectory's `sigmaflight.rollout.request`
+    (`RolloutSpec.from_json`); for a branch rollout with `branch_from` rebuilt from the trajectory
+    (its x_k, schedule, prompt indices)."""
+    req = traj.metadata["request"]
     parent = req.get("branch_from")
     if parent is None:
-        return spec
+        return RolloutSpec.from_json(req)
     # A branch rollout: it replays from its own x_k (the parent's, repeated per branch) on the
     # recorded schedule; one BranchStart row per parent sample.
-    n, k = spec.num_outputs_per_prompt, int(parent["step"])
+    n, k = int(req.get("num_outputs_per_prompt", 1)), int(parent["step"])
     rows = traj.latent(k)[::n].clone() if traj.has_step(k) else torch.zeros(
         (len(parent["samples"]), *traj.header.latent_shape), dtype=traj.latents.dtype)
     branch = BranchStart(
@@ -344,7 +343,7 @@ def rollout_spec(traj: Trajectory) -> RolloutSpec:
         prompt_index=tuple(int(p) for p in traj.prompt_index[::n]),
         rollout=str(parent.get("rollout", "")),
     )
-    return dataclasses.replace(spec, branch_from=branch)
+    return RolloutSpec.from_json(req, branch_from=branch)
 
 
 def replay_log_probs(

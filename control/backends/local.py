@@ -2,22 +2,29 @@
 
 This is where the planes meet: the pipeline's records (ScheduleSnapshot, StepCapture)
 become the data plane's (TrajectoryHeader, StepBatch), batch by batch, as the loop runs.
+It implements the `Backend` protocol (control/jobs/backend.py); each Ray worker runs its
+rollouts through one of these too, so a trajectory is the same whichever backend ran it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Literal
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from sigmaflight.control.jobs.manager import Job
+import torch
+from sigmaflight.control.jobs.backend import Outcome, ParentTrajectory, RunContext, outcome_of
+from sigmaflight.control.jobs.states import ResultInfo
 from sigmaflight.control.policy import check_started_with
 from sigmaflight.control.streams import outputs_table, stream_names
 from sigmaflight.dataplane.record import StepBatch, TrajectoryHeader
 from sigmaflight.dataplane.store import ResultStore
-from sigmaflight.dataplane.streams import CONDITIONING, stream_table
+from sigmaflight.dataplane.streams import CONDITIONING, StreamNotFound, stream_table
 from sigmaflight.pipeline.models import ModelRegistry
 from sigmaflight.pipeline.rollout import parent_metadata, rollout_metadata, run_rollout
-from sigmaflight.pipeline.spec import RolloutCancelled, ScheduleSnapshot, StepCapture
+from sigmaflight.pipeline.spec import RolloutCancelled, RolloutInputError, ScheduleSnapshot, StepCapture
+
+log = logging.getLogger("sigmaflight.backend")
 
 
 def header_for(
@@ -44,7 +51,9 @@ def header_for(
 
 
 class LocalBackend:
-    """Runs rollouts on this process's worker threads; results live in `store`, served by `flight`."""
+    """Runs rollouts on the calling worker thread; results live in `store`, served by the node's
+    Flight server (whose tokens and weights are the service's own: the weights and token calls
+    of the protocol have no other worker to reach here)."""
 
     def __init__(
         self,
@@ -59,21 +68,21 @@ class LocalBackend:
         self.locations = locations
         self.batch_invariant = batch_invariant
 
-    def run(
-        self, job: Job, *, on_progress: Callable[[int, int], None], should_stop: Callable[[], bool]
-    ) -> dict[str, Any]:
-        spec = job.spec
-        assert spec is not None
-        model = self.registry.get(spec.model)
+    def run(self, batch: Sequence[RunContext]) -> None:
+        for ctx in batch:
+            self._run_one(ctx)
+
+    def _run_one(self, ctx: RunContext) -> None:
+        spec = ctx.spec
         writer = None
         header: TrajectoryHeader | None = None
 
         def on_schedule(snapshot: ScheduleSnapshot) -> None:
             nonlocal writer, header
             check_started_with(spec.expected_digest, snapshot.model_digest)
-            rollout = {"id": job.id, **rollout_metadata(model, spec, snapshot)}
+            rollout = {"id": ctx.job_id, **rollout_metadata(model, spec, snapshot)}
             rollout["streams"] = stream_names(spec)
-            header = header_for(job.id, snapshot, rollout, spec.return_log_probs,
+            header = header_for(ctx.job_id, snapshot, rollout, spec.return_log_probs,
                                 velocities=spec.return_velocities, parent=parent_metadata(spec))
             writer = self.store.create(header)
 
@@ -83,13 +92,14 @@ class LocalBackend:
                                     velocity=capture.velocity))
 
         try:
+            model = self.registry.get(spec.model)
             result = run_rollout(
                 model,
                 spec,
                 on_schedule=on_schedule,
                 on_step=on_step,
-                on_progress=on_progress,
-                should_stop=should_stop,
+                on_progress=ctx.progress,
+                should_stop=ctx.should_stop,
                 keep=False,
                 per_sample_model_calls=self.batch_invariant,
             )
@@ -103,20 +113,23 @@ class LocalBackend:
                     raise RuntimeError("return.conditioning: the rollout captured no conditioning tensors")
                 writer.publish(CONDITIONING, stream_table(CONDITIONING, header, result.conditioning,
                                                           max_batch_bytes=self.store.max_batch_bytes))
-        except BaseException as exc:
-            kind: Literal["failed", "cancelled"] = "cancelled" if isinstance(exc, RolloutCancelled) else "failed"
-            message = "cancelled by client" if kind == "cancelled" else f"{type(exc).__name__}: {exc}"
-            if job.stop_reason is not None:
-                kind, message = "failed", job.stop_reason
+            assert writer is not None
+            writer.finish()
+        except Exception as exc:
+            outcome = outcome_of(exc, ctx.stop_reason)
+            if not isinstance(exc, (RolloutCancelled, RolloutInputError)) and not hasattr(exc, "error_type"):
+                log.exception("rollout raised", extra={"rollout": ctx.job_id})
+            # the data plane's message names the error's class (Flight consumers see it)
+            message = outcome.message if ctx.stop_reason or outcome.error is None else f"{type(exc).__name__}: {exc}"
             if writer is not None:
-                writer.fail(kind, message)
+                writer.fail(outcome.kind, message)
             else:
-                self.abandon(job.id, kind, message)
-            raise
-        assert writer is not None
-        writer.finish()
-        info = self.store.info(job.id)
-        return {"num_rows": info.num_rows, "num_bytes": info.num_bytes, "steps": list(info.steps)}
+                self.abandon(ctx.job_id, outcome.kind, message)
+            ctx.settle(outcome)
+            return
+        info = self.result_info(ctx.job_id)
+        ctx.settle(Outcome.success(info) if info is not None else
+                   Outcome.failure("result_unavailable", "the trajectory was finished but the store does not hold it"))
 
     def reserve(self, job_id: str) -> str:
         return self.store.reserve(job_id)
@@ -127,20 +140,52 @@ class LocalBackend:
     def release(self, job_id: str) -> None:
         self.store.release(job_id)
 
-    def has_result(self, job_id: str) -> bool:
-        try:
-            return self.store.info(job_id).state == "succeeded"
-        except KeyError:
-            return False
-
-    def result_info(self, job_id: str) -> dict[str, Any] | None:
+    def result_info(self, job_id: str) -> ResultInfo | None:
         try:
             info = self.store.info(job_id)
         except KeyError:
             return None
         if info.state != "succeeded":
             return None
-        return {"num_rows": info.num_rows, "num_bytes": info.num_bytes, "steps": list(info.steps)}
+        return ResultInfo(num_rows=info.num_rows, num_bytes=info.num_bytes, steps=tuple(info.steps))
 
     def locations_for(self, job_id: str) -> list[str]:
         return self.locations()
+
+    def parent(self, rollout_id: str) -> ParentTrajectory | None:
+        """The store's succeeded trajectory `rollout_id`, with its conditioning stream when it
+        published one and it is still held (no intact file after a restart: None, and the branch
+        encodes the prompts again). RolloutInputError when it is held but did not succeed."""
+        try:
+            entry = self.store.get(rollout_id)
+        except KeyError:
+            return None
+        state = entry.info().state
+        batches = entry.snapshot()
+        if state != "succeeded" or batches is None:
+            raise RolloutInputError("branch_from.rollout", f"rollout {rollout_id!r} is {state}; a parent must have succeeded")
+        conditioning = None
+        if CONDITIONING in entry.streams_requested:
+            try:
+                conditioning = entry.stream_table(CONDITIONING)
+            except StreamNotFound:
+                conditioning = None
+        return ParentTrajectory(header=entry.header, batches=batches, conditioning=conditioning)
+
+    def load_weights(self, model_id: str, state: Mapping[str, torch.Tensor]) -> list[str]:
+        return []  # the service's registry is this backend's: it has the new weights already
+
+    def load_lora(self, model_id: str, tensors: Mapping[str, torch.Tensor], lora_config: dict[str, Any]) -> list[str]:
+        return []
+
+    def unload_lora(self, model_id: str) -> list[str]:
+        return []
+
+    def set_tokens(self, tokens: Sequence[str]) -> None:
+        """Nothing to do: this backend's Flight server is the service node's, which the service updates."""
+
+    def on_result_lost(self, callback: Callable[[str, str], None]) -> None:
+        self.store.on_unavailable = callback
+
+    def close(self) -> None:
+        """Nothing to do: the node that built this backend stops its store and Flight server."""

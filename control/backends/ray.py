@@ -4,8 +4,9 @@ The control plane (JobManager, REST) stays one small process. At submit time
 `reserve` places a rollout on the least-loaded live worker and asks that worker for the
 ticket, so the ticket's Flight locations name the worker that will hold the trajectory
 and trainers pull straight from it. `run` starts the rollout on that worker and, while it
-runs, polls the worker's progress and forwards a cancel; a worker that dies fails its
-rollouts with the worker named and is replaced for new ones.
+runs, polls the worker's progress (every call bounded by `call_timeout_s`: a worker that does
+not answer is killed and its rollouts fail, never pinning a manager thread) and forwards a
+cancel; a worker that dies fails its rollouts with the worker named and is replaced for new ones.
 
 Ray is imported lazily: `pip install sigmaflight[ray]`; the local backend never needs it.
 """
@@ -15,13 +16,18 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sigmaflight.control.backends.worker import RolloutWorker, WorkerConfig
-from sigmaflight.control.jobs.manager import Job
-from sigmaflight.pipeline.spec import RolloutCancelled
+import torch
+from sigmaflight.control.backends.worker import RolloutWorker, WorkerConfig, outcome_from_json
+from sigmaflight.control.jobs.backend import Outcome, ParentTrajectory, RunContext
+from sigmaflight.control.jobs.states import ResultInfo
+from sigmaflight.control.node import NodeConfig
+from sigmaflight.dataplane.schema import header_from_schema
+from sigmaflight.dataplane.streams import CONDITIONING, requested_streams
+from sigmaflight.pipeline.spec import RolloutInputError
 
 log = logging.getLogger("sigmaflight.ray")
 
@@ -30,42 +36,23 @@ ACTOR_PREFIX = "sigmaflight-worker-"
 
 
 class WorkerDied(RuntimeError):
-    """The worker actor that held a rollout died (process crash, node lost, ray.kill)."""
+    """The worker actor that held a rollout died (process crash, node lost, ray.kill) or stopped
+    answering; the `error.type` of the rollouts it held."""
+
+    error_type = "WorkerDied"
 
 
 class NoWorkers(RuntimeError):
     """No live worker can take a rollout (all died and none could be replaced yet)."""
 
 
-_remote_errors: dict[str, type[RuntimeError]] = {}
-
-
-def remote_error(type_name: str, message: str) -> RuntimeError:
-    """A rollout error raised in a worker, re-raised here under the same type name (so a
-    rollout's `error.type` reads the same on both backends) without pickling arbitrary classes."""
-    cls = _remote_errors.get(type_name)
-    if cls is None:
-        cls = _remote_errors[type_name] = type(type_name, (RuntimeError,), {"__module__": __name__})
-    return cls(message)
-
-
 class _ActorWorker(RolloutWorker):
-    """The actor-side wrapper: errors cross the boundary as plain data, not pickled tracebacks."""
+    """The actor-side wrapper (its name is what `ray list actors` shows)."""
 
     def __init__(self, config: WorkerConfig) -> None:
         import ray
 
         super().__init__(config, node_ip=ray.util.get_node_ip_address())
-
-    def run_safe(self, job_id: str, spec: Any) -> dict[str, Any]:
-        try:
-            return {"ok": self.run(job_id, spec), "progress": self.progress(job_id)}
-        except RolloutCancelled as exc:
-            return {"cancelled": str(exc), "progress": self.progress(job_id)}
-        except Exception as exc:
-            return {"error": [getattr(exc, "error_type", type(exc).__name__), str(exc) or repr(exc)], "progress": self.progress(job_id)}
-        finally:
-            self.forget(job_id)
 
     def actor_id(self) -> str:
         import ray
@@ -102,13 +89,13 @@ class _Slot:
 
 
 class RayBackend:
-    """Backend protocol (control/jobs/manager.py) over N `RolloutWorker` actors.
+    """The `Backend` protocol (control/jobs/backend.py) over N `RolloutWorker` actors.
 
-    Long (~340 lines) for a reason: it owns the worker slots and their generations under one
+    Long (~400 lines) for a reason: it owns the worker slots and their generations under one
     lock; placement (`reserve`), the run-and-poll loop, replacing a dead worker and fanning
-    weights and LoRA changes out to every worker (a replacement gets the latest) all read and
-    change those slots together. The worker itself (worker.py) and its node (control/node.py)
-    live outside."""
+    weights, LoRA and token changes out to every worker (a replacement gets the latest) all
+    read and change those slots together. The worker itself (worker.py) and its node
+    (control/node.py) live outside."""
 
     def __init__(
         self,
@@ -118,8 +105,10 @@ class RayBackend:
         num_cpus: float = 1.0,
         num_gpus: float | None = None,
         poll_s: float = 0.1,
-        max_concurrency: int = 16,
+        call_timeout_s: float = 30.0,
         start_timeout_s: float = 600.0,
+        max_concurrency: int = 16,
+        owns_cluster: bool = False,
     ) -> None:
         import ray
 
@@ -128,33 +117,38 @@ class RayBackend:
         self._ray = ray
         self._config = config
         self._num_cpus = num_cpus
-        self._num_gpus = (1.0 if config.device.startswith("cuda") else 0.0) if num_gpus is None else num_gpus
+        self._num_gpus = (1.0 if config.node.device.startswith("cuda") else 0.0) if num_gpus is None else num_gpus
         self._poll_s = poll_s
-        self._max_concurrency = max_concurrency
+        self._call_timeout_s = call_timeout_s
         self._start_timeout_s = start_timeout_s
+        self._max_concurrency = max_concurrency
+        self._owns_cluster = owns_cluster
         self._lock = threading.Lock()
         self._slots: list[_Slot] = []
-        self._where: dict[str, _Slot] = {}  # job id -> the worker holding it
+        self._where: dict[str, _Slot] = {}  # job id -> the worker holding it; read and written under _lock
         self._rr = 0
         self._generation = 0
-        self._closed = False
+        self._closed = threading.Event()
         self._weights: dict[str, Any] = {}
         """model id -> ObjectRef of the latest pushed state dict (a replacement worker loads it)."""
         self._lora: dict[str, tuple[Any, dict[str, Any]]] = {}
         """model id -> (ObjectRef of the adapter's tensors, its LoraConfig dict) of the adapter on now."""
         self._weights_version = 0
+        self._lost_callback: Callable[[str, str], None] | None = None
         slots = [self._spawn(i) for i in range(workers)]
         for s in slots:
             self._await_ready(s)
         self._slots = slots
+        threading.Thread(target=self._watch_lost, name="sigmaflight-ray-lost", daemon=True).start()
 
     @staticmethod
-    def connect(address: str, **kwargs: Any) -> None:
-        """ray.init once per process: "auto" joins the running cluster, "local" starts one here."""
+    def connect(address: str, **kwargs: Any) -> bool:
+        """ray.init once per process: "auto" joins the running cluster, "local" starts one here.
+        True when this call started the Ray instance (the backend then stops it on close)."""
         import ray
 
         if ray.is_initialized():
-            return
+            return False
         target = None if address == "local" else address
         # ray.init replaces the main thread's SIGTERM handler with sys.exit; keep the server's
         # own (uvicorn's graceful shutdown: running rollouts end "server shutting down").
@@ -163,27 +157,19 @@ class RayBackend:
         ray.init(address=target, namespace=NAMESPACE, include_dashboard=False, **kwargs)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        return address == "local"
 
     @classmethod
-    def from_settings(cls, settings: Any) -> RayBackend:
-        """Join the cluster named by `settings.ray_address` and start `settings.workers` actors."""
-        cls.connect(settings.ray_address)
-        config = WorkerConfig(
-            index=0,
-            model=settings.model,
-            model_dir=str(settings.model_dir) if settings.model_dir is not None else None,
-            device=settings.device,
-            dtype=settings.dtype,
-            batch_invariant=settings.batch_invariant,
-            host=settings.host,
-            data_dir=str(settings.data_dir) if settings.data_dir is not None else None,
-            shm_dir=str(settings.shm_dir) if settings.shm_dir is not None else None,
-            store_budget_bytes=settings.store_budget_bytes,
-            tokens=tuple(settings.tokens()),
-            tls_certificates=settings.tls_certificates(),
-            max_flight_streams=settings.max_flight_streams,
-        )
-        return cls(config, workers=settings.workers, num_cpus=settings.ray_num_cpus)
+    def from_settings(cls, settings: Any, *, node: NodeConfig | None = None) -> RayBackend:
+        """Join the cluster named by `settings.ray_address` and start `settings.workers` actors, each
+        on the server's node config (`NodeConfig.from_settings`, or `node` when given)."""
+        owns = cls.connect(settings.ray_address)
+        config = WorkerConfig(index=0, model=settings.model, node=node or NodeConfig.from_settings(settings))
+        if node is not None and node.device != settings.device:  # the service's own node runs on the CPU
+            config = replace(config, node=replace(node, device=settings.device))
+        return cls(config, workers=settings.workers, num_cpus=settings.ray_num_cpus,
+                   call_timeout_s=settings.ray_call_timeout_s, start_timeout_s=settings.ray_start_timeout_s,
+                   owns_cluster=owns)
 
     # ---- workers ----------------------------------------------------------------------------
 
@@ -191,12 +177,7 @@ class RayBackend:
         with self._lock:
             self._generation += 1
             generation = self._generation
-        cfg = self._config
-        if cfg.data_dir is not None:
-            cfg = replace(cfg, data_dir=f"{cfg.data_dir}/worker-{index}")
-        if cfg.shm_dir is not None:  # one live store a directory: a replacement takes over its files
-            cfg = replace(cfg, shm_dir=f"{cfg.shm_dir}/worker-{index}")
-        cfg = replace(cfg, index=index)
+            cfg = replace(self._config, index=index)
         actor_cls = _remote_worker_class().options(
             name=f"{ACTOR_PREFIX}{index}-{generation}",
             num_cpus=self._num_cpus,
@@ -230,7 +211,7 @@ class RayBackend:
                     with self._lock:
                         if self._weights_version != version:
                             continue  # a push came meanwhile: load that too
-                        if self._closed:
+                        if self._closed.is_set():
                             self._ray.kill(slot.handle)
                             return
                         self._slots = [slot if s is dead else s for s in self._slots]
@@ -242,14 +223,18 @@ class RayBackend:
 
         threading.Thread(target=start, name=f"sigmaflight-replace-{dead.index}", daemon=True).start()
 
-    def _mark_dead(self, slot: _Slot, cause: BaseException) -> None:
+    def _mark_dead(self, slot: _Slot, cause: BaseException | str, *, kill: bool = False) -> None:
         with self._lock:
             if not slot.alive:
                 return
             slot.alive = False
-            closed = self._closed
         log.error("ray worker died", extra={"worker": slot.index, "actor": slot.actor_id, "cause": str(cause)})
-        if not closed:
+        if kill:  # it stopped answering: make sure it is gone before its index is reused
+            try:
+                self._ray.kill(slot.handle)
+            except Exception:
+                log.warning("could not kill an unresponsive ray worker", extra={"worker": slot.index})
+        if not self._closed.is_set():
             self._replace(slot)
 
     def workers(self) -> list[dict[str, Any]]:
@@ -260,6 +245,30 @@ class RayBackend:
                 for s in self._slots
                 if s.alive
             ]
+
+    def _call(self, slot: _Slot, method: str, *args: Any) -> Any:
+        """`method(*args)` on one worker, bounded by call_timeout_s. A worker that died or does not
+        answer is marked dead (and replaced) and WorkerDied raised: dead, not absent."""
+        try:
+            return self._ray.get(getattr(slot.handle, method).remote(*args), timeout=self._call_timeout_s)
+        except self._ray.exceptions.RayActorError as exc:
+            self._mark_dead(slot, exc)
+            raise WorkerDied(f"{slot.name} died: {_cause(exc)}") from None
+        except self._ray.exceptions.GetTimeoutError:
+            why = f"{slot.name} did not answer {method} within {self._call_timeout_s:g} s"
+            self._mark_dead(slot, why, kill=True)
+            raise WorkerDied(why) from None
+
+    def _slot_of(self, job_id: str) -> _Slot | None:
+        with self._lock:
+            return self._where.get(job_id)
+
+    def _holders(self, job_id: str) -> list[_Slot]:
+        """The live worker known to hold `job_id`, else every live worker (after a restart the
+        control plane does not know where a finished rollout's file was adopted)."""
+        with self._lock:
+            slot = self._where.get(job_id)
+            return [slot] if slot is not None and slot.alive else [s for s in self._slots if s.alive]
 
     # ---- Backend protocol -------------------------------------------------------------------
 
@@ -274,12 +283,11 @@ class RayBackend:
                 best.load += 1
                 self._where[job_id] = best
             try:
-                return str(self._ray.get(best.handle.reserve.remote(job_id), timeout=30))
-            except self._ray.exceptions.RayActorError as exc:
+                return str(self._call(best, "reserve", job_id))
+            except WorkerDied:
                 with self._lock:
                     best.load -= 1
                     self._where.pop(job_id, None)
-                self._mark_dead(best, exc)
             except BaseException:  # a timeout: the rollout is not placed (the manager says 503)
                 with self._lock:
                     best.load -= 1
@@ -287,12 +295,13 @@ class RayBackend:
                 raise
         raise NoWorkers("no live ray worker to take the rollout")
 
-    def run(
-        self, job: Job, *, on_progress: Callable[[int, int], None], should_stop: Callable[[], bool]
-    ) -> dict[str, Any]:
+    def run(self, batch: Sequence[RunContext]) -> None:
+        for ctx in batch:
+            self._run_one(ctx)
+
+    def _run_one(self, ctx: RunContext) -> None:
         ray = self._ray
-        with self._lock:
-            slot = self._where[job.id]
+        slot = self._slot_of(ctx.job_id)
         done = 0
 
         def report(progress: Any) -> None:
@@ -300,36 +309,37 @@ class RayBackend:
             if progress:
                 d, total = progress
                 for k in range(done + 1, d + 1):  # one call per step, as the local backend makes
-                    on_progress(k, total)
+                    ctx.progress(k, total)
                 done = max(done, d)
 
         try:
-            if not slot.alive:
-                raise WorkerDied(f"{slot.name} died before the rollout started")
-            ref = slot.handle.run_safe.remote(job.id, job.spec)
+            if slot is None or not slot.alive:
+                raise WorkerDied(f"{slot.name if slot else 'its worker'} died before the rollout started")
+            ref = slot.handle.run.remote(ctx.job_id, ctx.spec.to_json(), ctx.spec.branch_from)
             cancel_sent = False
             while True:
                 ready, _ = ray.wait([ref], timeout=self._poll_s)
                 if ready:
                     out = ray.get(ref)
                     break
-                if should_stop() and not cancel_sent:
-                    slot.handle.cancel.remote(job.id, job.stop_reason)
+                if ctx.should_stop() and not cancel_sent:
+                    slot.handle.cancel.remote(ctx.job_id, ctx.stop_reason)
                     cancel_sent = True
-                report(ray.get(slot.handle.progress.remote(job.id)))
+                report(self._call(slot, "progress", [ctx.job_id]).get(ctx.job_id))
         except ray.exceptions.RayActorError as exc:
+            assert slot is not None
             self._mark_dead(slot, exc)
-            raise WorkerDied(f"{slot.name} died: {_cause(exc)}") from None
+            ctx.settle(Outcome.failure(WorkerDied.error_type, f"{slot.name} died: {_cause(exc)}"))
+            return
+        except WorkerDied as exc:
+            ctx.settle(Outcome.failure(WorkerDied.error_type, str(exc)))
+            return
         finally:
-            with self._lock:
-                slot.load -= 1
+            if slot is not None:
+                with self._lock:
+                    slot.load -= 1
         report(out.get("progress"))
-        if "cancelled" in out:
-            raise RolloutCancelled(out["cancelled"])
-        if "error" in out:
-            raise remote_error(*out["error"])
-        result: dict[str, Any] = out["ok"]
-        return result
+        ctx.settle(outcome_from_json(out))
 
     def abandon(self, job_id: str, kind: str, message: str) -> None:
         with self._lock:
@@ -337,51 +347,77 @@ class RayBackend:
             if slot is not None:
                 slot.load -= 1  # never runs: it no longer counts against the worker
         if slot is not None and slot.alive:
-            self._call(slot, "abandon", job_id, kind, message)
+            try:
+                self._call(slot, "abandon", job_id, kind, message)
+            except WorkerDied:
+                pass  # its reservation died with it
 
     def release(self, job_id: str) -> None:
         with self._lock:
             slot = self._where.pop(job_id, None)
         if slot is not None and slot.alive:
-            self._call(slot, "release", job_id)
+            try:
+                self._call(slot, "release", job_id)
+            except WorkerDied:
+                pass  # its result died with it
 
-    def has_result(self, job_id: str) -> bool:
-        slot = self._where.get(job_id)
-        slots = [slot] if slot is not None else list(self._slots)
-        for s in slots:
-            if s.alive and self._call(s, "has_result", job_id):
-                with self._lock:
-                    self._where[job_id] = s
-                return True
-        return False
-
-    def result_info(self, job_id: str) -> dict[str, Any] | None:
-        slot = self._where.get(job_id)
-        slots = [slot] if slot is not None else list(self._slots)
-        for s in slots:
-            info = self._call(s, "result_info", job_id) if s.alive else None
+    def result_info(self, job_id: str) -> ResultInfo | None:
+        for s in self._holders(job_id):
+            try:
+                info = self._call(s, "result_info", job_id)
+            except WorkerDied:
+                log.warning("a ray worker died while asked for a result", extra={"rollout": job_id, "worker": s.index})
+                continue
             if info is not None:
                 with self._lock:
                     self._where[job_id] = s
-                return dict(info)
+                return ResultInfo.from_json(info)
         return None
 
-    def load_weights(self, model_id: str, state: dict[str, Any]) -> list[str]:
+    def locations_for(self, job_id: str) -> list[str]:
+        slot = self._slot_of(job_id)
+        return list(slot.locations) if slot is not None else []
+
+    def parent(self, rollout_id: str) -> ParentTrajectory | None:
+        """The finished trajectory from the worker that holds it, through the Ray object store (x_k
+        travels to the control plane, then with the branch's spec to whichever worker runs it)."""
+        if self.result_info(rollout_id) is None:
+            return None
+        slot = self._slot_of(rollout_id)
+        assert slot is not None
+        try:
+            table = self._ray.get(slot.handle.table.remote(rollout_id), timeout=self._call_timeout_s)
+        except Exception as exc:  # the worker died or dropped it meanwhile: nothing to branch from
+            raise RolloutInputError(
+                "branch_from.rollout", f"rollout {rollout_id!r}: its Ray worker could not hand over the trajectory "
+                f"({type(exc).__name__})"
+            ) from None
+        header = header_from_schema(table.schema)
+        conditioning = None
+        if CONDITIONING in requested_streams(header):
+            try:
+                conditioning = self._ray.get(slot.handle.stream.remote(rollout_id, CONDITIONING),
+                                             timeout=self._call_timeout_s)
+            except Exception:  # gone meanwhile: the branch encodes the prompts again (the same tensors)
+                conditioning = None
+        return ParentTrajectory(header=header, batches=table.to_batches(), conditioning=conditioning)
+
+    def load_weights(self, model_id: str, state: Mapping[str, torch.Tensor]) -> list[str]:
         """Push new transformer weights to every live worker; returns once each has loaded them
         (their digests), so every rollout that starts afterwards runs on them. The state dict
         is put in the object store once; a worker started later (a replacement) loads the latest
         before it takes rollouts. A worker that dies meanwhile is replaced as usual."""
-        ref = self._ray.put(state)
+        ref = self._ray.put(dict(state))
         with self._lock:
             self._weights[model_id] = ref
             self._lora.pop(model_id, None)  # a full push drops the adapter
             self._weights_version += 1
         return self._broadcast("load_weights", model_id, ref)
 
-    def load_lora(self, model_id: str, tensors: dict[str, Any], lora_config: dict[str, Any]) -> list[str]:
+    def load_lora(self, model_id: str, tensors: Mapping[str, torch.Tensor], lora_config: dict[str, Any]) -> list[str]:
         """Put a LoRA adapter on every live worker (replacing any); a replacement worker gets the
         adapter on now before it takes rollouts. Returns the workers' digests."""
-        ref = self._ray.put(tensors)
+        ref = self._ray.put(dict(tensors))
         with self._lock:
             self._lora[model_id] = (ref, dict(lora_config))
             self._weights_version += 1
@@ -394,13 +430,32 @@ class RayBackend:
             self._weights_version += 1
         return self._broadcast("unload_lora", model_id)
 
-    def set_tokens(self, tokens: list[str]) -> None:
+    def set_tokens(self, tokens: Sequence[str]) -> None:
         """The accepted bearer tokens of every live worker's Flight server (a reload), once each
         has them; a worker started later (a replacement) gets them too."""
         with self._lock:
-            self._config = replace(self._config, tokens=tuple(tokens))
+            self._config = replace(self._config, node=replace(self._config.node, tokens=tuple(tokens)))
         n = len(self._call_all("set_tokens", list(tokens)))
         log.info("tokens pushed to ray workers", extra={"workers": n})
+
+    def on_result_lost(self, callback: Callable[[str, str], None]) -> None:
+        self._lost_callback = callback
+
+    def _watch_lost(self) -> None:
+        """Every second, the results each worker's store found lost (a file truncated or corrupted)."""
+        while not self._closed.wait(1.0):
+            callback = self._lost_callback
+            if callback is None:
+                continue
+            with self._lock:
+                slots = [s for s in self._slots if s.alive]
+            for s in slots:
+                try:
+                    lost = self._call(s, "take_lost")
+                except Exception:  # dead (replaced by _call) or closing: the next round asks again
+                    continue
+                for rollout_id, reason in lost:
+                    callback(rollout_id, reason)
 
     def _broadcast(self, method: str, model_id: str, *args: Any) -> list[str]:
         digests = self._call_all(method, model_id, *args)
@@ -421,16 +476,12 @@ class RayBackend:
                 self._mark_dead(slot, exc)
         return digests
 
-    def locations_for(self, job_id: str) -> list[str]:
-        slot = self._where.get(job_id)
-        return list(slot.locations) if slot is not None else []
-
     # ---- extras -----------------------------------------------------------------------------
 
     def trajectory_ref(self, job_id: str) -> Any:
         """An ObjectRef to the finished trajectory as a pyarrow.Table, put in the Ray object
         store by the worker that holds it (opt-in; Flight stays the main path)."""
-        slot = self._where.get(job_id)
+        slot = self._slot_of(job_id)
         if slot is None:
             raise KeyError(job_id)
         return slot.handle.table.remote(job_id)
@@ -438,18 +489,23 @@ class RayBackend:
     def stream_ref(self, job_id: str, name: str) -> Any:
         """An ObjectRef to a finished rollout's extra stream as a pyarrow.Table (None when it
         was not asked for or is not held), put in the object store by the worker that holds it."""
-        slot = self._where.get(job_id)
+        slot = self._slot_of(job_id)
         if slot is None:
             raise KeyError(job_id)
         return slot.handle.stream.remote(job_id, name)
 
     def worker_for(self, job_id: str) -> Any:
         """The actor handle holding a rollout (tests and tools)."""
-        return self._where[job_id].handle
+        slot = self._slot_of(job_id)
+        if slot is None:
+            raise KeyError(job_id)
+        return slot.handle
 
     def close(self) -> None:
+        """Stop every worker; when this backend's `connect` started the Ray instance ("local"),
+        shut that down too, so no Ray process outlives the server."""
+        self._closed.set()
         with self._lock:
-            self._closed = True
             slots = list(self._slots)
         for s in slots:
             if s.alive:
@@ -458,13 +514,8 @@ class RayBackend:
                 except Exception:  # dying anyway
                     pass
                 self._ray.kill(s.handle)
-
-    def _call(self, slot: _Slot, method: str, *args: Any) -> Any:
-        try:
-            return self._ray.get(getattr(slot.handle, method).remote(*args), timeout=30)
-        except self._ray.exceptions.RayActorError as exc:
-            self._mark_dead(slot, exc)
-            return None
+        if self._owns_cluster:
+            self._ray.shutdown()
 
 
 def trajectory_ref(rollout_id: str, *, namespace: str = NAMESPACE) -> Any:
@@ -477,7 +528,7 @@ def trajectory_ref(rollout_id: str, *, namespace: str = NAMESPACE) -> Any:
             continue
         try:
             handle = ray.get_actor(info["name"], namespace=namespace)
-            if ray.get(handle.has_result.remote(rollout_id), timeout=30):
+            if ray.get(handle.result_info.remote(rollout_id), timeout=30) is not None:
                 return handle.table.remote(rollout_id)
         except (ValueError, ray.exceptions.RayActorError):
             continue  # gone meanwhile

@@ -1,10 +1,11 @@
 """One rollout worker: a model on one device, its own result store and Flight server.
 
 `RolloutWorker` is a plain class; control/backends/ray.py turns it into a Ray actor
-(`ray.remote(...)`, threaded with `max_concurrency`) so the rollout runs on one thread
-while the control plane polls `progress` and calls `cancel` on others. The rollout itself
-runs through `LocalBackend.run`, the same pipeline -> data-plane path as the local backend,
-so a trajectory is bit-identical whichever backend ran it.
+(`ray.remote(...)`, threaded with `max_concurrency`) so rollouts run on one thread while the
+control plane polls `progress` and calls `cancel` on others. Rollouts run through the
+node's `LocalBackend`, the same pipeline -> data-plane path as the local backend, so a
+trajectory is bit-identical whichever backend ran it; the worker gives each its own
+`RunContext` and hands the outcome back as plain data (never a pickled exception).
 
 Nothing here imports Ray: the class is testable (and usable) in-process.
 """
@@ -14,16 +15,17 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pyarrow as pa
 import torch
-from sigmaflight.control.jobs.manager import Job
+from sigmaflight.control.jobs.backend import Outcome, RunContext
+from sigmaflight.control.jobs.states import ErrorInfo, JobState, ResultInfo
 from sigmaflight.control.node import Node, NodeConfig
 from sigmaflight.dataplane.streams import StreamNotFound
-from sigmaflight.pipeline.spec import RolloutCancelled, RolloutSpec
+from sigmaflight.pipeline.spec import BranchStart, RolloutSpec
 
 log = logging.getLogger("sigmaflight.worker")
 
@@ -38,25 +40,44 @@ class WorkerConfig:
     """Worker number shown in logs and errors ("worker 1 (actor ...)")."""
     model: str = "tiny-sd3"
     """Model loaded at start-up (others load on first use)."""
-    model_dir: str | None = None
-    """Directory of local diffusers pipelines, as Settings.model_dir (must exist on the worker's node)."""
-    device: str = "cpu"
-    dtype: str = "float32"
-    batch_invariant: bool = False
+    node: NodeConfig = field(default_factory=NodeConfig)
+    """The server's node config (`NodeConfig.from_settings`); `worker_node` makes this worker's own."""
     torch_threads: int | None = None
     """torch intra-op threads; None keeps torch's default (Ray sets OMP_NUM_THREADS from num_cpus)."""
-    host: str = "127.0.0.1"
-    """Flight bind address: loopback stays loopback (single node); anything else binds 0.0.0.0
-    and advertises the node's IP, so trainers on other nodes can reach it."""
-    data_dir: str | None = None
-    """This worker's own durable directory (node-local), or None for memory only."""
-    shm_dir: str | None = None
-    """This worker's own --shm-dir (node-local): its finished trajectories as shared-memory files
-    that trainers on the worker's host read directly (others stream over gRPC)."""
-    store_budget_bytes: int = 4 << 30
-    tokens: tuple[str, ...] = ()
-    tls_certificates: tuple[tuple[bytes, bytes], ...] = ()
-    max_flight_streams: int = 64
+
+
+def worker_node(config: WorkerConfig, node_ip: str | None) -> NodeConfig:
+    """This worker's node: the server's, with its own directories (DIR/worker-<index>: one live store
+    a directory, and a replacement worker takes over its files), its own Flight port, and an address
+    trainers on other nodes can reach (loopback stays loopback on one node; anything else binds
+    0.0.0.0 and advertises the node's IP)."""
+    node = config.node
+    loopback = node.host in LOOPBACK
+    return replace(
+        node,
+        data_dir=None if node.data_dir is None else f"{node.data_dir}/worker-{config.index}",
+        shm_dir=None if node.shm_dir is None else f"{node.shm_dir}/worker-{config.index}",
+        host=node.host if loopback else "0.0.0.0",
+        port=0,
+        advertise_host=None if loopback else (node_ip or node.host),
+    )
+
+
+def outcome_to_json(outcome: Outcome) -> dict[str, Any]:
+    """An outcome as plain data, to cross the Ray boundary (`outcome_from_json` reads it)."""
+    return {
+        "state": str(outcome.state),
+        "result": outcome.result.to_json() if outcome.result is not None else None,
+        "error": [outcome.error.type, outcome.error.message] if outcome.error is not None else None,
+    }
+
+
+def outcome_from_json(data: dict[str, Any]) -> Outcome:
+    return Outcome(
+        state=JobState(data["state"]),
+        result=ResultInfo.from_json(data["result"]) if data["result"] is not None else None,
+        error=ErrorInfo(type=data["error"][0], message=data["error"][1]) if data["error"] is not None else None,
+    )
 
 
 class RolloutWorker:
@@ -66,32 +87,16 @@ class RolloutWorker:
         self.config = config
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
-        loopback = config.host in LOOPBACK
-        self.node = Node(
-            NodeConfig(
-                device=config.device,
-                dtype=config.dtype,
-                model_dir=config.model_dir,
-                data_dir=config.data_dir,
-                shm_dir=config.shm_dir,
-                store_budget_bytes=config.store_budget_bytes,
-                host=config.host if loopback else "0.0.0.0",
-                port=0,
-                advertise_host=None if loopback else (node_ip or config.host),
-                tokens=config.tokens,
-                tls_certificates=config.tls_certificates,
-                max_flight_streams=config.max_flight_streams,
-                batch_invariant=config.batch_invariant,
-            ),
-            on_cancel=self.cancel,
-        )
+        self.node = Node(worker_node(config, node_ip), on_cancel=self.cancel)
         self.registry, self.store, self.backend = self.node.registry, self.node.store, self.node.backend
         self.registry.get(config.model)  # load once, before the first rollout
         self.flight = self.node.flight.start()
         self._lock = threading.Lock()
-        self._running: dict[str, Job] = {}
+        self._running: dict[str, RunContext] = {}
         self._progress: dict[str, tuple[int, int]] = {}
         self._cancelled: dict[str, str | None] = {}  # cancelled before it ran: id -> stop reason
+        self._lost: list[tuple[str, str]] = []
+        self.backend.on_result_lost(self._result_lost)
         log.info("worker %d ready at %s (pid %d)", config.index, self.flight.locations[0], os.getpid())
 
     # ---- what the control plane calls -------------------------------------------------------
@@ -102,44 +107,45 @@ class RolloutWorker:
     def reserve(self, job_id: str) -> str:
         return self.backend.reserve(job_id)
 
-    def run(self, job_id: str, spec: RolloutSpec) -> dict[str, Any]:
-        """Run one rollout to the end; raises RolloutCancelled when cancelled, anything else on failure."""
-        job = Job(id=job_id, model=spec.model, spec=spec, request={}, steps_total=spec.num_inference_steps,
-                  created_at=time.time())
+    def run(self, job_id: str, spec_json: dict[str, Any], branch_from: BranchStart | None = None) -> dict[str, Any]:
+        """Run one rollout to its end; its outcome as plain data (`outcome_from_json`).
+
+        The spec crosses the Ray boundary in its JSON form; a branch's BranchStart (its parent's
+        x_k and schedule: tensors) travels beside it."""
+        spec = RolloutSpec.from_json(spec_json, branch_from=branch_from)
+        ctx = RunContext(job_id, spec, on_progress=lambda done, total: self._set_progress(job_id, done, total))
         with self._lock:
-            if job_id in self._cancelled:
-                job.stop_reason = self._cancelled.pop(job_id)
-                job.cancel.set()
-            self._running[job_id] = job
+            self._running[job_id] = ctx
             self._progress[job_id] = (0, spec.num_inference_steps)
-
-        def on_progress(done: int, total: int) -> None:
-            self._progress[job_id] = (done, total)
-
+            cancelled = job_id in self._cancelled
+            reason = self._cancelled.pop(job_id, None)
         try:
-            if job.cancel.is_set():  # cancelled through this worker's Flight server while queued
-                message = job.stop_reason or "cancelled by client"
-                self.backend.abandon(job_id, "failed" if job.stop_reason else "cancelled", message)
-                raise RolloutCancelled(message)
-            return self.backend.run(job, on_progress=on_progress, should_stop=job.cancel.is_set)
+            if cancelled:  # cancelled through this worker's Flight server while queued
+                ctx.stop(reason)
+                outcome = Outcome.failure("shutdown", reason) if reason else Outcome.cancel()
+                self.backend.abandon(job_id, outcome.kind, outcome.message)
+                ctx.settle(outcome)
+            else:
+                self.backend.run([ctx])
         finally:
             with self._lock:
                 self._running.pop(job_id, None)
+        outcome = ctx.outcome or Outcome.failure("internal_error", "the worker's backend returned without an outcome")
+        return {**outcome_to_json(outcome), "progress": self._progress.pop(job_id, None)}
 
-    def progress(self, job_id: str) -> tuple[int, int] | None:
-        """(steps_done, steps_total) of a running or just-finished rollout."""
-        return self._progress.get(job_id)
+    def _set_progress(self, job_id: str, done: int, total: int) -> None:
+        self._progress[job_id] = (done, total)
 
-    def forget(self, job_id: str) -> None:
-        self._progress.pop(job_id, None)
+    def progress(self, job_ids: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """(steps_done, steps_total) of each running or just-finished rollout of `job_ids`."""
+        return {j: self._progress[j] for j in job_ids if j in self._progress}
 
     def cancel(self, job_id: str, stop_reason: str | None = None) -> bool:
         """Stop a running rollout at its next step (or mark a reserved one); True if known here."""
         with self._lock:
-            job = self._running.get(job_id)
-            if job is not None:
-                job.stop_reason = stop_reason
-                job.cancel.set()
+            ctx = self._running.get(job_id)
+            if ctx is not None:
+                ctx.stop(stop_reason)
                 return True
             try:
                 self.store.ticket_for(job_id)
@@ -157,14 +163,21 @@ class RolloutWorker:
         self.backend.abandon(job_id, kind, message)
 
     def release(self, job_id: str) -> None:
-        self._progress.pop(job_id, None)
         self.backend.release(job_id)
 
-    def has_result(self, job_id: str) -> bool:
-        return self.backend.has_result(job_id)
-
     def result_info(self, job_id: str) -> dict[str, Any] | None:
-        return self.backend.result_info(job_id)
+        info = self.backend.result_info(job_id)
+        return None if info is None else info.to_json()
+
+    def _result_lost(self, job_id: str, reason: str) -> None:
+        with self._lock:
+            self._lost.append((job_id, reason))
+
+    def take_lost(self) -> list[tuple[str, str]]:
+        """The finished rollouts this worker's store found lost since the last call (id, reason)."""
+        with self._lock:
+            lost, self._lost = self._lost, []
+        return lost
 
     def set_tokens(self, tokens: list[str]) -> str:
         """Replace this worker's Flight bearer tokens (a reload on the control plane)."""
@@ -218,7 +231,6 @@ class RolloutWorker:
 
     def stop(self) -> None:
         with self._lock:
-            for job in self._running.values():
-                job.stop_reason = job.stop_reason or "server shutting down"
-                job.cancel.set()
+            for ctx in self._running.values():
+                ctx.stop(ctx.stop_reason or "server shutting down")
         self.node.stop()

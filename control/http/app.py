@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from sigmaflight.control.branches import Parent, StaleParent, branch_spec, check_inherited, find_parent
 from sigmaflight.control.http import metrics
-from sigmaflight.control.http.errors import HttpError, error_response, invalid
+from sigmaflight.control.http.errors import EXCEPTION_HANDLERS, HttpError, invalid
 from sigmaflight.control.http.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from sigmaflight.control.http.openapi import openapi_document
 from sigmaflight.control.http.weights import (
@@ -29,24 +29,17 @@ from sigmaflight.control.http.weights import (
     put_lora,
     put_weights,
 )
-from sigmaflight.control.jobs.manager import (
-    IdempotencyConflict,
-    Job,
-    NotAccepting,
-    QueueFull,
-    Unavailable,
-    iso,
-)
+from sigmaflight.control.jobs.manager import iso
+from sigmaflight.control.jobs.states import JobView
 from sigmaflight.control.policy import policy
 from sigmaflight.control.service import Service
 from sigmaflight.control.settings import Settings
-from sigmaflight.control.streams import output_bytes, stream_tickets, streams_of_request, validate_outputs
+from sigmaflight.control.streams import output_bytes, stream_names, stream_tickets, validate_outputs
 from sigmaflight.dataplane.auth import TokenSet
 from sigmaflight.pipeline.rollout import estimate_latent_bytes, validate_spec
-from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec
+from sigmaflight.pipeline.spec import RolloutSpec
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -143,25 +136,25 @@ def check_query(request: Request, route: str) -> None:
 # ---- conversions --------------------------------------------------------------------------
 
 
-def flight_ticket(service: Service, job: Job) -> FlightTicket:
-    streams = stream_tickets(job.ticket, job.id, streams_of_request(job.request))
+def flight_ticket(service: Service, job: JobView) -> FlightTicket:
+    streams = stream_tickets(job.ticket, job.id, list(job.streams))
     return FlightTicket(
         ticket=job.ticket, locations=service.backend.locations_for(job.id), descriptor_path=["rollouts", job.id],
         streams=streams,  # type: ignore[arg-type]
     )
 
 
-def status_of(service: Service, job: Job) -> RolloutStatus:
+def status_of(service: Service, job: JobView) -> RolloutStatus:
     return RolloutStatus(
         id=job.id,
-        status=job.status,  # type: ignore[arg-type]
+        status=job.status.value,
         model=job.model,
         progress=Progress(steps_done=job.steps_done, steps_total=job.steps_total),
         created_at=iso(job.created_at) or "",
         started_at=iso(job.started_at),
         finished_at=iso(job.finished_at),
-        error=ErrorInfo(type=job.error[0], message=job.error[1]) if job.error else None,
-        result=ResultInfo(**job.result) if job.result and job.status == "succeeded" else None,
+        error=ErrorInfo(type=job.error.type, message=job.error.message) if job.error else None,
+        result=ResultInfo(**job.result.to_json()) if job.result and job.status == "succeeded" else None,
         flight=flight_ticket(service, job),
     )
 
@@ -203,24 +196,15 @@ async def create_rollout(request: Request) -> Response:
     model_id = req.model or settings.model
     parent: Parent | None = None
     if req.branch_from is not None:
-        try:
-            parent = await run_in_threadpool(find_parent, service.store, req.branch_from.rollout, service.backend)
-        except RolloutInputError as exc:
-            raise invalid(["body", *exc.field.split(".")], exc.reason) from None
+        parent = await run_in_threadpool(find_parent, service.backend, req.branch_from.rollout)
         model_id = parent.model
-    try:
-        model = await run_in_threadpool(service.registry.get, model_id)
-    except RolloutInputError as exc:
-        raise invalid(["body", "model"], exc.reason) from None
+    model = await run_in_threadpool(service.registry.get, model_id)
     seed = secrets.randbits(63)
     spec = to_spec(req, model_id=model_id, default_steps=model.defaults.num_inference_steps, seed=seed)
     if parent is not None and req.branch_from is not None:
         spec = await _branch(service, req, parent, model, spec)
-    try:
-        validate_spec(model, spec)
-        validate_outputs(model, spec)
-    except RolloutInputError as exc:
-        raise invalid(["body", *exc.field.split(".")], exc.reason) from None
+    validate_spec(model, spec)
+    validate_outputs(model, spec)
     if req.expected_digest is not None:
         digest, version = policy(model)
         if digest != req.expected_digest:
@@ -241,23 +225,11 @@ async def create_rollout(request: Request) -> Response:
         )
     canonical = req.model_dump(mode="json", by_alias=True)
     digest = hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
-    try:  # off the event loop: the journal write (sqlite, synchronous=FULL) and the manager's lock
-        job, created = await run_in_threadpool(
-            service.jobs.submit, spec, canonical, idempotency_key=key, body_digest=digest
-        )
-    except QueueFull as exc:
-        raise HttpError(
-            429, "queue_full", f"the queue holds {exc.args[0]} rollouts already; retry later",
-            headers={"Retry-After": "1"},
-        ) from None
-    except IdempotencyConflict:
-        raise HttpError(
-            409, "idempotency_conflict", "Idempotency-Key was already used with a different request body"
-        ) from None
-    except NotAccepting:
-        raise HttpError(503, "shutting_down", "the server is shutting down") from None
-    except Unavailable as exc:  # journal unwritable, no worker to place it on: nothing was accepted
-        raise HttpError(503, exc.type, exc.message, headers={"Retry-After": "1"}) from None
+    # off the event loop: the journal write (sqlite, synchronous=FULL) and the manager's lock;
+    # QueueFull, IdempotencyConflict, NotAccepting and Unavailable have their handlers (errors.py)
+    job, created = await run_in_threadpool(
+        service.jobs.submit, spec, streams=tuple(stream_names(spec)), idempotency_key=key, body_digest=digest
+    )
     status_url = str(request.url_for("get_rollout", rollout_id=job.id))
     status = "queued" if created else job.status  # a new ticket reports the status it was accepted with
     ticket = Ticket(id=job.id, status=status, status_url=status_url, flight=flight_ticket(service, job))  # type: ignore[arg-type]
@@ -268,17 +240,12 @@ async def _branch(service: Service, req: RolloutRequest, parent: Parent, model: 
     """The branch's spec on its parent (422 naming the field, 409 stale_parent)."""
     assert req.branch_from is not None
     given = {name: getattr(req, name) for name in req.model_fields_set}
-    try:
-        check_inherited(given, parent, model.defaults)
-        spec = await run_in_threadpool(branch_spec, parent, spec, step=req.branch_from.step,
-                                       samples=req.branch_from.samples)
-    except RolloutInputError as exc:
-        raise invalid(["body", *exc.field.split(".")], exc.reason) from None
+    check_inherited(given, parent, model.defaults)
+    spec = await run_in_threadpool(branch_spec, parent, spec, step=req.branch_from.step,
+                                   samples=req.branch_from.samples)
     digest, version = policy(model)
     if parent.digest != digest:
-        stale = StaleParent(parent.rollout_id, parent.digest, digest)
-        raise HttpError(409, "stale_parent", str(stale), {
-            "parent": parent.rollout_id, "parent_digest": parent.digest, "digest": digest, "weights_version": version})
+        raise StaleParent(parent.rollout_id, parent.digest, digest, version)
     if spec.num_samples > service.settings.max_samples:
         raise invalid(
             ["body", "num_outputs_per_prompt"],
@@ -368,33 +335,6 @@ ROUTES = [
 ]
 
 
-# ---- errors -------------------------------------------------------------------------------
-
-
-async def on_api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HttpError)
-    if exc.status >= 500 or exc.status in (409, 413, 429):
-        log.warning("request refused", extra={"status": exc.status, "type": exc.type, "reason": exc.message})
-    return error_response(exc.status, exc.type, exc.message, exc.details, exc.headers)
-
-
-async def on_http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    kinds = {404: "not_found", 405: "method_not_allowed"}
-    message = exc.detail if isinstance(exc.detail, str) else "error"
-    if exc.status_code == 404:
-        message = f"no route {request.url.path}"
-    elif exc.status_code == 405:
-        message = f"method {request.method} not allowed on {request.url.path}"
-    headers = dict(exc.headers) if exc.headers else None
-    return error_response(exc.status_code, kinds.get(exc.status_code, "http_error"), message, None, headers)
-
-
-async def on_unexpected(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error", extra={"path": request.url.path})
-    return error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
-
-
 # ---- app ----------------------------------------------------------------------------------
 
 
@@ -424,7 +364,7 @@ def create_app(settings: Settings, service: Service | None = None) -> Starlette:
                 path_limits=[("PUT", WEIGHTS_PATH_REGEX, settings.max_weights_bytes)],
             ),
         ],
-        exception_handlers={HttpError: on_api_error, HTTPException: on_http_error, Exception: on_unexpected},
+        exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
     app.state.http_counts = http_counts

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sigmaflight.control.http.errors import error_response
-from sigmaflight.pipeline.models import LoraNotLoaded
+from sigmaflight.control.http.errors import HttpError
 from sigmaflight.pipeline.safetensors_io import lora_config_from_metadata, read_safetensors
 from sigmaflight.pipeline.spec import RolloutInputError
 from starlette.concurrency import run_in_threadpool
@@ -36,19 +35,18 @@ WEIGHTS_PATH_REGEX = r"/v1/models/[^/]+/(?:weights|lora)"
 """For BodyLimitMiddleware's per-route limit (PUT of either)."""
 
 
-def invalid_input(exc: RolloutInputError) -> JSONResponse:
-    """422 naming the key: loc ["body"] for the body as a whole, else ["body", key]."""
-    loc = ["body"] if exc.field == "body" else ["body", exc.field]
-    return error_response(422, "validation_error", f"{exc.field}: {exc.reason}",
-                          [{"loc": loc, "msg": exc.reason, "type": "value_error"}])
+def _body_key(exc: RolloutInputError) -> RolloutInputError:
+    """The error with its field as one key of the body: tensor keys and LoraConfig names are
+    taken whole (a key holds dots), so the 422 says ["body", key]; "body" is the body itself."""
+    return RolloutInputError(exc.field, exc.reason, loc=() if exc.field == "body" else (exc.field,))
 
 
-def _unknown_model(service: Any, model_id: str) -> JSONResponse | None:
+def _known_model(service: Any, model_id: str) -> None:
+    """404 for a model this server does not have."""
     try:
         service.registry.get(model_id)
     except RolloutInputError:
-        return error_response(404, "not_found", f"no model {model_id!r}; known: {service.registry.ids()}")
-    return None
+        raise HttpError(404, "not_found", f"no model {model_id!r}; known: {service.registry.ids()}") from None
 
 
 def _answer(model_id: str, policy: Any, **extra: Any) -> JSONResponse:
@@ -57,39 +55,30 @@ def _answer(model_id: str, policy: Any, **extra: Any) -> JSONResponse:
 
 
 def _load(service: Any, model_id: str, body: bytearray) -> JSONResponse:
-    missing = _unknown_model(service, model_id)
-    if missing is not None:
-        return missing
+    _known_model(service, model_id)
     try:
         state, _ = read_safetensors(body)
         new = service.push_weights(model_id, state)  # with --backend ray: every worker too
     except RolloutInputError as exc:
-        return invalid_input(exc)
+        raise _body_key(exc) from None
     return _answer(model_id, new, tensors=len(state))
 
 
 def _load_lora(service: Any, model_id: str, body: bytearray) -> JSONResponse:
-    missing = _unknown_model(service, model_id)
-    if missing is not None:
-        return missing
+    _known_model(service, model_id)
     try:
         tensors, metadata = read_safetensors(body)
         config = lora_config_from_metadata(metadata)
         new = service.push_lora(model_id, tensors, config)
     except RolloutInputError as exc:
-        return invalid_input(exc)
+        raise _body_key(exc) from None
     lora = service.registry.get(model_id).lora
     return _answer(model_id, new, tensors=len(tensors), lora=lora.describe() if lora is not None else None)
 
 
 def _unload_lora(service: Any, model_id: str) -> JSONResponse:
-    missing = _unknown_model(service, model_id)
-    if missing is not None:
-        return missing
-    try:
-        new = service.remove_lora(model_id)
-    except LoraNotLoaded as exc:
-        return error_response(404, "lora_not_loaded", f"{exc.args[0] if exc.args else exc}; nothing to remove")
+    _known_model(service, model_id)
+    new = service.remove_lora(model_id)  # LoraNotLoaded: 404 "lora_not_loaded" (control/http/errors.py)
     return _answer(model_id, new, lora=None)
 
 

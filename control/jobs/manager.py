@@ -1,33 +1,45 @@
 """The job queue: rollouts wait in a bounded queue and run on worker threads.
 
-A job moves queued -> running -> succeeded | failed | cancelled, and a finished one
-becomes expired when its result's TTL passes or it is released. The manager owns
-statuses, idempotency keys, TTL and the durable journal; a backend (local pipeline +
-result store, or a remote worker) does the actual run.
+A job moves through the states of control/jobs/states.py (queued -> running -> succeeded |
+failed | cancelled, and a finished one becomes expired when its result's TTL passes or it is
+released), each change checked against the transition table and published as an immutable
+`JobView`. The manager owns statuses, idempotency keys, TTL and the durable journal; a
+backend (local pipeline + result store, or remote workers) does the actual run, reached
+through the `Backend` protocol with one `RunContext` per rollout (control/jobs/backend.py).
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
-import queue
 import sqlite3
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from sigmaflight.control.jobs.backend import Backend, Outcome, RunContext
 from sigmaflight.control.jobs.journal import Journal
-from sigmaflight.pipeline.spec import RolloutCancelled, RolloutSpec
-
-from sigmaflight.wire import TERMINAL
+from sigmaflight.control.jobs.states import (
+    TRANSITIONS,
+    ErrorInfo,
+    InvalidTransition,
+    JobState,
+    JobView,
+    ResultInfo,
+)
+from sigmaflight.pipeline.spec import RolloutSpec
 
 log = logging.getLogger("sigmaflight.jobs")
 
+TRAJECTORY = "trajectory"
+"""The stream every rollout has (sigmaflight.dataplane.streams.TRAJECTORY; the journal's default)."""
 
 
 class QueueFull(Exception):
@@ -72,44 +84,67 @@ class NotFinished(Exception):
         self.status = status
 
 
-@dataclass
+@dataclass(eq=False, kw_only=True)
 class Job:
-    """Internal record of one rollout (mutable; guarded by the manager's lock)."""
+    """The manager's record of one rollout: mutable, changed only under the manager's lock and
+    only through `move`; readers get `view()` snapshots."""
 
     id: str
     model: str
     spec: RolloutSpec | None
-    request: dict[str, Any]
+    """None for a job restored from the journal (it never runs again)."""
+    spec_json: dict[str, Any]
+    streams: tuple[str, ...]
     steps_total: int
     created_at: float
-    status: str = "queued"
+    state: JobState = JobState.QUEUED
     steps_done: int = 0
     started_at: float | None = None
     finished_at: float | None = None
-    error: tuple[str, str] | None = None
-    result: dict[str, Any] | None = None
+    error: ErrorInfo | None = None
+    result: ResultInfo | None = None
     idempotency_key: str | None = None
     body_digest: str | None = None
     ticket: str = ""
     """Opaque Flight ticket, issued by the backend at submit time and kept for the job's life."""
-    cancel: threading.Event = field(default_factory=threading.Event)
-    stop_reason: str | None = None
+    run: RunContext | None = None
+    """While running: the context its backend runs it with."""
     unjournaled: bool = False
     """Its latest state could not be written to the journal; retried until it is."""
+
+    def move(self, new: JobState, *, error: ErrorInfo | None = None, result: ResultInfo | None = None,
+             keep_time: bool = False) -> None:
+        """The one way a job changes state (InvalidTransition for a change the table forbids)."""
+        if new not in TRANSITIONS[self.state]:
+            raise InvalidTransition(self.id, self.state, new)
+        self.state, self.error, self.result = new, error, result
+        if new is JobState.RUNNING:
+            self.started_at = time.time()
+        elif not keep_time or self.finished_at is None:
+            self.finished_at = time.time()
+
+    def view(self) -> JobView:
+        return JobView(
+            id=self.id, model=self.model, status=self.state, steps_done=self.steps_done,
+            steps_total=self.steps_total, created_at=self.created_at, started_at=self.started_at,
+            finished_at=self.finished_at, error=self.error, result=self.result, ticket=self.ticket,
+            streams=self.streams,
+        )
 
     def to_record(self) -> dict[str, Any]:
         return {
             "id": self.id,
             "model": self.model,
-            "request": self.request,
+            "spec": self.spec_json,
+            "streams": list(self.streams),
             "steps_total": self.steps_total,
             "steps_done": self.steps_done,
             "created_at": self.created_at,
-            "status": self.status,
+            "status": str(self.state),
             "started_at": self.started_at,
             "finished_at": self.finished_at,
-            "error": list(self.error) if self.error else None,
-            "result": self.result,
+            "error": [self.error.type, self.error.message] if self.error else None,
+            "result": self.result.to_json() if self.result else None,
             "idempotency_key": self.idempotency_key,
             "body_digest": self.body_digest,
             "ticket": self.ticket,
@@ -117,19 +152,24 @@ class Job:
 
     @classmethod
     def from_record(cls, rec: dict[str, Any]) -> Job:
+        streams = rec.get("streams")
+        if streams is None:  # a journal of a version before "streams": its wire request's return flags
+            ret = (rec.get("request") or {}).get("return") or {}
+            streams = [TRAJECTORY] + [n for n in ("outputs", "conditioning") if ret.get(n)]
         return cls(
             id=rec["id"],
             model=rec["model"],
             spec=None,
-            request=rec["request"],
+            spec_json=rec.get("spec") or rec.get("request") or {},
+            streams=tuple(streams),
             steps_total=rec["steps_total"],
             steps_done=rec["steps_done"],
             created_at=rec["created_at"],
-            status=rec["status"],
+            state=JobState(rec["status"]),
             started_at=rec["started_at"],
             finished_at=rec["finished_at"],
-            error=tuple(rec["error"]) if rec["error"] else None,  # type: ignore[arg-type]
-            result=rec["result"],
+            error=ErrorInfo(type=rec["error"][0], message=rec["error"][1]) if rec["error"] else None,
+            result=ResultInfo.from_json(rec["result"]) if rec["result"] else None,
             idempotency_key=rec["idempotency_key"],
             body_digest=rec["body_digest"],
             ticket=rec.get("ticket", ""),
@@ -140,69 +180,32 @@ def iso(ts: float | None) -> str | None:
     return None if ts is None else datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds")
 
 
-class Backend(Protocol):
-    """Runs one rollout and holds its result for Flight."""
-
-    def run(
-        self, job: Job, *, on_progress: Callable[[int, int], None], should_stop: Callable[[], bool]
-    ) -> dict[str, Any]:
-        """Run `job.spec`; return result info {num_rows, num_bytes, steps}. Raise RolloutCancelled when stopped."""
-        ...
-
-    def reserve(self, job_id: str) -> str:
-        """Announce a rollout before it runs and return its Flight ticket (consumers may wait on it)."""
-        ...
-
-    def abandon(self, job_id: str, kind: str, message: str) -> None:
-        """End a reserved rollout that never ran (cancelled while queued, shutdown)."""
-        ...
-
-    def release(self, job_id: str) -> None:
-        """Drop a finished result."""
-        ...
-
-    def has_result(self, job_id: str) -> bool: ...
-
-    def result_info(self, job_id: str) -> dict[str, Any] | None:
-        """{num_rows, num_bytes, steps} of a finished, valid trajectory held here; None if none."""
-        ...
-
-    def locations_for(self, job_id: str) -> list[str]:
-        """Flight URIs where the rollout's trajectory is served."""
-        ...
-
-
 def recover_jobs(journal: Journal, backend: Backend) -> list[Job]:
     """The restart scan: every journaled job, with what a restart changed written back.
 
-    A rollout that was queued or running when the process died is failed ("server_restarted"),
-    unless the backend holds its finished, valid trajectory: the process died between the
-    file's rename into place and the journal's "succeeded" row (or that row could not be
-    written), so it is a succeeded rollout. A succeeded one whose trajectory the backend no
-    longer holds is expired. A row that cannot be written back now is written later (the
+    A rollout that was running when the process died is failed ("server_restarted"), unless the
+    backend holds its finished, valid trajectory: the process died between the file's rename
+    into place and the journal's "succeeded" row (or that row could not be written), so it is a
+    succeeded rollout. A queued one is failed too. A succeeded one whose trajectory the backend
+    no longer holds is expired. A row that cannot be written back now is written later (the
     manager retries it)."""
     jobs = []
     for rec in journal.load():
         job = Job.from_record(rec)
-        result = backend.result_info(job.id) if job.status in ("queued", "running") else None
+        was = job.state
+        result = backend.result_info(job.id) if was is JobState.RUNNING else None
         if result is not None:
-            job.status = "succeeded"
-            job.error = None
-            job.result = result
+            job.move(JobState.SUCCEEDED, result=result)
             job.steps_done = job.steps_total
-            job.finished_at = time.time()
             _put_later(journal, job)
-            log.warning("rollout found finished after restart; marked succeeded",
-                        extra={"rollout": job.id, "was": rec["status"]})
-        elif job.status in ("queued", "running"):
-            job.status = "failed"
-            job.error = ("server_restarted", f"server restarted while the rollout was {rec['status']}")
-            job.finished_at = time.time()
+            log.warning("rollout found finished after restart; marked succeeded", extra={"rollout": job.id, "was": was})
+        elif was.active:
+            job.move(JobState.FAILED, error=ErrorInfo(type="server_restarted",
+                                                      message=f"server restarted while the rollout was {was}"))
             _put_later(journal, job)
-            log.warning("rollout marked failed after restart", extra={"rollout": job.id, "was": rec["status"]})
-        elif job.status == "succeeded" and not backend.has_result(job.id):
-            job.status = "expired"
-            job.error = None
+            log.warning("rollout marked failed after restart", extra={"rollout": job.id, "was": was})
+        elif was is JobState.SUCCEEDED and backend.result_info(job.id) is None:
+            job.move(JobState.EXPIRED, keep_time=True)
             _put_later(journal, job)
             log.warning("finished rollout has no stored trajectory; marked expired", extra={"rollout": job.id})
         jobs.append(job)
@@ -219,12 +222,13 @@ def _put_later(journal: Journal, job: Job) -> None:
 class JobManager:
     """Statuses, idempotency keys, the bounded queue, worker threads and the TTL reaper.
 
-    Long (~400 lines) for a reason: one re-entrant lock guards every job's state, and each
-    public method is one transition of that state machine under it (submit, cancel, release,
-    the journal's failure and recovery, a lost result); spreading the transitions over several
-    classes would spread the lock. The restart scan (`recover_jobs`) and the journal
-    (journal.py) live outside. The journal retry and the worker loop are the next candidates
-    to move out."""
+    Long for a reason: one re-entrant lock guards every job's state, and each public method is
+    one transition of that state machine under it (submit, cancel, release, settle, the
+    journal's failure and recovery, a lost result); spreading the transitions over several
+    classes would spread the lock. Each change publishes the job's new `JobView`, which `get`
+    and `list` hand out without taking the lock (a status read never waits on a journal fsync).
+    The states and their table (states.py), the backend protocol (backend.py), the restart scan
+    (`recover_jobs`) and the journal (journal.py) live outside."""
 
     def __init__(
         self,
@@ -238,12 +242,17 @@ class JobManager:
     ) -> None:
         self._backend = backend
         self._workers_n = workers
-        self._queue: queue.Queue[Job | None] = queue.Queue()
         self._queue_size = queue_size
         self._ttl_s = ttl_s
         self._keep_records = keep_records
         self._lock = threading.RLock()
+        self._work = threading.Condition(self._lock)
+        """Signalled when a job is queued and when the manager stops."""
+        self._pending: collections.deque[Job] = collections.deque()
+        """Queued jobs, oldest first."""
         self._jobs: dict[str, Job] = {}
+        self._views: dict[str, JobView] = {}
+        """The latest published snapshot of each job (replaced whole, read without the lock)."""
         self._idem: dict[str, str] = {}
         self._threads: list[threading.Thread] = []
         self._accepting = True
@@ -261,9 +270,7 @@ class JobManager:
         if self._journal is None:
             return
         for job in recover_jobs(self._journal, self._backend):
-            self._jobs[job.id] = job
-            if job.idempotency_key:
-                self._idem[job.idempotency_key] = job.id
+            self._add(job)
             if job.unjournaled:
                 self._journal_error = self._journal_error or "journal write failed during the restart scan"
 
@@ -280,16 +287,13 @@ class JobManager:
         """Stop taking rollouts; end queued and running ones as failed with `reason`."""
         with self._lock:
             self._accepting = False
-            for job in self._jobs.values():
-                if job.status in ("queued", "running"):
-                    job.stop_reason = reason
-                    job.cancel.set()
-                    if job.status == "queued":
-                        self._finish(job, "failed", error=("shutdown", reason))
-                        self._backend.abandon(job.id, "failed", reason)
-        self._stopped.set()
-        for _ in range(self._workers_n):
-            self._queue.put(None)
+            for job in list(self._jobs.values()):
+                if job.state is JobState.QUEUED:
+                    self._end_queued(job, JobState.FAILED, ErrorInfo(type="shutdown", message=reason))
+                elif job.run is not None:
+                    job.run.stop(reason)
+            self._stopped.set()
+            self._work.notify_all()
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -303,13 +307,14 @@ class JobManager:
     def submit(
         self,
         spec: RolloutSpec,
-        request: dict[str, Any],
         *,
+        streams: tuple[str, ...] = (TRAJECTORY,),
         idempotency_key: str | None = None,
         body_digest: str | None = None,
-    ) -> tuple[Job, bool]:
-        """Enqueue; returns (job, created). A repeated Idempotency-Key returns the first job.
+    ) -> tuple[JobView, bool]:
+        """Enqueue; returns (the job's view, created). A repeated Idempotency-Key returns the first job.
 
+        `streams`: the streams the rollout publishes (control/streams.py `stream_names`), fixed now.
         The backend places the rollout (`reserve`, a remote call with Ray) before anything is
         registered and outside the lock; the job is registered and journaled only once placed.
         Whatever fails leaves nothing behind: a placement failure raises PlacementFailed, a
@@ -317,12 +322,13 @@ class JobManager:
         with self._lock:
             prior = self._admit(idempotency_key, body_digest)
         if prior is not None:
-            return prior, False
+            return prior.view(), False
         job = Job(
             id=uuid.uuid4().hex,
             model=spec.model,
             spec=spec,
-            request=request,
+            spec_json=spec.to_json(),
+            streams=tuple(streams),
             steps_total=spec.num_inference_steps,
             created_at=time.time(),
             idempotency_key=idempotency_key,
@@ -342,21 +348,20 @@ class JobManager:
                     if error is not None:
                         raise JournalUnavailable(f"the job journal cannot be written ({error}); "
                                                  "nothing was accepted; retry later")
-                    self._jobs[job.id] = job
-                    if idempotency_key is not None:
-                        self._idem[idempotency_key] = job.id
-                    self._queue.put(job)
+                    self._add(job)
+                    self._pending.append(job)
+                    self._work.notify()
         except BaseException:
             self._undo_reserve(job.id, "not accepted")
             raise
         if prior is not None:
             self._undo_reserve(job.id, "a concurrent request with the same Idempotency-Key won")
-            return prior, False
+            return prior.view(), False
         log.info(
             "rollout queued",
             extra={"rollout": job.id, "model": job.model, "samples": spec.num_samples, "steps": spec.num_inference_steps},
         )
-        return job, True
+        return job.view(), True
 
     def _admit(self, idempotency_key: str | None, body_digest: str | None) -> Job | None:
         """Under the lock: the prior job of a repeated key, or None if a new one may be queued
@@ -369,9 +374,19 @@ class JobManager:
                 if prior.body_digest != body_digest:
                     raise IdempotencyConflict(idempotency_key)
                 return prior
-        if self.queue_depth() >= self._queue_size:
+        if len(self._pending) >= self._queue_size:
             raise QueueFull(self._queue_size)
         return None
+
+    def _add(self, job: Job) -> None:
+        self._jobs[job.id] = job
+        self._views[job.id] = job.view()
+        if job.idempotency_key is not None:
+            self._idem[job.idempotency_key] = job.id
+
+    def _publish(self, job: Job) -> None:
+        """Under the lock, after every change: readers now see the job as it is."""
+        self._views[job.id] = job.view()
 
     def _undo_reserve(self, job_id: str, why: str) -> None:
         """Forget a reservation whose job was never registered (its ticket was never handed out)."""
@@ -381,17 +396,17 @@ class JobManager:
         except Exception:
             log.exception("could not undo a reservation", extra={"rollout": job_id})
 
-    # get/list take no lock (issue 12 item 22): a dict lookup and a copy of its values are atomic
-    # under the GIL, and a status read must not wait while a worker fsyncs the journal under _lock.
-    def get(self, job_id: str) -> Job | None:
-        return self._jobs.get(job_id)
+    def get(self, job_id: str) -> JobView | None:
+        """The job's latest snapshot (no lock taken: it never waits on a journal write)."""
+        return self._views.get(job_id)
 
-    def list(self, status: str | None = None, limit: int = 100) -> list[Job]:
-        jobs = [j for j in list(self._jobs.values()) if status is None or j.status == status]
-        jobs.sort(key=lambda j: j.created_at, reverse=True)
-        return jobs[:limit]
+    def list(self, status: str | None = None, limit: int = 100) -> list[JobView]:
+        """Newest first, optionally of one status."""
+        views = [v for v in list(self._views.values()) if status is None or v.status == status]
+        views.sort(key=lambda v: v.created_at, reverse=True)
+        return views[:limit]
 
-    def cancel(self, job_id: str) -> Job | None:
+    def cancel(self, job_id: str) -> JobView | None:
         """REST DELETE: cancel a queued/running rollout, or release a finished one's result.
 
         A released succeeded rollout becomes expired; a failed or cancelled one keeps its
@@ -402,7 +417,7 @@ class JobManager:
                 return None
             if not self._cancel_active(job):
                 self._release_finished(job)
-            return job
+            return job.view()
 
     def result_lost(self, job_id: str, reason: str) -> bool:
         """The store lost a succeeded rollout's trajectory (file truncated or corrupted): it becomes
@@ -410,9 +425,10 @@ class JobManager:
         rollout is unknown or not succeeded (nothing changes)."""
         with self._lock:
             job = self._jobs.get(job_id)
-            if job is None or job.status != "succeeded":
+            if job is None or job.state is not JobState.SUCCEEDED:
                 return False
-            self._finish(job, "failed", error=("result_unavailable", reason), keep_time=True)
+            self._change(job, JobState.FAILED, error=ErrorInfo(type="result_unavailable", message=reason),
+                         keep_time=True)
             return True
 
     def cancel_active(self, job_id: str) -> bool:
@@ -426,41 +442,46 @@ class JobManager:
         or already expired. Raises NotFinished for a queued or running one: cancel it first."""
         with self._lock:
             job = self._jobs.get(job_id)
-            if job is None or job.status == "expired":
+            if job is None or job.state is JobState.EXPIRED:
                 return False
-            if job.status in ("queued", "running"):
-                raise NotFinished(job.id, job.status)
+            if job.state.active:
+                raise NotFinished(job.id, job.state)
             self._release_finished(job)
             return True
 
     def _cancel_active(self, job: Job) -> bool:
-        if job.status == "queued":
-            self._finish(job, "cancelled")
-            self._backend.abandon(job.id, "cancelled", "cancelled by client")
+        if job.state is JobState.QUEUED:
+            self._end_queued(job, JobState.CANCELLED)
             return True
-        if job.status == "running":
-            job.stop_reason = None
-            job.cancel.set()
+        if job.state is JobState.RUNNING:
+            assert job.run is not None
+            job.run.stop()
             return True
         return False
 
+    def _end_queued(self, job: Job, state: JobState, error: ErrorInfo | None = None) -> None:
+        """Under the lock: a queued job that never runs (cancelled, shutdown, journal unwritable)."""
+        self._pending.remove(job)
+        self._change(job, state, error=error)
+        self._backend.abandon(job.id, str(state), error.message if error else "cancelled by client")
+
     def _release_finished(self, job: Job) -> None:
-        if job.status in ("succeeded", "failed", "cancelled"):
+        if job.state.finished:
             self._backend.release(job.id)
-        if job.status == "succeeded":
-            self._finish(job, "expired", keep_time=True)
+        if job.state is JobState.SUCCEEDED:
+            self._change(job, JobState.EXPIRED, keep_time=True)
 
     def queue_depth(self) -> int:  # lock-free like get/list (a /metrics scrape never waits on a journal write)
-        return sum(1 for j in list(self._jobs.values()) if j.status == "queued")
+        return len(self._pending)
 
     def status_counts(self) -> Counter[str]:
-        return Counter(j.status for j in list(self._jobs.values()))
+        return Counter(str(v.status) for v in list(self._views.values()))
 
     def journal_error(self) -> str | None:
         """Why the journal cannot be written now (readyz answers 503); None while it can."""
         return self._journal_error
 
-    # ---- internals ----------------------------------------------------------------------------
+    # ---- the journal ----------------------------------------------------------------------------
 
     def _write(self, job: Job) -> str | None:
         """Write the job's row; the error in words if the journal cannot be written."""
@@ -511,80 +532,101 @@ class JobManager:
         log.info("job journal writable again")
         return True
 
-    def _finish(
-        self, job: Job, status: str, *, error: tuple[str, str] | None = None, keep_time: bool = False
-    ) -> None:
-        job.status = status
-        job.error = error
-        if not keep_time or job.finished_at is None:
-            job.finished_at = time.time()
-        self.counters[f"rollouts_{status}"] += 1
+    def _change(self, job: Job, state: JobState, *, error: ErrorInfo | None = None,
+                result: ResultInfo | None = None, keep_time: bool = False) -> None:
+        """Under the lock: move, count, journal, publish."""
+        job.move(state, error=error, result=result, keep_time=keep_time)
+        if not state.active:
+            self.counters[f"rollouts_{state}"] += 1
         self._persist(job)
+        self._publish(job)
+
+    # ---- running -------------------------------------------------------------------------------
 
     def _worker(self) -> None:
         while True:
-            job = self._queue.get()
-            if job is None:
+            batch = self._take()
+            if batch is None:
                 return
             try:  # a worker thread never dies: it is the only one that runs rollouts
-                self._take(job)
+                self._run(batch)
             except Exception:
-                log.exception("worker error outside a rollout", extra={"rollout": job.id})
+                log.exception("worker error outside a rollout", extra={"rollouts": [j.id for j in batch]})
 
-    def _take(self, job: Job) -> None:
+    def _take(self) -> Sequence[Job] | None:
+        """Wait for queued work; the jobs to run together, marked running (None once stopped).
+
+        A job whose running state the journal cannot record does not run: it fails at once."""
         with self._lock:
-            if job.status != "queued":
-                return
-            job.status = "running"
-            job.started_at = time.time()
-            error = self._write(job)
-            if error is not None:  # a rollout the journal cannot record does not run
-                job.status = "queued"
+            while True:
+                while not self._pending and not self._stopped.is_set():
+                    self._work.wait()
+                if self._stopped.is_set():
+                    return None
+                job = self._pending.popleft()
+                error = self._start(job)
+                if error is None:
+                    return [job]
                 message = f"the job journal cannot be written ({error})"
-                self._finish(job, "failed", error=("journal_unavailable", message))
+                self._change(job, JobState.FAILED, error=ErrorInfo(type="journal_unavailable", message=message))
                 self._backend.abandon(job.id, "failed", message)
                 log.error("rollout failed: journal unwritable", extra={"rollout": job.id})
-                return
-        self._run(job)
 
-    def _run(self, job: Job) -> None:
+    def _start(self, job: Job) -> str | None:
+        """Under the lock: queued -> running, the running row journaled first (the error in words,
+        and the job still queued, when the journal cannot record it)."""
         assert job.spec is not None
-        log.info("rollout started", extra={"rollout": job.id, "model": job.model})
+        if self._journal is not None:
+            try:
+                self._journal.put(job.id, {**job.to_record(), "status": str(JobState.RUNNING), "started_at": time.time()})
+            except sqlite3.Error as exc:
+                self._journal_failed(exc)
+                return f"{type(exc).__name__}: {exc}"
+        job.move(JobState.RUNNING)
+        job.run = RunContext(job.id, job.spec, on_progress=functools.partial(self._progress, job),
+                             on_settle=functools.partial(self._settle, job))
+        self._publish(job)
+        return None
 
-        def on_progress(done: int, total: int) -> None:
-            with self._lock:
-                job.steps_done = done
-                job.steps_total = total
-                self.counters["steps"] += 1
-
-        try:
-            result = self._backend.run(job, on_progress=on_progress, should_stop=job.cancel.is_set)
-        except RolloutCancelled:
-            with self._lock:
-                if job.stop_reason is not None:
-                    self._finish(job, "failed", error=("shutdown", job.stop_reason))
-                else:
-                    self._finish(job, "cancelled")
-            log.info("rollout %s", job.status, extra={"rollout": job.id, "steps_done": job.steps_done})
-            return
-        except Exception as exc:  # a failing rollout must never take the server down
-            with self._lock:
-                self._finish(job, "failed", error=(getattr(exc, "error_type", type(exc).__name__), str(exc) or repr(exc)))
-            log.exception("rollout failed", extra={"rollout": job.id})
-            return
+    def _progress(self, job: Job, done: int, total: int) -> None:
         with self._lock:
-            job.result = result
-            self._finish(job, "succeeded")
-            duration = (job.finished_at or 0) - (job.started_at or 0)
-        log.info(
-            "rollout succeeded",
-            extra={
-                "rollout": job.id,
-                "duration_s": round(duration, 4),
-                "bytes": result.get("num_bytes"),
-                "rows": result.get("num_rows"),
-            },
-        )
+            if job.state is JobState.RUNNING:
+                job.steps_done, job.steps_total = done, total
+                self.counters["steps"] += 1
+                self._publish(job)
+
+    def _settle(self, job: Job, outcome: Outcome) -> None:
+        """A running job's end, as soon as its backend knows it (other members of its batch may run on)."""
+        with self._lock:
+            self._change(job, outcome.state, error=outcome.error, result=outcome.result)
+            job.run = None
+            view = job.view()
+        duration = round((view.finished_at or 0) - (view.started_at or 0), 4)
+        if outcome.state is JobState.SUCCEEDED:
+            assert outcome.result is not None
+            log.info("rollout succeeded", extra={"rollout": job.id, "duration_s": duration,
+                                                 "bytes": outcome.result.num_bytes, "rows": outcome.result.num_rows})
+        elif outcome.state is JobState.FAILED:
+            assert outcome.error is not None
+            log.error("rollout failed", extra={"rollout": job.id, "type": outcome.error.type,
+                                               "reason": outcome.error.message, "steps_done": view.steps_done})
+        else:
+            log.info("rollout cancelled", extra={"rollout": job.id, "steps_done": view.steps_done})
+
+    def _run(self, batch: Sequence[Job]) -> None:
+        runs = [job.run for job in batch if job.run is not None]
+        log.info("rollout started", extra={"rollouts": [r.job_id for r in runs], "model": batch[0].model})
+        try:
+            self._backend.run(runs)
+        except Exception as exc:  # a failing backend must never take the server down
+            log.exception("backend run failed", extra={"rollouts": [r.job_id for r in runs]})
+            for run in runs:
+                run.settle_error(exc)
+        for run in runs:
+            if run.outcome is None:
+                run.settle(Outcome.failure("internal_error", "the backend returned without the rollout's outcome"))
+
+    # ---- expiry ---------------------------------------------------------------------------------
 
     def _reaper(self) -> None:
         while not self._stopped.wait(0.5):
@@ -599,19 +641,16 @@ class JobManager:
         now = time.time() if now is None else now
         with self._lock:
             for job in list(self._jobs.values()):
-                if (
-                    job.status in ("succeeded", "failed", "cancelled")
-                    and job.finished_at is not None
-                    and now - job.finished_at > self._ttl_s
-                ):
+                if job.state.finished and job.finished_at is not None and now - job.finished_at > self._ttl_s:
                     self._backend.release(job.id)
-                    self._finish(job, "expired", keep_time=True)
+                    self._change(job, JobState.EXPIRED, keep_time=True)
                     log.info("rollout expired", extra={"rollout": job.id})
-            done = [j for j in self._jobs.values() if j.status in TERMINAL]
+            done = [j for j in self._jobs.values() if not j.state.active]
             if len(done) > self._keep_records:
                 done.sort(key=lambda j: j.created_at)
                 for j in done[: len(done) - self._keep_records]:
                     del self._jobs[j.id]
+                    del self._views[j.id]
                     if j.idempotency_key:
                         self._idem.pop(j.idempotency_key, None)
                     if self._journal is not None:

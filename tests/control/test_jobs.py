@@ -9,7 +9,8 @@ import time
 
 import pytest
 from sigmaflight.control.backends.local import LocalBackend
-from sigmaflight.control.jobs.manager import IdempotencyConflict, Job, JobManager, NotFinished, QueueFull
+from sigmaflight.control.jobs.manager import IdempotencyConflict, JobManager, NotFinished, QueueFull
+from sigmaflight.control.jobs.states import JobView
 from sigmaflight.dataplane.store import ResultStore
 from sigmaflight.pipeline.models import ModelRegistry
 from sigmaflight.pipeline.spec import RolloutSpec
@@ -31,7 +32,7 @@ def spec(**kw) -> RolloutSpec:
     return RolloutSpec(**{**base, **kw})
 
 
-def known(job: Job | None) -> Job:
+def known(job: JobView | None) -> JobView:
     assert job is not None
     return job
 
@@ -48,11 +49,13 @@ def test_a_failing_rollout_is_marked_failed_and_the_next_one_runs(registry):
     jobs, store = manager(registry)
     jobs.start()
     try:
-        bad, _ = jobs.submit(spec(return_steps=(0, 99)), {})  # bypasses request validation on purpose
-        good, _ = jobs.submit(spec(), {})
+        bad, _ = jobs.submit(spec(return_steps=(0, 99)))  # bypasses request validation on purpose
+        good, _ = jobs.submit(spec())
         assert wait(jobs, bad.id, {"failed", "succeeded"}) == "failed"
-        assert bad.error is not None and bad.error[1]
+        bad = known(jobs.get(bad.id))
+        assert bad.error is not None and bad.error.message
         assert wait(jobs, good.id, {"failed", "succeeded"}) == "succeeded"
+        good = known(jobs.get(good.id))
         assert good.result is not None
         # num_bytes against pyarrow's own count of the batches the store serves, and at least
         # the raw float32 latents of 3 captured steps (shape from the trajectory's own column).
@@ -60,7 +63,7 @@ def test_a_failing_rollout_is_marked_failed_and_the_next_one_runs(registry):
         served = sum(b.nbytes for b in batches)
         latent = batches[0].column("latent")
         per_row = math.prod(latent.type.shape) * 4
-        assert good.result == {"num_rows": 3, "num_bytes": served, "steps": [0, 1, 2]}
+        assert good.result.to_json() == {"num_rows": 3, "num_bytes": served, "steps": [0, 1, 2]}
         assert sum(b.num_rows for b in batches) == 3 and served >= 3 * per_row > 0
         assert good.steps_done == good.steps_total == 2
     finally:
@@ -71,7 +74,7 @@ def test_ttl_expires_results_and_releases_the_store(registry):
     jobs, store = manager(registry, ttl_s=60)
     jobs.start()
     try:
-        job, _ = jobs.submit(spec(), {})
+        job, _ = jobs.submit(spec())
         wait(jobs, job.id, {"succeeded"})
         assert store.info(job.id).state == "succeeded"
         jobs.reap(now=time.time() + 30)
@@ -86,14 +89,14 @@ def test_ttl_expires_results_and_releases_the_store(registry):
 
 def test_queue_bound_and_idempotency(registry):
     jobs, _ = manager(registry, queue_size=2)  # not started: everything stays queued
-    a, created = jobs.submit(spec(), {}, idempotency_key="k", body_digest="d1")
-    again, created_again = jobs.submit(spec(), {}, idempotency_key="k", body_digest="d1")
-    assert created and not created_again and again is a
+    a, created = jobs.submit(spec(), idempotency_key="k", body_digest="d1")
+    again, created_again = jobs.submit(spec(), idempotency_key="k", body_digest="d1")
+    assert created and not created_again and again.id == a.id
     with pytest.raises(IdempotencyConflict):
-        jobs.submit(spec(), {}, idempotency_key="k", body_digest="d2")
-    jobs.submit(spec(), {})
+        jobs.submit(spec(), idempotency_key="k", body_digest="d2")
+    jobs.submit(spec())
     with pytest.raises(QueueFull):
-        jobs.submit(spec(), {})
+        jobs.submit(spec())
     assert jobs.queue_depth() == 2
     assert known(jobs.cancel(a.id)).status == "cancelled"
     assert jobs.queue_depth() == 1
@@ -103,26 +106,26 @@ def test_queue_bound_and_idempotency(registry):
 def test_restart_marks_unfinished_rollouts_failed_and_keeps_finished_ones(registry, tmp_path):
     jobs, store = manager(registry, tmp_path)
     jobs.start()
-    done, _ = jobs.submit(spec(), {})
+    done, _ = jobs.submit(spec())
     wait(jobs, done.id, {"succeeded"})
     jobs.stop()
     store.close()
     crashed, _ = manager(registry, tmp_path)  # never started: its rollout stays queued
-    lost, _ = crashed.submit(spec(), {})
+    lost, _ = crashed.submit(spec())
     # The process "dies" here: no stop(), nothing cleaned up; a new one opens the same directory.
     again, store2 = manager(registry, tmp_path)
     assert known(again.get(done.id)).status == "succeeded"
     assert store2.info(done.id).state == "succeeded"
     failed = known(again.get(lost.id))
     assert failed.status == "failed" and failed.error is not None
-    assert failed.error[0] == "server_restarted" and "queued" in failed.error[1]
+    assert failed.error.type == "server_restarted" and "queued" in failed.error.message
     again.stop()
 
 
 def test_cancel_only_cancels_and_release_refuses_unfinished(registry):
     """Flight's `cancel` keeps a finished rollout; its `release` refuses a queued one."""
     jobs, store = manager(registry)
-    queued, _ = jobs.submit(spec(), {})  # not started yet: stays queued
+    queued, _ = jobs.submit(spec())  # not started yet: stays queued
     with pytest.raises(NotFinished, match="queued; cancel it first"):
         jobs.release(queued.id)
     assert known(jobs.get(queued.id)).status == "queued"
@@ -141,7 +144,7 @@ def test_cancel_only_cancels_and_release_refuses_unfinished(registry):
 
 def test_delete_of_a_cancelled_rollout_keeps_it_cancelled(registry):
     jobs, _ = manager(registry)  # not started
-    job, _ = jobs.submit(spec(), {})
+    job, _ = jobs.submit(spec())
     assert known(jobs.cancel(job.id)).status == "cancelled"
     assert known(jobs.cancel(job.id)).status == "cancelled"
     assert jobs.release(job.id) is True
@@ -154,7 +157,7 @@ def test_restart_reconciles_a_finished_file_the_journal_calls_running(registry, 
     with plain sqlite3) says running, the file is complete, so the rollout is succeeded."""
     jobs, store = manager(registry, tmp_path)
     jobs.start()
-    done, _ = jobs.submit(spec(), {})
+    done, _ = jobs.submit(spec())
     wait(jobs, done.id, {"succeeded"})
     jobs.stop()
     store.close()
@@ -168,6 +171,77 @@ def test_restart_reconciles_a_finished_file_the_journal_calls_running(registry, 
     job = known(again.get(done.id))
     assert job.status == "succeeded" and job.error is None
     info = store2.info(done.id)
-    assert job.result == {"num_rows": info.num_rows, "num_bytes": info.num_bytes, "steps": [0, 1, 2]}
+    assert job.result is not None
+    assert job.result.to_json() == {"num_rows": info.num_rows, "num_bytes": info.num_bytes, "steps": [0, 1, 2]}
     again.stop()
     store2.close()
+
+
+def test_a_reader_never_sees_a_failed_rollout_without_its_error(registry):
+    """Status readers get immutable snapshots: hammering get/list while rollouts fail, a reader
+    that takes the fields one at a time, as the REST status does (status first, then the rest,
+    with calls in between), never sees a state without what belongs to it: a failed rollout
+    without its error, a running one with an error or a finish time, a succeeded one without its
+    result. The GIL switches threads every microsecond here, so a reader lands between any two
+    writes of a change made field by field."""
+    import sys
+    import threading
+
+    from sigmaflight.control.jobs.manager import iso
+
+    jobs, _ = manager(registry)
+    jobs.start()
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            for view in jobs.list(limit=1000):
+                status = view.status
+                iso(view.created_at)  # the REST status formats times between its reads
+                error, result, finished = view.error, view.result, view.finished_at
+                if status == "failed" and (error is None or finished is None):
+                    seen.append(f"{view.id} failed without an error or a finish time")
+                if status in ("queued", "running") and (error is not None or finished is not None):
+                    seen.append(f"{view.id} {status} with an error or a finish time")
+                if status == "succeeded" and result is None:
+                    seen.append(f"{view.id} succeeded without a result")
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    readers = [threading.Thread(target=read) for _ in range(2)]
+    try:
+        for r in readers:
+            r.start()
+        # bypasses request validation on purpose: each fails in its first step
+        ids = [jobs.submit(spec(return_steps=(0, 99), seed=k))[0].id for k in range(40)]
+        ids.append(jobs.submit(spec())[0].id)
+        for job_id in ids:
+            wait(jobs, job_id, {"failed", "succeeded"})
+    finally:
+        stop.set()
+        for r in readers:
+            r.join()
+        sys.setswitchinterval(old)
+        jobs.stop()
+    assert [known(jobs.get(j)).status for j in ids] == ["failed"] * 40 + ["succeeded"]
+    assert seen == []
+
+
+def test_every_change_of_state_is_one_of_the_table():
+    """The transition table against the contract's lifecycle: a finished rollout never runs
+    again, an expired one never changes, and only a succeeded one can fail later (its result lost)."""
+    from sigmaflight.control.jobs.states import TRANSITIONS, InvalidTransition, JobState
+
+    assert [s.value for s in JobState] == ["queued", "running", "succeeded", "failed", "cancelled", "expired"]
+    assert TRANSITIONS[JobState.EXPIRED] == frozenset()
+    for done in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED):
+        assert JobState.RUNNING not in TRANSITIONS[done] and JobState.QUEUED not in TRANSITIONS[done]
+    assert {s for s in JobState if JobState.FAILED in TRANSITIONS[s]} == {
+        JobState.QUEUED, JobState.RUNNING, JobState.SUCCEEDED}
+    from sigmaflight.control.jobs.manager import Job
+
+    job = Job(id="j", model="m", spec=None, spec_json={}, streams=("trajectory",), steps_total=1, created_at=0.0)
+    job.move(JobState.CANCELLED)
+    with pytest.raises(InvalidTransition, match="cancelled -> running"):
+        job.move(JobState.RUNNING)

@@ -119,8 +119,9 @@ def test_concurrent_stream_limit(store):
     w = store.create(build_header("slow"))
     with FlightDataServer(store, max_concurrent_streams=1) as srv, flight.FlightClient(srv.locations[0]) as c:
         first = c.do_get(flight.Ticket(w.ticket.encode()))  # waits on the live rollout
-        with pytest.raises(flight.FlightUnavailableError, match="too many concurrent streams"):
+        with pytest.raises(flight.FlightUnavailableError, match="too many concurrent streams") as full:
             c.do_get(flight.Ticket(w.ticket.encode())).read_all()
+        assert _info(full.value)["type"] == "too_many_streams"
         w.fail("cancelled", "test over")
         with pytest.raises(flight.FlightServerError):
             first.read_all()
@@ -129,3 +130,51 @@ def test_concurrent_stream_limit(store):
         while srv.metrics()["active_streams"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert srv.metrics()["active_streams"] == 0
+
+
+def _info(exc: BaseException) -> dict:
+    """What the server put in the error's extra_info, read with nothing but json."""
+    import json
+
+    return json.loads(bytes(exc.extra_info))  # type: ignore[attr-defined]
+
+
+def test_every_error_carries_its_type_in_extra_info(server, store):
+    """Clients branch on extra_info's type, never on message text: a failed, a cancelled, a
+    cancelled-while-queued, an unknown and a malformed request each say what they are."""
+    fill(store, build_header("ok"))
+    failed = store.create(build_header("bad"))
+    failed.fail("failed", "non-finite latent at absolute step 2")
+    cancelled = store.create(build_header("stopped"))
+    cancelled.fail("cancelled", "cancelled by client")
+    store.reserve("queued")
+    store.abandon("queued", "cancelled", "cancelled by client")
+    with flight.FlightClient(server.locations[0]) as c:
+        def error_of(ticket: str) -> flight.FlightError:
+            with pytest.raises(flight.FlightError) as e:
+                c.do_get(flight.Ticket(ticket.encode())).read_all()
+            return e.value
+
+        e = error_of(store.ticket_for("bad"))
+        assert isinstance(e, flight.FlightInternalError)
+        assert _info(e) == {"type": "failed", "rollout": "bad", "reason": "non-finite latent at absolute step 2"}
+        e = error_of(store.ticket_for("stopped"))
+        assert _info(e) == {"type": "cancelled", "rollout": "stopped", "reason": "cancelled by client"}
+        e = error_of("queued")
+        assert _info(e)["type"] == "not_found" and _info(e)["ended"] == "cancelled"
+        e = error_of("no-such-ticket")
+        assert _info(e) == {"type": "not_found", "rollout": None, "reason": "unknown", "ended": None}
+        with pytest.raises(flight.FlightError) as bad:
+            c.get_flight_info(flight.FlightDescriptor.for_path("rollouts"))
+        assert _info(bad.value)["type"] == "bad_request"
+        with pytest.raises(flight.FlightError) as action:
+            list(c.do_action(flight.Action("explode", b"")))
+        assert _info(action.value)["type"] == "bad_request"
+
+
+def test_a_refused_token_says_so_in_extra_info(store):
+    fill(store, build_header("ok"))
+    with FlightDataServer(store, tokens=["s3cret"]) as srv, flight.FlightClient(srv.locations[0]) as c:
+        with pytest.raises(flight.FlightUnauthenticatedError) as e:
+            c.list_actions()
+        assert _info(e.value)["type"] == "unauthenticated"

@@ -15,7 +15,8 @@ from sigmaflight.control.backends.local import LocalBackend
 from sigmaflight.control.backends.ray import RayBackend, trajectory_ref
 from sigmaflight.control.backends.worker import WorkerConfig
 from sigmaflight.control.branches import branch_spec, find_parent
-from sigmaflight.control.jobs.manager import Job, JobManager
+from sigmaflight.control.jobs.manager import JobManager
+from sigmaflight.control.jobs.states import JobView
 from sigmaflight.dataplane.client import Trajectory
 from sigmaflight.dataplane.store import ResultStore
 from sigmaflight.dataplane.streams import column_tensor
@@ -64,7 +65,7 @@ def long_spec() -> RolloutSpec:
     return spec(prompts=("a slow one",), num_inference_steps=3000, return_steps=(0,))
 
 
-def known(job: Job | None) -> Job:
+def known(job: JobView | None) -> JobView:
     assert job is not None
     return job
 
@@ -90,7 +91,7 @@ def pull(location: str, ticket: str) -> Trajectory:
 
 
 def test_rollouts_spread_across_workers_and_each_is_pulled_from_its_own_worker(jobs, backend):
-    submitted = [jobs.submit(spec(seed=s), {})[0] for s in range(4)]
+    submitted = [jobs.submit(spec(seed=s))[0] for s in range(4)]
     where = {j.id: backend.locations_for(j.id) for j in submitted}
     assert len({loc[0] for loc in where.values()}) == 2  # both workers got rollouts
     for job in submitted:
@@ -101,16 +102,17 @@ def test_rollouts_spread_across_workers_and_each_is_pulled_from_its_own_worker(j
         with flight.FlightClient(location) as fc:
             info = fc.get_flight_info(flight.FlightDescriptor.for_path("rollouts", job.id))
         assert [loc.uri.decode() for loc in info.endpoints[0].locations] == [location]
-        assert info.total_records == job.result["num_rows"] == 10
+        done = known(jobs.get(job.id))
+        assert done.result is not None and info.total_records == done.result.num_rows == 10
         other = next(loc[0] for loc in where.values() if loc[0] != location)
         with flight.FlightClient(other) as fc, pytest.raises(flight.FlightError, match="not found"):
             fc.do_get(flight.Ticket(job.ticket.encode())).read_all()  # bytes live only where they were made
-        assert job.steps_done == job.steps_total == 4
+        assert done.steps_done == done.steps_total == 4
 
 
 def test_trajectory_is_bit_identical_to_the_local_backend(jobs, backend):
     request = spec(seed=1234, sampler=SamplerSpec(type="sde", noise_level=0.8, sde_steps=(1, 2)))
-    job, _ = jobs.submit(request, {})
+    job, _ = jobs.submit(request)
     assert wait(jobs, job.id, {"succeeded", "failed"}) == "succeeded", job.error
     remote = pull(backend.locations_for(job.id)[0], job.ticket)
 
@@ -118,7 +120,7 @@ def test_trajectory_is_bit_identical_to_the_local_backend(jobs, backend):
     local_jobs = JobManager(LocalBackend(ModelRegistry(), store, locations=lambda: []), workers=1)
     local_jobs.start()
     try:
-        ljob, _ = local_jobs.submit(request, {})
+        ljob, _ = local_jobs.submit(request)
         assert wait(local_jobs, ljob.id, {"succeeded", "failed"}) == "succeeded", ljob.error
         entry = store.get(ljob.id)
         local = Trajectory.from_batches(entry.schema, entry.iter_batches())
@@ -141,7 +143,7 @@ def unordered(scheduler: dict) -> dict:
 
 
 def test_object_store_path_gives_the_same_table_as_flight(jobs, backend):
-    job, _ = jobs.submit(spec(seed=5), {})
+    job, _ = jobs.submit(spec(seed=5))
     assert wait(jobs, job.id, {"succeeded", "failed"}) == "succeeded", job.error
     with flight.FlightClient(backend.locations_for(job.id)[0]) as fc:
         over_flight = fc.do_get(flight.Ticket(job.ticket.encode())).read_all()
@@ -152,15 +154,14 @@ def test_object_store_path_gives_the_same_table_as_flight(jobs, backend):
 
 
 def test_a_parent_on_a_worker_brings_its_conditioning_stream_to_the_branch(jobs, backend):
-    job, _ = jobs.submit(spec(seed=11, return_conditioning=True), {})
-    plain, _ = jobs.submit(spec(seed=12), {})
+    job, _ = jobs.submit(spec(seed=11, return_conditioning=True))
+    plain, _ = jobs.submit(spec(seed=12))
     for j in (job, plain):
         assert wait(jobs, j.id, {"succeeded", "failed"}) == "succeeded", j.error
     with flight.FlightClient(backend.locations_for(job.id)[0]) as fc:  # plain Flight, from its worker
         info = fc.get_flight_info(flight.FlightDescriptor.for_path("rollouts", job.id, "conditioning"))
         want = fc.do_get(info.endpoints[0].ticket).read_all()
-    empty = ResultStore(memory_budget_bytes=1 << 20)  # the control plane's own store holds neither
-    parent = find_parent(empty, job.id, backend)
+    parent = find_parent(backend, job.id)  # through the Ray object store: the control plane holds nothing
     assert parent.conditioning is not None and parent.conditioning.equals(want)
     branch = branch_spec(parent, spec(seed=13), step=1, samples=[1]).branch_from
     assert branch is not None and branch.conditioning is not None
@@ -168,23 +169,22 @@ def test_a_parent_on_a_worker_brings_its_conditioning_stream_to_the_branch(jobs,
                                         "negative_pooled_prompt_embeds"}
     for name, rows in branch.conditioning.items():  # parent sample 1's rows, bit for bit
         assert torch.equal(rows, column_tensor(want, name)[[1]]), name
-    assert find_parent(empty, plain.id, backend).conditioning is None  # none asked for: encode again
-    empty.close()
+    assert find_parent(backend, plain.id).conditioning is None  # none asked for: encode again
 
 
 def test_progress_crosses_the_actor_boundary_and_cancel_stops_the_rollout(jobs):
-    job, _ = jobs.submit(long_spec(), {})
+    job, _ = jobs.submit(long_spec())
     wait_progress(jobs, job.id, 5)
     assert jobs.get(job.id).status == "running"
     jobs.cancel(job.id)
     assert wait(jobs, job.id, {"cancelled", "failed", "succeeded"}, timeout=30) == "cancelled"
     assert 5 <= jobs.get(job.id).steps_done < 3000
-    again, _ = jobs.submit(spec(seed=9), {})
+    again, _ = jobs.submit(spec(seed=9))
     assert wait(jobs, again.id, {"succeeded", "failed"}) == "succeeded", again.error
 
 
 def test_flight_cancel_action_on_the_worker_cancels_its_rollout(jobs, backend):
-    job, _ = jobs.submit(long_spec(), {})
+    job, _ = jobs.submit(long_spec())
     wait_progress(jobs, job.id, 3)
     with flight.FlightClient(backend.locations_for(job.id)[0]) as fc:
         (answer,) = fc.do_action(flight.Action("cancel", job.id.encode()))
@@ -194,16 +194,18 @@ def test_flight_cancel_action_on_the_worker_cancels_its_rollout(jobs, backend):
 
 def test_a_killed_worker_fails_its_rollout_naming_it_and_a_replacement_takes_new_ones(jobs, backend):
     before = {w["actor"] for w in backend.workers()}
-    job, _ = jobs.submit(long_spec(), {})
+    job, _ = jobs.submit(long_spec())
     victim = next(w for w in backend.workers() if w["locations"] == backend.locations_for(job.id))
     wait_progress(jobs, job.id, 3)
     ray.kill(backend.worker_for(job.id))
     assert wait(jobs, job.id, {"failed", "succeeded", "cancelled"}, timeout=60) == "failed"
-    kind, message = job.error
+    error = known(jobs.get(job.id)).error
+    assert error is not None
+    kind, message = error.type, error.message
     assert kind == "WorkerDied"
     assert message.startswith(f"worker {victim['index']} (actor {victim['actor']}) died: ")
 
-    after = [jobs.submit(spec(seed=100 + k), {})[0] for k in range(3)]  # served by the rest meanwhile
+    after = [jobs.submit(spec(seed=100 + k))[0] for k in range(3)]  # served by the rest meanwhile
     for j in after:
         assert wait(jobs, j.id, {"succeeded", "failed"}) == "succeeded", j.error
         assert pull(backend.locations_for(j.id)[0], j.ticket).num_samples == 2
@@ -214,7 +216,7 @@ def test_a_killed_worker_fails_its_rollout_naming_it_and_a_replacement_takes_new
         time.sleep(0.1)
     replacement = next(w for w in backend.workers() if w["actor"] not in before)
     assert replacement["index"] == victim["index"]
-    placed = [jobs.submit(spec(seed=200 + k), {})[0] for k in range(2)]
+    placed = [jobs.submit(spec(seed=200 + k))[0] for k in range(2)]
     assert any(backend.locations_for(j.id) == replacement["locations"] for j in placed)
     for j in placed:
         assert wait(jobs, j.id, {"succeeded", "failed"}) == "succeeded", j.error
@@ -240,11 +242,11 @@ def test_pushed_weights_reach_every_worker_and_a_replacement_loads_them(jobs, ba
     deadline = time.monotonic() + 120
     while len(backend.workers()) < 2 or victim["actor"] in {w["actor"] for w in backend.workers()}:
         if victim["actor"] in {w["actor"] for w in backend.workers()}:
-            backend.has_result("nothing")  # a call notices the dead worker and starts a replacement
+            backend.result_info("nothing")  # a call notices the dead worker and starts a replacement
         assert time.monotonic() < deadline, backend.workers()
         time.sleep(0.2)
     replacement = next(w for w in backend.workers() if w["actor"] not in before)
-    placed = [jobs.submit(spec(seed=300 + k), {})[0] for k in range(2)]
+    placed = [jobs.submit(spec(seed=300 + k))[0] for k in range(2)]
     on_replacement = [j for j in placed if backend.locations_for(j.id) == replacement["locations"]]
     assert on_replacement
     for j in placed:

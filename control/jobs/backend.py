@@ -1,0 +1,212 @@
+"""What the job manager asks of a backend, and the small context a backend runs a rollout with.
+
+Two backends implement `Backend`: the local one (control/backends/local.py: the pipeline and
+this process's result store) and the Ray one (control/backends/ray.py: worker actors with their
+own stores). The manager hands a backend `RunContext`s, never its own mutable `Job`: a context
+carries the rollout's id and spec, takes its progress, tells it to stop, and is settled once
+with the rollout's `Outcome`, as soon as that is known.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import pyarrow as pa
+import torch
+from sigmaflight.control.jobs.states import ErrorInfo, JobState, ResultInfo
+from sigmaflight.dataplane.record import TrajectoryHeader
+from sigmaflight.pipeline.spec import RolloutCancelled, RolloutSpec
+
+__all__ = ["Backend", "Outcome", "ParentTrajectory", "RunContext", "outcome_of"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    """How one rollout ended: succeeded (with its result), failed (with why) or cancelled."""
+
+    state: JobState
+    result: ResultInfo | None = None
+    error: ErrorInfo | None = None
+
+    def __post_init__(self) -> None:
+        if self.state not in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED):
+            raise ValueError(f"an outcome is succeeded, failed or cancelled, not {self.state}")
+        if (self.state is JobState.SUCCEEDED) != (self.result is not None):
+            raise ValueError("a succeeded outcome, and only that, carries a result")
+        if (self.state is JobState.FAILED) != (self.error is not None):
+            raise ValueError("a failed outcome, and only that, carries an error")
+
+    @classmethod
+    def success(cls, result: ResultInfo) -> Outcome:
+        return cls(state=JobState.SUCCEEDED, result=result)
+
+    @classmethod
+    def failure(cls, type_: str, message: str) -> Outcome:
+        return cls(state=JobState.FAILED, error=ErrorInfo(type=type_, message=message))
+
+    @classmethod
+    def cancel(cls) -> Outcome:
+        return cls(state=JobState.CANCELLED)
+
+    @property
+    def kind(self) -> Literal["failed", "cancelled"]:
+        """How the data plane ends the streams of a rollout that did not succeed."""
+        return "cancelled" if self.state is JobState.CANCELLED else "failed"
+
+    @property
+    def message(self) -> str:
+        return self.error.message if self.error is not None else "cancelled by client"
+
+
+def outcome_of(exc: BaseException, stop_reason: str | None) -> Outcome:
+    """The outcome of a rollout that raised `exc`. A stop asked with a reason (shutdown) is a
+    failure "shutdown" with that reason, a stop without one (the client's) a cancel; any other
+    error fails with its `error_type` (RolloutNonFinite "non_finite", StalePolicy "stale_policy",
+    ...) or its class name."""
+    if stop_reason is not None:
+        return Outcome.failure("shutdown", stop_reason)
+    if isinstance(exc, RolloutCancelled):
+        return Outcome.cancel()
+    return Outcome.failure(str(getattr(exc, "error_type", type(exc).__name__)), str(exc) or repr(exc))
+
+
+class RunContext:
+    """One rollout as a backend runs it: id, spec, progress, stop, and its outcome (settled once).
+
+    The manager makes one per rollout it starts; the Ray worker makes its own for the rollouts
+    it runs. `settle` is called by whoever learns the outcome first (the backend, or the manager
+    for a backend that returned without settling); later calls are ignored."""
+
+    def __init__(
+        self,
+        job_id: str,
+        spec: RolloutSpec,
+        *,
+        on_progress: Callable[[int, int], None] | None = None,
+        on_settle: Callable[[Outcome], None] | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.spec = spec
+        self._on_progress = on_progress
+        self._on_settle = on_settle
+        self._stop = threading.Event()
+        self._stop_reason: str | None = None
+        self._lock = threading.Lock()
+        self._outcome: Outcome | None = None
+
+    def __repr__(self) -> str:
+        return f"RunContext({self.job_id!r}, outcome={self._outcome})"
+
+    def progress(self, done: int, total: int) -> None:
+        """`done` of `total` denoising steps finished."""
+        if self._on_progress is not None:
+            self._on_progress(done, total)
+
+    def stop(self, reason: str | None = None) -> None:
+        """Ask the rollout to stop at its next step: cancelled (no reason) or failed with `reason`."""
+        with self._lock:
+            if reason is not None or not self._stop.is_set():
+                self._stop_reason = reason
+            self._stop.set()
+
+    def should_stop(self) -> bool:
+        return self._stop.is_set()
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why it was stopped when the stop is a failure (e.g. "server shutting down"); None for a
+        client's cancel or when not stopped."""
+        return self._stop_reason
+
+    def settle(self, outcome: Outcome) -> bool:
+        """Record how the rollout ended; True the first time, False (nothing changes) after."""
+        with self._lock:
+            if self._outcome is not None:
+                return False
+            self._outcome = outcome
+        if self._on_settle is not None:
+            self._on_settle(outcome)
+        return True
+
+    def settle_error(self, exc: BaseException) -> bool:
+        """`settle(outcome_of(exc, self.stop_reason))`."""
+        return self.settle(outcome_of(exc, self.stop_reason))
+
+    @property
+    def outcome(self) -> Outcome | None:
+        return self._outcome
+
+
+@dataclass(frozen=True)
+class ParentTrajectory:
+    """A succeeded rollout's trajectory, as a branch reads it: header, batches and, when it
+    published one and it is still held, its "conditioning/v1" table."""
+
+    header: TrajectoryHeader
+    batches: list[pa.RecordBatch]
+    conditioning: pa.Table | None
+
+
+class Backend(Protocol):
+    """Runs rollouts and holds their results for Flight: everything the manager and the
+    service ask of the local and the Ray backend."""
+
+    def reserve(self, job_id: str) -> str:
+        """Place a rollout before it runs and return its Flight ticket (consumers may wait on it)."""
+        ...
+
+    def run(self, batch: Sequence[RunContext]) -> None:
+        """Run the rollouts of `batch` to their ends, settling each context as soon as its outcome is
+        known. A context left unsettled when this returns (or raises) is failed by the manager."""
+        ...
+
+    def abandon(self, job_id: str, kind: str, message: str) -> None:
+        """End a reserved rollout that never ran (cancelled while queued, shutdown)."""
+        ...
+
+    def release(self, job_id: str) -> None:
+        """Drop a finished rollout's result (and its files)."""
+        ...
+
+    def result_info(self, job_id: str) -> ResultInfo | None:
+        """The result of a finished, valid trajectory held here; None if none is held."""
+        ...
+
+    def locations_for(self, job_id: str) -> list[str]:
+        """Flight URIs where the rollout's streams are served."""
+        ...
+
+    def parent(self, rollout_id: str) -> ParentTrajectory | None:
+        """A succeeded rollout's trajectory for a branch; None when none is held here. Raises
+        RolloutInputError ("branch_from.rollout") when it is held but cannot be read now."""
+        ...
+
+    def load_weights(self, model_id: str, state: Mapping[str, torch.Tensor]) -> list[str]:
+        """Make every worker of this backend run on new transformer weights (checked by the caller
+        in the service's registry); the digests the workers now have (none for the local backend,
+        whose registry is the service's)."""
+        ...
+
+    def load_lora(self, model_id: str, tensors: Mapping[str, torch.Tensor], lora_config: dict[str, Any]) -> list[str]:
+        """The same for a LoRA adapter (replacing any)."""
+        ...
+
+    def unload_lora(self, model_id: str) -> list[str]:
+        """The same for removing the adapter."""
+        ...
+
+    def set_tokens(self, tokens: Sequence[str]) -> None:
+        """The bearer tokens every Flight server of this backend accepts from now on."""
+        ...
+
+    def on_result_lost(self, callback: Callable[[str, str], None]) -> None:
+        """Call `callback(rollout_id, reason)` when a held trajectory is found lost (file truncated or
+        corrupted), so REST stops saying succeeded."""
+        ...
+
+    def close(self) -> None:
+        """Stop the backend's workers and servers (finished results on disk stay)."""
+        ...

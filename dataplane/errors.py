@@ -1,0 +1,78 @@
+"""The data plane's error contract: every Flight error the server raises carries a JSON object
+in pyarrow's `FlightError.extra_info`, so clients branch on its type, never on message text.
+
+    {"type": "not_found" | "failed" | "cancelled" | "released" | "expired" | "closed"
+             | "too_many_streams" | "bad_request" | "unauthenticated",
+     "rollout": id or null, ...}  (plus "reason", "stream", "ended" where they apply)
+
+The Flight error class follows the type (FlightInternalError for a failed rollout,
+FlightUnavailableError for too many streams, FlightUnauthenticatedError for a refused token,
+FlightServerError otherwise; never FlightCancelledError: pyarrow turns an ArrowCancelled
+raised inside `reader.read_all()` into a SIGINT, i.e. a KeyboardInterrupt in the trainer).
+The message is for people; `error_info` reads the object back on the client side.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pyarrow.flight as flight
+from sigmaflight.dataplane.entry import RolloutEnded
+from sigmaflight.dataplane.tickets import TicketNotFound
+
+__all__ = ["ERROR_TYPES", "error_info", "flight_error", "not_found", "rollout_ended"]
+
+ERROR_TYPES = ("not_found", "failed", "cancelled", "released", "expired", "closed", "too_many_streams",
+               "bad_request", "unauthenticated")
+
+_CLASSES: dict[str, type[flight.FlightError]] = {
+    "failed": flight.FlightInternalError,
+    "too_many_streams": flight.FlightUnavailableError,
+    "unauthenticated": flight.FlightUnauthenticatedError,
+}
+
+MAX_MESSAGE = 1000
+"""Characters of a message at most: a much longer one (some KiB) makes gRPC drop the status and
+the client lose the Flight error type (pyarrow raises a bare OSError instead). Callers clip the
+client input they echo far shorter."""
+
+
+def flight_error(type_: str, message: str, *, rollout: str | None = None, **extra: Any) -> flight.FlightError:
+    """The Flight error of kind `type_` (one of ERROR_TYPES), with its JSON in `extra_info`."""
+    if type_ not in ERROR_TYPES:
+        raise ValueError(f"unknown Flight error type {type_!r}")
+    info = {"type": type_, "rollout": rollout, **extra}
+    message = clip(message)
+    return _CLASSES.get(type_, flight.FlightServerError)(message, extra_info=json.dumps(info).encode())
+
+
+def rollout_ended(e: RolloutEnded) -> flight.FlightError:
+    """A stream that cannot go on: the rollout failed, was cancelled, released or expired."""
+    return flight_error(e.state, str(e), rollout=e.rollout_id, reason=clip(e.message, 300))
+
+
+ENDED = ("failed", "cancelled", "released", "expired")
+
+
+def not_found(e: TicketNotFound) -> flight.FlightError:
+    """An unknown, released or expired ticket or rollout id; "ended" says how, when the store
+    still remembers that the rollout ended ("cancelled" for one cancelled while queued, say)."""
+    ended = e.reason.split(":", 1)[0]
+    return flight_error("not_found", str(e), reason=e.reason, ended=ended if ended in ENDED else None)
+
+
+def error_info(exc: BaseException) -> dict[str, Any] | None:
+    """The JSON object a sigmaflight Flight server put in `exc.extra_info`; None for any other error."""
+    raw = getattr(exc, "extra_info", None)
+    if not raw:
+        return None
+    try:
+        info = json.loads(bytes(raw))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return info if isinstance(info, dict) and isinstance(info.get("type"), str) else None
+
+
+def clip(message: str, limit: int = MAX_MESSAGE) -> str:
+    return message if len(message) <= limit else message[: limit - 3] + "..."
