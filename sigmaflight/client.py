@@ -157,22 +157,28 @@ class Client:
         return [RolloutStatus.model_validate(s) for s in r.json()["rollouts"]]
 
     def wait(
-        self, ticket: str | Ticket, timeout: float = 300.0, *, poll_s: float = 0.05, raise_on_failure: bool = True
+        self, ticket: str | Ticket, timeout: float = 300.0, *, poll_s: float = 0.05, max_poll_s: float = 1.0,
+        raise_on_failure: bool = True,
     ) -> RolloutStatus:
         """Poll until the rollout is finished; TimeoutError after `timeout` seconds.
 
-        Raises RolloutFailed (RolloutCancelled when cancelled) when it ended other than succeeded,
+        Polls after `poll_s`, then backs off, doubling the pause up to `max_poll_s` (a long rollout
+        costs the server a poll a second, a short one is seen within tens of ms). Raises
+        RolloutFailed (RolloutCancelled when cancelled) when it ended other than succeeded,
         unless `raise_on_failure=False`."""
         deadline = time.monotonic() + timeout
+        pause = poll_s
         while True:
             st = self.status(ticket)
             if st.status in TERMINAL:
                 if raise_on_failure and st.status != "succeeded":
                     raise RolloutFailed.from_status(st)
                 return st
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise TimeoutError(f"rollout {st.id} still {st.status} after {timeout} s")
-            time.sleep(poll_s)
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, max(max_poll_s, poll_s))
 
     def cancel(self, rollout_id: str | Ticket) -> RolloutStatus:
         """DELETE: cancel a queued/running rollout, or release a finished one's result."""

@@ -11,7 +11,6 @@ import hashlib
 import json
 import logging
 import secrets
-from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -310,8 +309,7 @@ async def readyz(request: Request) -> Response:
 
 
 async def get_metrics(request: Request) -> Response:
-    service = _service(request)
-    text = await run_in_threadpool(metrics.render, service, request.app.state.http_counts)
+    text = await run_in_threadpool(request.app.state.metrics.render)
     return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
 
 
@@ -340,12 +338,13 @@ ROUTES = [
 
 def create_app(settings: Settings, service: Service | None = None) -> Starlette:
     """The ASGI app. `service` may be given (tests); otherwise the lifespan builds it from `settings`."""
-    http_counts: Counter[str] = Counter()
+    service_metrics = metrics.ServiceMetrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         svc: Service = service if service is not None else await run_in_threadpool(Service, settings)
         await run_in_threadpool(svc.start)
+        service_metrics.bind(svc)
         app.state.service = svc
         try:
             yield {"service": svc}
@@ -356,7 +355,7 @@ def create_app(settings: Settings, service: Service | None = None) -> Starlette:
     app = Starlette(
         routes=ROUTES,
         middleware=[
-            Middleware(RequestIdMiddleware, counts=http_counts),
+            Middleware(RequestIdMiddleware, responses=service_metrics.http_responses),
             Middleware(BearerAuthMiddleware, tokens=tokens),
             Middleware(
                 BodyLimitMiddleware,
@@ -367,7 +366,7 @@ def create_app(settings: Settings, service: Service | None = None) -> Starlette:
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=lifespan,
     )
-    app.state.http_counts = http_counts
+    app.state.metrics = service_metrics
     app.state.tokens = tokens
     app.state.openapi = openapi_document(auth=bool(tokens))
     return app

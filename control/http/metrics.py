@@ -1,19 +1,27 @@
 """/metrics: the service's counters and gauges, exposed with prometheus-client.
 
-Each Service gets its own CollectorRegistry (never prometheus-client's global REGISTRY, so two
-services in one process, as in the tests, do not share or clash) holding the process collector
-(process_cpu_seconds_total, process_resident_memory_bytes, ...) and one custom collector that
-reads the service's state at scrape time. The names are those docs/control.md lists.
+Each app gets its own `ServiceMetrics`: a CollectorRegistry (never prometheus-client's global
+REGISTRY, so two services in one process, as in the tests, do not share or clash) holding the
+process collector (process_cpu_seconds_total, process_resident_memory_bytes, ...), the metrics
+counted as things happen (HTTP responses, a labelled Counter the request-id middleware counts
+into), and one custom collector that reads the service's state at scrape time. The names are
+those docs/control.md lists.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client import Counter as PromCounter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sigmaflight.control.jobs import STATES
@@ -21,18 +29,39 @@ from sigmaflight.control.jobs import STATES
 if TYPE_CHECKING:
     from sigmaflight.control.service import Service
 
-__all__ = ["CONTENT_TYPE", "ServiceCollector", "registry_for", "render"]
+__all__ = ["CONTENT_TYPE", "ServiceCollector", "ServiceMetrics"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 """The exposition format's content type, as prometheus-client writes it."""
 
 
-class ServiceCollector(Collector):
-    """Reads the job queue, the result store, the Flight server and the HTTP counts on each scrape."""
+class ServiceMetrics:
+    """The app's metrics registry: the process collector, the counted metrics, and the service's
+    state at scrape time once `bind` has been given the service."""
 
-    def __init__(self, service: Service, http_counts: Counter[str]) -> None:
+    def __init__(self) -> None:
+        disable_created_metrics()  # no `_created` series beside each counter (process-wide, idempotent)
+        self.registry = CollectorRegistry(auto_describe=False)
+        ProcessCollector(registry=self.registry)
+        self.http_responses = PromCounter(
+            "sigmaflight_http_responses", "HTTP responses by method and status code.", ["method", "code"],
+            registry=self.registry,
+        )
+
+    def bind(self, service: Service) -> None:
+        """Read `service`'s queue, store and Flight server at each scrape from now on."""
+        self.registry.register(ServiceCollector(service))
+
+    def render(self) -> str:
+        """The exposition text (serve it with CONTENT_TYPE)."""
+        return generate_latest(self.registry).decode("utf-8")
+
+
+class ServiceCollector(Collector):
+    """Reads the job queue, the result store and the Flight server on each scrape."""
+
+    def __init__(self, service: Service) -> None:
         self._service = weakref.ref(service)
-        self._http_counts = http_counts
 
     def collect(self) -> Iterator[Metric]:
         service = self._service()
@@ -67,28 +96,3 @@ class ServiceCollector(Collector):
         yield store_bytes
         yield GaugeMetricFamily("sigmaflight_store_entries", "Trajectories in the result store.",
                                 value=store["entries"])
-        http = CounterMetricFamily("sigmaflight_http_responses", "HTTP responses by method and status code.",
-                                   labels=["method", "code"])
-        for key, n in sorted(self._http_counts.items()):
-            method, code = key.split(",")
-            http.add_metric([method, code], float(n))
-        yield http
-
-
-_REGISTRIES: weakref.WeakKeyDictionary[Service, CollectorRegistry] = weakref.WeakKeyDictionary()
-
-
-def registry_for(service: Service, http_counts: Counter[str]) -> CollectorRegistry:
-    """The service's own registry (made on first use): the process collector and a ServiceCollector."""
-    registry = _REGISTRIES.get(service)
-    if registry is None:
-        registry = CollectorRegistry(auto_describe=False)
-        ProcessCollector(registry=registry)
-        registry.register(ServiceCollector(service, http_counts))
-        _REGISTRIES[service] = registry
-    return registry
-
-
-def render(service: Service, http_counts: Counter[str]) -> str:
-    """The exposition text (serve it with CONTENT_TYPE)."""
-    return generate_latest(registry_for(service, http_counts)).decode("utf-8")

@@ -6,9 +6,9 @@ import json
 import logging
 import re
 import uuid
-from collections import Counter
 from collections.abc import Collection, Sequence
 
+from prometheus_client import Counter as PromCounter
 from sigmaflight.control.http.errors import error_body
 from sigmaflight.dataplane.auth import TokenSet
 from starlette.requests import ClientDisconnect
@@ -39,9 +39,10 @@ class RequestIdMiddleware:
     logged at info and answered with nothing: no one is left to read a response, and it is no
     server error (nothing counted, nothing reaches the 500 handler)."""
 
-    def __init__(self, app: ASGIApp, counts: Counter[str] | None = None) -> None:
+    def __init__(self, app: ASGIApp, responses: PromCounter | None = None) -> None:
         self.app = app
-        self.counts = counts if counts is not None else Counter()
+        self.responses = responses
+        """sigmaflight_http_responses{method, code}, counted as each response starts."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -57,7 +58,8 @@ class RequestIdMiddleware:
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
-                self.counts[f'{scope["method"]},{message["status"]}'] += 1
+                if self.responses is not None:
+                    self.responses.labels(method=scope["method"], code=str(message["status"])).inc()
             await send(message)
 
         try:

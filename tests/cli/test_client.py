@@ -169,3 +169,31 @@ def test_transport_and_host_reach_the_flight_client(tmp_path):
             served = _bytes_served(server)
     with pytest.raises(ValueError, match="transport"):
         Client("http://127.0.0.1:1", transport="grpc")  # type: ignore[arg-type]
+
+
+def _get_200s(c) -> float:
+    """GET 200s the server answered so far, read with prometheus-client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = c._http.get("/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "sigmaflight_http_responses_total" and s.labels == {"method": "GET", "code": "200"})
+
+
+def test_wait_backs_off_between_polls(server):
+    """A rollout that stays queued for 4 s costs about ten status polls, not one every 50 ms
+    (counted by the server's own /metrics)."""
+    with Client(server.rest_url) as c:
+        # 256 samples x 200 steps (x_0 kept only): tens of seconds of work, cancelled at the end
+        blocker = c.submit(prompts=["blocker"] * 8, num_outputs_per_prompt=32, num_inference_steps=200, seed=1,
+                           return_={"steps": [0]})
+        queued = c.submit(prompts=["a"], num_inference_steps=2, seed=2)  # waits behind the blocker
+        try:
+            before = _get_200s(c)
+            with pytest.raises(TimeoutError, match="still queued"):
+                c.wait(queued, timeout=4)
+            polls = _get_200s(c) - before - 1  # this /metrics GET itself
+        finally:
+            c.cancel(queued)
+            c.cancel(blocker)
+    assert 3 <= polls <= 12, polls  # 0.05, 0.1, 0.2, 0.4, 0.8, then 1 s apart
