@@ -22,7 +22,8 @@ directly (dataplane/client.py).
   ``sigmaflight-<uid>/.sigmaflight.lock`` (released by the kernel when the process dies, kill -9
   included); another server on the same directory refuses to start. Files found there
   belong to a dead process and are removed; with ``data_dir``, the restart scan then
-  writes the durable trajectories back into the directory (within the budget).
+  writes the durable trajectories back into the directory (within the budget; a copy that
+  does not fit leaves the rollout served from its durable file).
 - ``private=True`` (tokens configured): files are mode 0600, readable by the server's user
   only (any process of that user on the host can read them).
 """
@@ -187,11 +188,18 @@ class ShmDir:
         trim_if_large(e.num_bytes)
 
     def restore(self, entries: list[Entry], budget: MemoryBudget) -> None:
-        """After a restart: copy durable trajectories back here, newest first, within the budget."""
+        """After a restart: copy durable trajectories back here, newest first, within the budget.
+        A copy that fails (the directory is full: ENOSPC, or any OSError) leaves that rollout
+        served memory-mapped from its durable file, as a spilled one is, and start-up goes on."""
         for e in sorted(entries, key=lambda e: -(e.finished_at or 0.0)):
             if e.path is None or budget.used + e.num_bytes > budget.limit_bytes:
                 continue
-            path = self.copy_in(e.path)
+            try:
+                path = self.copy_in(e.path)
+            except OSError as exc:
+                log.warning("rollout %s served from its durable file %s: cannot copy it into shm_dir %s (%s)",
+                            e.rollout_id, e.path, self.path, exc)
+                continue
             try:
                 m = self.map(path, checksums=True)  # the copy is what gets served: check it
                 if e.crcs is not None and m.crcs != e.crcs:
