@@ -63,9 +63,9 @@ class Settings(BaseSettings):
     )
     shm_dir: Path | None = Field(
         None,
-        description="Directory in shared memory (e.g. /dev/shm/sigmaflight) for finished trajectories as Arrow IPC "
-        "files: served memory-mapped, read directly by trainers on this host (with --backend ray, each worker "
-        "uses DIR/worker-N on its own node). None = off.",
+        description="Directory in shared memory (e.g. /dev/shm) for finished trajectories as Arrow IPC files, kept in "
+        "the private DIR/sigmaflight-<uid>/: served memory-mapped, read directly by trainers on this host (with "
+        "--backend ray, each worker uses DIR/worker-N/sigmaflight-<uid>/ on its own node). None = off.",
     )
     store_budget_bytes: int = Field(
         4 * GiB, ge=0, description="Bytes of trajectories held in memory; beyond it they spill to --data-dir."
