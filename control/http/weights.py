@@ -2,8 +2,8 @@
 
 `PUT /v1/models/{model_id}/weights`: the body is a safetensors file
 (`safetensors.torch.save(transformer.state_dict())`), sent as `application/octet-stream`. It is
-read into one buffer that grows as the bytes arrive (`read_body`) and parsed with `read_safetensors` (tensors are views of
-that buffer: no copy) and handed to
+read into one buffer that grows as the bytes arrive (`read_body`), parsed with
+`read_safetensors` (tensors are views of that buffer: no copy) and handed to
 `ModelRegistry.replace_weights`, which checks every tensor against the base transformer (same
 keys, shapes and dtypes, finite values) before anything changes; a bad one is a 422 naming the
 key. Rollouts already running finish on the old weights, the next ones run on the new.
