@@ -64,6 +64,7 @@ def serve(settings: Settings) -> int:
     import uvicorn
     from sigmaflight.control import logs
     from sigmaflight.control.http.app import create_app
+    from sigmaflight.control.http.timeouts import header_timeout_protocol
 
     logs.configure(settings.log_level, settings.log_format)
     if settings.token_file is not None and token_file_exposed(settings.token_file):
@@ -84,6 +85,7 @@ def serve(settings: Settings) -> int:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=10,
+        http=header_timeout_protocol(settings.header_timeout_s),  # uvicorn has no header read timeout
         **tls,  # type: ignore[arg-type]
     )
 

@@ -70,9 +70,9 @@ class Settings(BaseSettings):
     )
     shm_dir: Path | None = Field(
         None,
-        description="Directory in shared memory (e.g. /dev/shm/sigmaflight) for finished trajectories as Arrow IPC "
-        "files: served memory-mapped, read directly by trainers on this host (with --backend ray, each worker "
-        "uses DIR/worker-N on its own node). None = off.",
+        description="Directory in shared memory (e.g. /dev/shm) for finished trajectories as Arrow IPC files, kept in "
+        "the private DIR/sigmaflight-<uid>/: served memory-mapped, read directly by trainers on this host (with "
+        "--backend ray, each worker uses DIR/worker-N/sigmaflight-<uid>/ on its own node). None = off.",
     )
     store_budget_bytes: int = Field(
         4 * GiB, ge=0, description="Bytes of trajectories held in memory; beyond it they spill to --data-dir."
@@ -100,6 +100,18 @@ class Settings(BaseSettings):
         2 * GiB, ge=1, description="Estimated captured latent bytes per rollout, refused up front beyond it."
     )
     max_flight_streams: int = Field(64, ge=1, description="Concurrent Flight do_get streams.")
+    max_weights_pushes: int = Field(
+        2, ge=1, description="PUT .../weights and .../lora bodies taken at once (each up to --max-weights-bytes); "
+        "429 beyond, before the body is read."
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="Seconds a connection may take to send a request's line and headers (from its "
+        "first byte, or from connecting); the connection is closed beyond (with a 408)."
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="Seconds a request body may take to arrive in full (from the request's headers); "
+        "408 beyond. A 512 MiB weights push needs about 72 Mbit/s within the default."
+    )
 
     # Logging
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")

@@ -37,9 +37,12 @@ log = logging.getLogger("sigmaflight.dataplane.store")
 FOOTER_TICKET = "sigmaflight.ticket"
 
 
-def open_writer(path: Path, schema: pa.Schema, ticket: str) -> TrajectoryFileWriter:
-    """The file writer for one trajectory, its ticket in the footer."""
-    return TrajectoryFileWriter(path, schema, footer={FOOTER_TICKET: ticket})
+def open_writer(
+    path: Path, schema: pa.Schema, ticket: str, *, mode: int | None = None, dir_fd: int | None = None
+) -> TrajectoryFileWriter:
+    """The file writer for one trajectory, its ticket in the footer (``mode``, ``dir_fd``: as
+    TrajectoryFileWriter's)."""
+    return TrajectoryFileWriter(path, schema, footer={FOOTER_TICKET: ticket}, mode=mode, dir_fd=dir_fd)
 
 
 def read_entry(path: Path, *, validate: bool = True) -> Entry:

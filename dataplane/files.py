@@ -8,11 +8,16 @@ Each record batch carries a CRC-32C of its buffers in its message's custom metad
 (``sigmaflight.crc32c``, see ``batch_crc``; hardware CRC32C, several GB/s); ``map_trajectory`` checks them (``checksums=True``)
 and ``verify_batches`` checks batches served from a map again. Files without them (written
 before checksums existed) are read unchecked.
+
+Every file is created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (``create_new``): the server never
+writes through a name someone else prepared (a symlink planted at the temp name would otherwise
+make it overwrite the link's target), and its mode is set on the descriptor (``fchmod``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -22,11 +27,40 @@ import crc32c
 import pyarrow as pa
 from sigmaflight.dataplane.schema import FORMAT, KEY_FORMAT, header_from_schema
 
+log = logging.getLogger("sigmaflight.dataplane.store")
+
 TEMP_SUFFIX = ".partial"
 """Suffix of files being written; never served, removed on the next scan."""
 
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
-def _fsync_dir(path: Path) -> None:
+
+def create_new(path: Path, *, mode: int | None = None, dir_fd: int | None = None) -> int:
+    """A descriptor of a file created here and now at ``path`` (opened for writing).
+
+    ``O_EXCL | O_NOFOLLOW``: an existing entry at the name (a leftover, or a symlink someone
+    planted) is never opened or followed; it is removed (logged) and the file created anew, once
+    (a name planted again in between fails the write with FileExistsError). ``mode``: set on the
+    descriptor (the file is created 0600 until then); None keeps ``0o666 & ~umask``.
+    ``dir_fd``: ``path.name`` is taken relative to that open directory, not the path."""
+    name: str | Path = path.name if dir_fd is not None else path
+    initial = 0o600 if mode is not None else 0o666
+    try:
+        fd = os.open(name, _NEW_FILE, initial, dir_fd=dir_fd)
+    except FileExistsError:
+        kind = "a symlink" if os.path.islink(path) else "an entry"
+        log.warning("removing %s found at %s before writing it (never followed)", kind, path)
+        os.unlink(name, dir_fd=dir_fd)
+        fd = os.open(name, _NEW_FILE, initial, dir_fd=dir_fd)
+    if mode is not None:
+        os.fchmod(fd, mode)
+    return fd
+
+
+def _fsync_dir(path: Path, dir_fd: int | None = None) -> None:
+    if dir_fd is not None:
+        os.fsync(dir_fd)
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -71,17 +105,29 @@ def verify_batches(path: object, batches: list[pa.RecordBatch], crcs: tuple[int,
 
 
 class TrajectoryFileWriter:
-    """Incremental, atomic writer: batches go to ``<path>.partial``; ``commit()`` makes
-    ``path`` appear complete or not at all (kill -9 leaves only the temp name)."""
+    """Incremental, atomic writer: batches go to ``<path>.partial`` (a file created new,
+    ``create_new``); ``commit()`` makes ``path`` appear complete or not at all (kill -9 leaves
+    only the temp name). ``mode`` and ``dir_fd`` as in ``create_new`` (with ``dir_fd``, every
+    operation is relative to that directory; ``path`` names it for messages and the caller)."""
 
-    def __init__(self, path: Path, schema: pa.Schema, *, footer: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, path: Path, schema: pa.Schema, *, footer: Mapping[str, str] | None = None,
+        mode: int | None = None, dir_fd: int | None = None,
+    ) -> None:
         self.path = Path(path)
         self.temp = self.path.with_name(self.path.name + TEMP_SUFFIX)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._sink = pa.OSFile(str(self.temp), "wb")
+        self._dir_fd = dir_fd
+        if dir_fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = os.fdopen(create_new(self.temp, mode=mode, dir_fd=dir_fd), "wb", buffering=0)
+        self._sink = pa.PythonFile(self._file, mode="w")  # as fast as pa.OSFile here (tmpfs, 4 MiB batches)
         meta = {k.encode(): v.encode() for k, v in (footer or {}).items()}
-        self._writer = pa.ipc.new_file(self._sink, schema, metadata=meta or None)
         self._closed = False
+        try:
+            self._writer = pa.ipc.new_file(self._sink, schema, metadata=meta or None)
+        except BaseException:
+            self.abort()
+            raise
         self.crcs: list[int] = []
 
     def write(self, batch: pa.RecordBatch, crc: int | None = None) -> None:
@@ -94,27 +140,43 @@ class TrajectoryFileWriter:
         self._writer.close()
         self._sink.flush()
         if fsync:
-            fd = os.open(self.temp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            os.fsync(self._file.fileno())
         self._sink.close()
+        self._file.close()
         self._closed = True
-        os.replace(self.temp, self.path)
+        rename_into_place(self.temp, self.path, dir_fd=self._dir_fd)
         if fsync:
-            _fsync_dir(self.path.parent)
+            _fsync_dir(self.path.parent, self._dir_fd)
         return self.path
 
     def abort(self) -> None:
         if not self._closed:
             self._closed = True
             try:
-                self._writer.close()
+                if hasattr(self, "_writer"):
+                    self._writer.close()
             except (pa.ArrowException, OSError):
                 pass
             self._sink.close()
-        self.temp.unlink(missing_ok=True)
+            self._file.close()
+        remove(self.temp, dir_fd=self._dir_fd)
+
+
+def rename_into_place(temp: Path, path: Path, *, dir_fd: int | None = None) -> None:
+    """``os.replace(temp, path)`` (relative to ``dir_fd`` when given: both in that directory). A
+    symlink at ``path`` is replaced itself, never followed."""
+    if dir_fd is None:
+        os.replace(temp, path)
+    else:
+        os.replace(temp.name, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def remove(path: Path, *, dir_fd: int | None = None) -> None:
+    """Unlink ``path`` if it is there (relative to ``dir_fd`` when given)."""
+    try:
+        os.unlink(path.name if dir_fd is not None else path, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
 
 
 def write_trajectory(

@@ -9,23 +9,35 @@ directly (dataplane/client.py).
 
 - With ``data_dir`` too, the file in ``data_dir`` is the durable one (fsync'd, survives
   restarts); the shm file is a copy in memory, dropped when the budget spills it.
-- A directory holds the files of one live store: it takes an exclusive ``flock`` on
-  ``<dir>/.sigmaflight.lock`` (released by the kernel when the process dies, kill -9
+- The files live in a private subdirectory ``<dir>/sigmaflight-<uid>/`` that the server creates
+  and checks: a real directory (not a symlink), owned by the server's user, mode 0700 (0711
+  without tokens, so others may open a 0644 file they were given a location for, never list or
+  create one). ``<dir>`` may be shared and world-writable (/dev/shm, 1777): nobody else can put
+  a name into the private one, and every file is created ``O_EXCL | O_NOFOLLOW`` through the
+  directory's descriptor (dataplane/files.py ``create_new``), so a planted symlink is never
+  followed. A private directory that is not the server's refuses the start (ShmDirUnsafe).
+  A ``<dir>`` writable by others is reported at start: at info with the sticky bit (others
+  cannot rename the private directory), as a warning without it.
+- A private directory holds the files of one live store: it takes an exclusive ``flock`` on
+  ``sigmaflight-<uid>/.sigmaflight.lock`` (released by the kernel when the process dies, kill -9
   included); another server on the same directory refuses to start. Files found there
   belong to a dead process and are removed; with ``data_dir``, the restart scan then
-  writes the durable trajectories back into the directory (within the budget).
+  writes the durable trajectories back into the directory (within the budget; a copy that
+  does not fit leaves the rollout served from its durable file).
 - ``private=True`` (tokens configured): files are mode 0600, readable by the server's user
   only (any process of that user on the host can read them).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import socket
+import stat
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
@@ -33,11 +45,72 @@ import pyarrow as pa
 from sigmaflight.dataplane.budget import MemoryBudget, trim_if_large
 from sigmaflight.dataplane.durable import open_writer
 from sigmaflight.dataplane.entry import Entry
-from sigmaflight.dataplane.files import TEMP_SUFFIX, MappedTrajectory, map_trajectory
+from sigmaflight.dataplane.files import (
+    TEMP_SUFFIX,
+    MappedTrajectory,
+    create_new,
+    map_trajectory,
+    remove,
+    rename_into_place,
+)
 
 log = logging.getLogger("sigmaflight.dataplane.store")
 
 LOCK_NAME = ".sigmaflight.lock"
+
+
+class ShmDirUnsafe(RuntimeError):
+    """The private subdirectory exists but is not the server's own (a symlink, not a directory,
+    another user's): the store refuses to use it."""
+
+
+def private_dir_name() -> str:
+    """The private subdirectory's name: ``sigmaflight-<effective uid>``."""
+    return f"sigmaflight-{os.geteuid()}"
+
+
+def _report_shared_root(root: Path, private: Path) -> None:
+    """One log line when others may write ``root``: info with the sticky bit (they cannot rename
+    or remove the private directory), else a warning."""
+    st = os.stat(root)
+    others_write = bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+    foreign = st.st_uid not in (0, os.geteuid())
+    if not others_write and not foreign:
+        return
+    mode = f"{stat.S_IMODE(st.st_mode) | (st.st_mode & stat.S_ISVTX):o}"
+    if others_write and st.st_mode & stat.S_ISVTX and not foreign:
+        log.info("shm_dir %s is writable by others (mode %s, sticky): the trajectory files go to the private %s, "
+                 "which only this user can write", root, mode, private)
+        return
+    why = f"belongs to uid {st.st_uid}" if foreign else "is writable by others without the sticky bit"
+    log.warning("shm_dir %s %s (mode %s): the trajectory files stay in the private %s, which nobody else can write, "
+                "but they can rename it and put their own in its place, and same-host clients would then look "
+                "there; use a directory that only this user (or root) can write, or set the sticky bit (chmod +t)",
+                root, why, mode, private)
+
+
+def open_private_dir(path: Path, mode: int) -> int:
+    """A descriptor of the directory ``path``, made here if missing; refuses (ShmDirUnsafe) one
+    that is a symlink, not a directory or not owned by this user; sets ``mode`` on it."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        what = ("a symlink" if os.path.islink(path) else
+                "not a directory" if exc.errno in (errno.ENOTDIR, errno.ELOOP) else f"unusable ({exc})")
+        raise ShmDirUnsafe(f"shm_dir: {path} is {what}; refusing to use it (the server makes this directory itself: "
+                           "remove what is there, or choose another --shm-dir)") from None
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        os.close(fd)
+        raise ShmDirUnsafe(f"shm_dir: {path} belongs to uid {st.st_uid}, not to this server's uid {os.geteuid()}; "
+                           "refusing to use it (someone else made it: remove it, or choose another --shm-dir)")
+    if stat.S_IMODE(st.st_mode) != mode:
+        os.fchmod(fd, mode)
+    return fd
 
 
 def host_id() -> str:
@@ -72,23 +145,33 @@ def parse_file_location(uri: str) -> tuple[Path, str] | None:
 
 
 class ShmDir:
-    """The directory of shared-memory trajectory files of one live store."""
+    """The private directory of shared-memory trajectory files of one live store:
+    ``<root>/sigmaflight-<uid>/`` (``path``)."""
 
-    def __init__(self, path: Path, *, private: bool = False) -> None:
-        self.path = Path(path).absolute()
+    def __init__(self, root: Path, *, private: bool = False) -> None:
+        self.root = Path(root).absolute()
         self.private = private
         self.host = host_id()
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.path = self.root / private_dir_name()
+        _report_shared_root(self.root, self.path)
+        self._dir_fd = open_private_dir(self.path, 0o700 if private else 0o711)
+        try:
+            self._lock_fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                                    dir_fd=self._dir_fd)
+        except OSError as exc:
+            os.close(self._dir_fd)
+            raise ShmDirUnsafe(f"shm_dir: cannot open {self.path / LOCK_NAME} ({exc})") from None
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(self._lock_fd)
+            os.close(self._dir_fd)
             raise RuntimeError(f"shm_dir {self.path} is in use by another live server (its lock is held)") from None
-        for p in sorted(self.path.iterdir()):
-            if p.name.endswith((".arrow", ".arrow" + TEMP_SUFFIX)):
-                log.warning("removing stale shared-memory trajectory %s (left by a dead process)", p)
-                p.unlink(missing_ok=True)
+        for name in sorted(os.listdir(self._dir_fd)):
+            if name.endswith((".arrow", ".arrow" + TEMP_SUFFIX)):
+                log.warning("removing stale shared-memory trajectory %s (left by a dead process)", self.path / name)
+                remove(self.path / name, dir_fd=self._dir_fd)
 
     def adopt(self, e: Entry) -> None:
         """A finishing entry's heap batches become one file here, served memory-mapped (same
@@ -105,11 +188,18 @@ class ShmDir:
         trim_if_large(e.num_bytes)
 
     def restore(self, entries: list[Entry], budget: MemoryBudget) -> None:
-        """After a restart: copy durable trajectories back here, newest first, within the budget."""
+        """After a restart: copy durable trajectories back here, newest first, within the budget.
+        A copy that fails (the directory is full: ENOSPC, or any OSError) leaves that rollout
+        served memory-mapped from its durable file, as a spilled one is, and start-up goes on."""
         for e in sorted(entries, key=lambda e: -(e.finished_at or 0.0)):
             if e.path is None or budget.used + e.num_bytes > budget.limit_bytes:
                 continue
-            path = self.copy_in(e.path)
+            try:
+                path = self.copy_in(e.path)
+            except OSError as exc:
+                log.warning("rollout %s served from its durable file %s: cannot copy it into shm_dir %s (%s)",
+                            e.rollout_id, e.path, self.path, exc)
+                continue
             try:
                 m = self.map(path, checksums=True)  # the copy is what gets served: check it
                 if e.crcs is not None and m.crcs != e.crcs:
@@ -138,9 +228,8 @@ class ShmDir:
     ) -> Path:
         """Write the file (no fsync: memory, not disk); atomic like every trajectory file.
         ``crcs``: the batches' checksums when known (else computed)."""
-        w = open_writer(self.file_path(rollout_id), schema, ticket)
+        w = open_writer(self.file_path(rollout_id), schema, ticket, mode=self._mode, dir_fd=self._dir_fd)
         try:
-            self._chmod(w.temp)
             for i, b in enumerate(batches):
                 w.write(b, crcs[i] if crcs is not None and len(crcs) == len(batches) else None)
             return w.commit(fsync=False)
@@ -153,17 +242,18 @@ class ShmDir:
         dst = self.file_path(durable.name.removesuffix(".arrow"))
         tmp = dst.with_name(dst.name + TEMP_SUFFIX)
         try:
-            with open(durable, "rb") as src, open(tmp, "wb") as out:
-                self._chmod(tmp)
+            with open(durable, "rb") as src, \
+                    os.fdopen(create_new(tmp, mode=self._mode, dir_fd=self._dir_fd), "wb") as out:
                 shutil.copyfileobj(src, out, 16 << 20)
-            os.replace(tmp, dst)
+            rename_into_place(tmp, dst, dir_fd=self._dir_fd)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            remove(tmp, dir_fd=self._dir_fd)
             raise
         return dst
 
-    def _chmod(self, path: Path) -> None:
-        os.chmod(path, 0o600 if self.private else 0o644)
+    @property
+    def _mode(self) -> int:
+        return 0o600 if self.private else 0o644
 
     @staticmethod
     def map(path: Path, *, checksums: bool = False) -> MappedTrajectory:
@@ -174,4 +264,5 @@ class ShmDir:
         """Release the lock (files of a closed store are removed by the store)."""
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
-            self._lock_fd = -1
+            os.close(self._dir_fd)
+            self._lock_fd = self._dir_fd = -1

@@ -204,8 +204,15 @@ def _check(name: str, key: str, got: torch.Tensor, expected: Mapping[str, torch.
                                      f"{list(want.shape)} (rank {want.shape[axis]} from lora_config)")
     if not got.is_floating_point():
         raise RolloutInputError(key, f"dtype {str(got.dtype).removeprefix('torch.')} is not a floating-point type")
-    if not bool(torch.isfinite(got).all()):
-        raise RolloutInputError(key, "holds NaN or infinite values")
+
+
+def _check_finite(key: str, got: torch.Tensor, value: torch.Tensor) -> None:
+    """`value` is `got` in the model's dtype, as the adapter will hold it: a float64 1e300 is finite
+    as sent and infinite in float32, so the check is on the converted values."""
+    if not bool(torch.isfinite(value).all()):
+        where = "" if got.dtype == value.dtype else \
+            f" once in the model's dtype {str(value.dtype).removeprefix('torch.')} (sent as {str(got.dtype).removeprefix('torch.')})"
+        raise RolloutInputError(key, f"holds NaN or infinite values{where}")
 
 
 def attach_adapter(
@@ -232,13 +239,15 @@ def attach_adapter(
         raise RolloutInputError("lora_config.target_modules", f"peft cannot place the adapter: {exc}") from None
     expected = get_peft_model_state_dict(transformer, adapter_name=ADAPTER_NAME)
     modules = {name for name, _ in base.named_modules()}
+    keys = {name: next(k for k in tensors if k.removeprefix(PEFT_PREFIX) == name) for name in given}
     for name in sorted(given):
-        key = next(k for k in tensors if k.removeprefix(PEFT_PREFIX) == name)
-        _check(name, key, given[name], expected, modules, config)
+        _check(name, keys[name], given[name], expected, modules, config)
     for name in sorted(set(expected) - set(given)):
         raise RolloutInputError(name, "missing from the adapter: lora_config targets this module")
     device = next(iter(base.parameters())).device
     values = {k: v.detach().to(device=device, dtype=dtype).contiguous() for k, v in given.items()}
+    for name in sorted(values):
+        _check_finite(keys[name], given[name], values[name])
     result = set_peft_model_state_dict(transformer, values, adapter_name=ADAPTER_NAME, low_cpu_mem_usage=True)
     unexpected = list(getattr(result, "unexpected_keys", []) or [])
     if unexpected:  # every key was checked against peft's own names above: this is a bug, not bad input

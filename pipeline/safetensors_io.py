@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 import sys
 import warnings
 from typing import Any
@@ -27,6 +28,10 @@ __all__ = ["read_safetensors", "lora_config_from_metadata", "MAX_HEADER_BYTES"]
 MAX_HEADER_BYTES = 100 << 20
 """The reference implementation's limit on the JSON header."""
 
+MAX_TENSOR_BYTES = (1 << 63) - 1
+"""Largest extent of one tensor (its dimensions, zeros counted as 1, times the item size): torch
+keeps sizes and strides in int64."""
+
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -36,6 +41,26 @@ _DTYPES: dict[str, torch.dtype] = {
 
 def _bad(reason: str, field: str = "body") -> RolloutInputError:
     return RolloutInputError(field, reason)
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxstring, _SHOWN.maxlong = 2, 8, 4, 60, 40
+
+
+def _shown(value: object) -> str:
+    """A short repr of a header value for an error message (the header is the client's input)."""
+    return _SHOWN.repr(value)
+
+
+def _extent_fits(shape: list[int], itemsize: int) -> bool:
+    """Whether the dimensions (zeros counted as 1) times the item size stay within MAX_TENSOR_BYTES;
+    stops at the first one past it (a long list of huge numbers is not multiplied out)."""
+    extent = itemsize
+    for d in shape:
+        extent *= max(d, 1)
+        if extent > MAX_TENSOR_BYTES:
+            return False
+    return True
 
 
 def read_safetensors(body: bytes | bytearray | memoryview) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -52,6 +77,8 @@ def read_safetensors(body: bytes | bytearray | memoryview) -> tuple[dict[str, to
         header = json.loads(bytes(view[8:8 + n]))
     except (UnicodeDecodeError, ValueError) as exc:
         raise _bad(f"not a safetensors file: the header is not JSON ({exc})") from None
+    except RecursionError:  # e.g. "[" * 100000: json's decoder recurses once a nesting level
+        raise _bad("not a safetensors file: the header nests too deeply to be a safetensors header") from None
     if not isinstance(header, dict):
         raise _bad("not a safetensors file: the header is not a JSON object")
     raw_meta = header.pop("__metadata__", None) or {}
@@ -65,15 +92,17 @@ def read_safetensors(body: bytes | bytearray | memoryview) -> tuple[dict[str, to
             raise _bad("header entry must hold exactly dtype, shape and data_offsets", key)
         dtype = _DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
         if dtype is None:
-            raise _bad(f"unknown dtype {entry['dtype']!r}", key)
+            raise _bad(f"unknown dtype {_shown(entry['dtype'])}", key)
         shape, offsets = entry["shape"], entry["data_offsets"]
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                   for d in shape):
-            raise _bad(f"shape must be a list of non-negative integers, got {shape!r}", key)
+            raise _bad(f"shape must be a list of non-negative integers, got {_shown(shape)}", key)
+        if not _extent_fits(shape, dtype.itemsize):  # a zero-size entry goes to torch.empty unchecked
+            raise _bad(f"shape {_shown(shape)} is too large: its sizes and strides do not fit in 64 bits", key)
         if (not isinstance(offsets, list) or len(offsets) != 2
                 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1] <= len(data)):
-            raise _bad(f"data_offsets {offsets!r} do not fit the {len(data)} data bytes", key)
+            raise _bad(f"data_offsets {_shown(offsets)} do not fit the {len(data)} data bytes", key)
         start, end = offsets
         size = math.prod(shape) * dtype.itemsize
         if end - start != size:

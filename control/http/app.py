@@ -24,6 +24,7 @@ from sigmaflight.control.http.weights import (
     LORA_PATH,
     WEIGHTS_PATH,
     WEIGHTS_PATH_REGEX,
+    PushSlots,
     delete_lora,
     put_lora,
     put_weights,
@@ -361,6 +362,7 @@ def create_app(settings: Settings, service: Service | None = None) -> Starlette:
                 BodyLimitMiddleware,
                 max_bytes=settings.max_body_bytes,
                 path_limits=[("PUT", WEIGHTS_PATH_REGEX, settings.max_weights_bytes)],
+                timeout_s=settings.body_timeout_s,
             ),
         ],
         exception_handlers=EXCEPTION_HANDLERS,
@@ -368,5 +370,6 @@ def create_app(settings: Settings, service: Service | None = None) -> Starlette:
     )
     app.state.metrics = service_metrics
     app.state.tokens = tokens
+    app.state.push_slots = PushSlots(settings.max_weights_pushes)
     app.state.openapi = openapi_document(auth=bool(tokens))
     return app

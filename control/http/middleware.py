@@ -1,7 +1,8 @@
-"""Pure ASGI middleware: request ids, bearer-token auth, request body limit."""
+"""Pure ASGI middleware: request ids, bearer-token auth, request body limits (size and time)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -94,18 +95,26 @@ class BearerAuthMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Refuses bodies over `max_bytes` with 413, by Content-Length up front or while streaming.
+    """Bounds what a request body may hold: its size and how long it takes to arrive.
 
-    `path_limits`: (method, path regex, limit) triples that give matching routes their own limit
-    (the weights upload gets --max-weights-bytes); the first match wins.
+    Size: over `max_bytes`, 413, by Content-Length up front or while streaming. `path_limits`:
+    (method, path regex, limit) triples that give matching routes their own limit (the weights
+    upload gets --max-weights-bytes); the first match wins.
+
+    Time: with `timeout_s`, the whole body must have arrived `timeout_s` seconds after the request's
+    headers did (uvicorn itself has no body read timeout: a client trickling one byte a
+    second would hold its request forever); past it, 408 `request_timeout` (the route is left
+    where it waited; the connection closes, as its body was not read to the end).
     """
 
     def __init__(
-        self, app: ASGIApp, max_bytes: int, path_limits: Sequence[tuple[str, str, int]] = ()
+        self, app: ASGIApp, max_bytes: int, path_limits: Sequence[tuple[str, str, int]] = (),
+        timeout_s: float | None = None,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.path_limits = [(m, re.compile(p), n) for m, p, n in path_limits]
+        self.timeout_s = timeout_s
 
     def _limit(self, scope: Scope) -> int:
         for method, pattern, limit in self.path_limits:
@@ -130,15 +139,28 @@ class BodyLimitMiddleware:
                     return
         seen = 0
         started = False
+        complete = False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s if self.timeout_s is not None else None
 
         class TooLarge(Exception):
             pass
 
+        class TooSlow(Exception):
+            pass
+
         async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete
+            if complete or deadline is None:  # after the body: only the disconnect is left to wait for
+                message = await receive()
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+                except TimeoutError:
+                    raise TooSlow from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
                 if seen > max_bytes:
                     raise TooLarge
             return message
@@ -154,6 +176,15 @@ class BodyLimitMiddleware:
         except TooLarge:
             if not started:
                 await send_error(send, 413, "body_too_large", self._message(seen, max_bytes))
+        except TooSlow:
+            log.info("request body too slow; answered 408",
+                     extra={"method": scope["method"], "path": scope["path"], "bytes": seen,
+                            "request_id": scope.get("state", {}).get("request_id")})
+            if not started:
+                await send_error(send, 408, "request_timeout",
+                                 f"the request body did not arrive within {self.timeout_s:g} s "
+                                 f"({seen} bytes came); send it faster or raise --body-timeout-s",
+                                 [(b"connection", b"close")])
 
     def _message(self, size: int, limit: int) -> str:
         return f"request body of {size} bytes or more exceeds the limit of {limit} bytes"

@@ -40,11 +40,13 @@ def _errors(*codes: int) -> dict[str, Any]:
     text = {
         401: "Bearer token missing or wrong.",
         404: "Unknown rollout id (or model id).",
+        408: "The request body did not arrive within --body-timeout-s.",
         409: "Idempotency-Key reused with another body, or expected_digest is not the model's digest (stale_policy).",
         413: "Request body, or the trajectory it asks for, is too large.",
         415: "The body is not sent as Content-Type: application/json.",
         422: "Validation error; details name each bad field and why.",
-        429: "Queue full; see Retry-After.",
+        429: "Queue full (rollouts), or --max-weights-pushes pushes already under way (too_many_pushes); see "
+             "Retry-After.",
         503: "Shutting down.",
     }
     return {str(c): _json("ErrorBody", text[c]) for c in codes}
@@ -81,7 +83,7 @@ def openapi_document(*, auth: bool = False) -> dict[str, Any]:
                 ],
                 "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("RolloutRequest")}}},
                 "responses": {"202": _json("Ticket", "Accepted; pull the trajectory with the Flight ticket."),
-                              **_errors(*secured, 409, 413, 415, 422, 429, 503)},
+                              **_errors(*secured, 408, 409, 413, 415, 422, 429, 503)},
             },
             "get": {
                 "operationId": "list_rollouts",
@@ -125,7 +127,7 @@ def openapi_document(*, auth: bool = False) -> dict[str, Any]:
                 "parameters": [mid],
                 "requestBody": _binary("safetensors of the transformer's whole state dict (--max-weights-bytes)."),
                 "responses": {"200": _change("Loaded; the next rollouts run on these weights.", "tensors"),
-                              **_errors(*secured, 404, 413, 422)},
+                              **_errors(*secured, 404, 408, 413, 422, 429)},
             }
         },
         "/v1/models/{model_id}/lora": {
@@ -137,7 +139,7 @@ def openapi_document(*, auth: bool = False) -> dict[str, Any]:
                 "parameters": [mid],
                 "requestBody": _binary("safetensors of the adapter with __metadata__.lora_config (--max-weights-bytes)."),
                 "responses": {"200": _change("Loaded; the next rollouts run with the adapter.", "tensors", "lora"),
-                              **_errors(*secured, 404, 413, 422)},
+                              **_errors(*secured, 404, 408, 413, 422, 429)},
             },
             "delete": {
                 "operationId": "delete_lora",

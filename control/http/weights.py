@@ -2,8 +2,8 @@
 
 `PUT /v1/models/{model_id}/weights`: the body is a safetensors file
 (`safetensors.torch.save(transformer.state_dict())`), sent as `application/octet-stream`. It is
-read into one buffer (`read_body`) and parsed with `read_safetensors` (tensors are views of
-that buffer: no copy) and handed to
+read into one buffer that grows as the bytes arrive (`read_body`), parsed with
+`read_safetensors` (tensors are views of that buffer: no copy) and handed to
 `ModelRegistry.replace_weights`, which checks every tensor against the base transformer (same
 keys, shapes and dtypes, finite values) before anything changes; a bad one is a 422 naming the
 key. Rollouts already running finish on the old weights, the next ones run on the new.
@@ -15,11 +15,14 @@ It replaces any adapter (`ModelRegistry.load_lora`). `DELETE /v1/models/{model_i
 it (404, type "lora_not_loaded", when there is none). Both answer
 `{"id", "digest", "weights_version", ...}`; with --backend ray every worker has the change
 before the route answers. The body limit of both PUTs is `--max-weights-bytes` (the other
-routes keep `--max-body-bytes`).
+routes keep `--max-body-bytes`); at most `--max-weights-pushes` of them are taken at once (429
+`too_many_pushes` beyond, before the body is read), and each body must arrive within
+`--body-timeout-s` (408, BodyLimitMiddleware).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sigmaflight.control.http.errors import HttpError
@@ -82,32 +85,59 @@ def _unload_lora(service: Any, model_id: str) -> JSONResponse:
     return _answer(model_id, new, lora=None)
 
 
+class PushSlots:
+    """At most `limit` weights/LoRA bodies taken at once (each up to --max-weights-bytes): what a
+    few clients can make the server hold is `limit` bodies, not one per connection. Used from the
+    event loop only (no lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.taken = 0
+
+    def try_take(self) -> bool:
+        if self.taken >= self.limit:
+            return False
+        self.taken += 1
+        return True
+
+    def give_back(self) -> None:
+        self.taken -= 1
+
+
+def too_many_pushes(slots: PushSlots) -> JSONResponse:
+    return error_response(429, "too_many_pushes",
+                          f"the limit of --max-weights-pushes={slots.limit} weights pushes are already being "
+                          "received or applied; retry later", headers={"Retry-After": "1"})
+
+
 async def read_body(request: Request) -> bytearray:
-    """The body in one buffer, filled chunk by chunk: `request.body()` holds the chunks and their
-    join at once (2x the body at its peak); this holds the body once. With a Content-Length (the
-    body limit middleware has checked it) the buffer is allocated at that size up front."""
-    declared = request.headers.get("content-length")
-    buf = bytearray(int(declared)) if declared is not None and declared.isdigit() else bytearray()
-    n = 0
+    """The body in one buffer that grows as the bytes arrive (`request.body()` holds the chunks and
+    their join at once: 2x the body at its peak). Nothing is allocated for bytes that a
+    Content-Length only promises: a client declaring 512 MiB and sending one byte costs one byte.
+    Growing a large bytearray is a realloc that glibc serves with mremap (no copy)."""
+    buf = bytearray()
     async for chunk in request.stream():
-        if n + len(chunk) <= len(buf):
-            buf[n:n + len(chunk)] = chunk
-        else:
-            del buf[n:]
-            buf += chunk
-        n += len(chunk)
-    del buf[n:]
+        buf += chunk
     return buf
 
 
+async def _push(request: Request, load: Callable[[Any, str, bytearray], JSONResponse]) -> Response:
+    slots: PushSlots = request.app.state.push_slots
+    if not slots.try_take():
+        return too_many_pushes(slots)
+    try:
+        body = await read_body(request)
+        return await run_in_threadpool(load, request.state.service, request.path_params["model_id"], body)
+    finally:
+        slots.give_back()
+
+
 async def put_weights(request: Request) -> Response:
-    body = await read_body(request)
-    return await run_in_threadpool(_load, request.state.service, request.path_params["model_id"], body)
+    return await _push(request, _load)
 
 
 async def put_lora(request: Request) -> Response:
-    body = await read_body(request)
-    return await run_in_threadpool(_load_lora, request.state.service, request.path_params["model_id"], body)
+    return await _push(request, _load_lora)
 
 
 async def delete_lora(request: Request) -> Response:

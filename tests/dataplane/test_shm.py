@@ -26,6 +26,7 @@ from tests.servers import ServerProcess, wait_for_status
 
 SMALL = {"prompts": ["a red cube", "a blue ball"], "num_inference_steps": 3, "seed": 12}
 TOKEN = "sfk-shm-test-token-4f1e2d3c4b5a6978"
+PRIVATE = f"sigmaflight-{os.geteuid()}"  # the files live in <shm-dir>/sigmaflight-<uid>/
 
 
 def _bytes_served(server: ServerProcess, token: str | None = None) -> float:
@@ -59,7 +60,7 @@ def test_real_server_offers_the_file_and_a_same_host_client_reads_it_without_a_s
             t = c.post("/v1/rollouts", json=SMALL).json()
             wait_for_status(c, t["id"], {"succeeded"})
         rid, ticket = t["id"], t["flight"]["ticket"]
-        path = shm / f"{rid}.arrow"
+        path = shm / PRIVATE / f"{rid}.arrow"
         locs = _locations(server.flight_url, rid)
         assert locs[0] == server.flight_url and len(locs) == 2  # grpc first, then the file
         assert parse_file_location(locs[1]) == (path, host_id())
@@ -101,10 +102,10 @@ def test_real_server_offers_the_file_and_a_same_host_client_reads_it_without_a_s
 
         # kill -9 and restart: a stale file is removed, nothing finished is lost, the file comes back
         server.kill()
-        (shm / "ghost.arrow").write_bytes(b"left by a dead process")
+        (shm / PRIVATE / "ghost.arrow").write_bytes(b"left by a dead process")
         server = ServerProcess("--shm-dir", str(shm), "--data-dir", str(data))
         assert "removing stale shared-memory trajectory" in server.log_text
-        assert not (shm / "ghost.arrow").exists()
+        assert not (shm / PRIVATE / "ghost.arrow").exists()
         assert parse_file_location(_locations(server.flight_url, rid)[1]) == (path, host_id())
         with TrajectoryClient(server.flight_url) as tc:
             _equal(tc.pull(ticket), over_grpc)
@@ -124,7 +125,7 @@ def test_real_server_with_tokens_makes_the_files_0600(tmp_path):
     with ServerProcess("--shm-dir", str(shm), "--token", TOKEN) as server, server.client(TOKEN) as c:
         t = c.post("/v1/rollouts", json=SMALL).json()
         wait_for_status(c, t["id"], {"succeeded"})
-        path = shm / f"{t['id']}.arrow"
+        path = shm / PRIVATE / f"{t['id']}.arrow"
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         served = _bytes_served(server, TOKEN)
         with TrajectoryClient(server.flight_url, token=TOKEN) as tc:
@@ -160,15 +161,15 @@ def test_budget_counts_the_files_and_spill_moves_them_to_the_durable_copy(tmp_pa
     with ResultStore(memory_budget_bytes=100_000, data_dir=data, shm_dir=shm) as s:
         fill(s, header)
         a = s.get("a")
-        assert a.shm_path == shm / "a.arrow" and a.in_memory
+        assert a.shm_path == shm / PRIVATE / "a.arrow" and a.in_memory
         served = a.served_table()  # what do_get streams (made once, cached)
         assert served is not None and served[0].equals(pa.Table.from_batches(a.batches))
         again = a.served_table()
         assert again is not None and again[0] is served[0]
         st = s.stats()
-        assert st["bytes_in_memory"] == a.num_bytes and st["bytes_in_shm"] == (shm / "a.arrow").stat().st_size
+        assert st["bytes_in_memory"] == a.num_bytes and st["bytes_in_shm"] == (shm / PRIVATE / "a.arrow").stat().st_size
         fill(s, build_header("b", T=3, B=4, shape=(4, 16, 16)))  # over the budget: the older one spills
-        assert not (shm / "a.arrow").exists() and a.shm_path is None and not a.in_memory
+        assert not (shm / PRIVATE / "a.arrow").exists() and a.shm_path is None and not a.in_memory
         assert s.file_location(a) is None and s.file_location(s.get("b")) is not None
         assert s.stats()["bytes_in_memory"] == s.get("b").num_bytes
         # served from data_dir now, same bytes; do_get's cached table went with the old batches
@@ -178,13 +179,13 @@ def test_budget_counts_the_files_and_spill_moves_them_to_the_durable_copy(tmp_pa
         ranges = mapped_ranges(data / "trajectories" / "a.arrow")
         col = now[0].column("latent").chunk(0).storage.values.buffers()[1]
         assert ranges and any(lo <= col.address < hi for lo, hi in ranges)
-    assert not (shm / "b.arrow").exists()  # a closed store leaves no shared-memory files
+    assert not (shm / PRIVATE / "b.arrow").exists()  # a closed store leaves no shared-memory files
 
 
 def test_without_data_dir_an_over_budget_store_keeps_its_files(tmp_path, caplog):
     with ResultStore(memory_budget_bytes=1000, shm_dir=tmp_path / "shm") as s:
         fill(s, build_header("a", T=3, B=4, shape=(4, 16, 16)))
-        assert (tmp_path / "shm" / "a.arrow").exists() and s.stats()["bytes_in_memory"] > 1000
+        assert (tmp_path / "shm" / PRIVATE / "a.arrow").exists() and s.stats()["bytes_in_memory"] > 1000
     assert "no data_dir to spill to" in caplog.text
 
 
@@ -201,8 +202,8 @@ def test_a_file_of_another_trajectory_at_the_path_is_not_read(tmp_path, caplog):
         other = tmp_path / "other.arrow"
         with ResultStore(memory_budget_bytes=1 << 30, shm_dir=tmp_path / "shm2") as s2:
             fill(s2, build_header("x", T=2, B=2), seed=5)  # same id, another ticket and values
-            os.replace(tmp_path / "shm2" / "x.arrow", other)
-        os.replace(other, tmp_path / "shm" / "x.arrow")
+            os.replace(tmp_path / "shm2" / PRIVATE / "x.arrow", other)
+        os.replace(other, tmp_path / "shm" / PRIVATE / "x.arrow")
         caplog.set_level(logging.DEBUG, logger="sigmaflight.dataplane.client")
         with TrajectoryClient(srv.locations[0]) as tc:
             got = tc.pull("x")
@@ -250,7 +251,7 @@ def test_pull_reads_on_a_pool_closes_its_descriptor_and_copies_from_the_mapping_
     with ResultStore(memory_budget_bytes=1 << 30, shm_dir=tmp_path / "shm", max_batch_bytes=1 << 10) as s, \
             FlightDataServer(s) as srv:
         ref = fill(s, header)
-        path = tmp_path / "shm" / "gone.arrow"
+        path = tmp_path / "shm" / PRIVATE / "gone.arrow"
         with TrajectoryClient(srv.locations[0]) as tc:
             got = tc.pull("gone")  # many small batches: many reads in flight on the pool
             assert _open_fds_of(path) == 0  # every read finished before the descriptor closed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pyarrow.flight as flight
 import pytest
 import torch
@@ -32,21 +34,22 @@ def test_serve_with_ray_workers_hands_out_worker_locations_and_their_shared_memo
             with flight.FlightClient(t["flight"]["locations"][0]) as fc:
                 table = fc.do_get(flight.Ticket(t["flight"]["ticket"].encode())).read_all()
             assert table.num_rows == done["result"]["num_rows"] == 4
-            # each worker keeps its finished rollouts in its own DIR/worker-N and offers the file;
+            # each worker keeps its finished rollouts in its own DIR/worker-N/sigmaflight-<uid> and offers the file;
             # a client on this host reads it: iter_chunks gives views into this process's mapping of it
             with TrajectoryClient(t["flight"]["locations"][0]) as tc:
                 info = tc.info(t["id"])
                 files = [parse_file_location(u) for u in info["locations"][1:]]
                 assert len(files) == 1 and files[0] is not None
                 path, host = files[0]
-                assert path.parent.parent == shm and path.parent.name.startswith("worker-") and host == host_id()
+                assert path.parent.name == f"sigmaflight-{os.geteuid()}" and host == host_id()
+                assert path.parent.parent.parent == shm and path.parent.parent.name.startswith("worker-")
                 local = tc.pull(t["flight"]["ticket"])
                 chunks = list(tc.iter_chunks(t["id"]))
                 ranges = mapped_ranges(path)
                 assert ranges and all(any(lo <= c.latent.data_ptr() < hi for lo, hi in ranges) for c in chunks)
             assert torch.equal(local.latents, Trajectory.from_table(table).latents)
-        assert {p.parent.name for p in shm.glob("worker-*/*.arrow")} == {"worker-0", "worker-1"}
-        released = next(shm.glob(f"worker-*/{tickets[0]['id']}.arrow"))
+        assert {p.parent.parent.name for p in shm.glob("worker-*/sigmaflight-*/*.arrow")} == {"worker-0", "worker-1"}
+        released = next(shm.glob(f"worker-*/sigmaflight-*/{tickets[0]['id']}.arrow"))
         assert client.delete(f"/v1/rollouts/{tickets[0]['id']}").status_code == 200
         with flight.FlightClient(tickets[0]["flight"]["locations"][0]) as fc, pytest.raises(flight.FlightError):
             fc.do_get(flight.Ticket(tickets[0]["flight"]["ticket"].encode())).read_all()  # released on the worker

@@ -1,0 +1,150 @@
+"""Issue 20, slow clients (decision): uvicorn has no header or body read timeout, so a client
+that trickles its request a byte at a time (or connects and sends nothing) held its connection
+and its request forever. Bounded now: the request line and headers must arrive within
+SIGMAFLIGHT_HEADER_TIMEOUT_S (the connection is closed, after a 408), the body within
+SIGMAFLIGHT_BODY_TIMEOUT_S (408 with the contract's error body). Other clients are served
+meanwhile. Raw sockets on the real server; the limits are set by environment variable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from tests.servers import ServerProcess
+
+HEADER_TIMEOUT_S = 2.0
+BODY_TIMEOUT_S = 3.0
+REQUEST = (b"POST /v1/rollouts HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+           b"x-padding: " + b"p" * 400 + b"\r\n\r\n")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerProcess]:
+    env = {"SIGMAFLIGHT_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S), "SIGMAFLIGHT_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S)}
+    with ServerProcess(env=env) as s:
+        yield s
+
+
+def _connect(server: ServerProcess) -> socket.socket:
+    u = urlsplit(server.rest_url)
+    assert u.hostname is not None and u.port is not None
+    return socket.create_connection((u.hostname, u.port), timeout=30)
+
+
+class Trickler(threading.Thread):
+    """Sends `data` one byte every `every` s (nothing when empty) until the server closes the
+    connection; `.closed_after` is then the seconds it stayed open, `.answer` what it read."""
+
+    def __init__(self, sock: socket.socket, data: bytes, every: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.sock, self.data, self.every = sock, data, every
+        self.closed_after: float | None = None
+        self.answer = b""
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        t0 = time.monotonic()
+        self.sock.settimeout(self.every)
+        i = 0
+        while not self.stop.is_set():
+            try:
+                if i < len(self.data):
+                    self.sock.sendall(self.data[i:i + 1])
+                    i += 1
+                chunk = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:  # reset or broken pipe: the server closed it
+                chunk = b""
+            if not chunk:
+                self.closed_after = time.monotonic() - t0
+                return
+            self.answer += chunk
+
+
+def _wait_closed(tricklers: list[Trickler], within: float) -> None:
+    deadline = time.monotonic() + within
+    for t in tricklers:
+        t.join(max(0.0, deadline - time.monotonic()))
+    still = [t for t in tricklers if t.closed_after is None]
+    for t in tricklers:
+        t.stop.set()
+    assert not still, f"{len(still)} of {len(tricklers)} slow connections still open after {within:.0f} s"
+
+
+def _status(answer: bytes) -> int | None:
+    return int(answer.split()[1]) if answer.startswith(b"HTTP/1.1 ") else None
+
+
+@pytest.mark.timeout(120)
+def test_trickled_and_silent_connections_are_closed_after_the_header_timeout(server: ServerProcess) -> None:
+    socks = [_connect(server) for _ in range(24)]
+    try:
+        tricklers = [Trickler(s, REQUEST if i % 3 else b"") for i, s in enumerate(socks)]  # every third sends nothing
+        for t in tricklers:
+            t.start()
+        t0 = time.monotonic()
+        with httpx.Client(base_url=server.rest_url, timeout=10) as c:
+            while any(t.closed_after is None for t in tricklers) and time.monotonic() - t0 < 2 * HEADER_TIMEOUT_S:
+                started = time.monotonic()
+                assert c.get("/healthz").status_code == 200  # others are served meanwhile
+                assert time.monotonic() - started < 5
+                time.sleep(0.2)
+        _wait_closed(tricklers, within=30)
+        for t in tricklers:
+            assert t.closed_after is not None and t.closed_after >= HEADER_TIMEOUT_S * 0.8, t.closed_after
+            assert _status(t.answer) == 408, t.answer[:200]
+            body = json.loads(t.answer.partition(b"\r\n\r\n")[2])
+            assert body["error"]["type"] == "request_timeout"
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.mark.timeout(120)
+def test_next_request_on_a_kept_alive_connection_has_the_same_header_timeout(server: ServerProcess) -> None:
+    with contextlib.closing(_connect(server)) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nhost: test\r\n\r\n")
+        first = b""
+        while b"\r\n\r\n" not in first or not first.endswith(b"}"):
+            first += s.recv(65536)
+        assert _status(first) == 200
+        t = Trickler(s, REQUEST)  # then the next request, a byte at a time
+        t.start()
+        _wait_closed([t], within=30)
+        assert _status(t.answer) == 408
+
+
+@pytest.mark.timeout(120)
+def test_trickled_body_is_408_with_the_error_body(server: ServerProcess) -> None:
+    body = json.dumps({"prompts": ["slow body " * 20], "num_inference_steps": 2}).encode()
+    head = (b"POST /v1/rollouts HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n")
+    socks = [_connect(server) for _ in range(8)]
+    try:
+        for s in socks:
+            s.sendall(head)  # headers at once, then the body a byte at a time
+        tricklers = [Trickler(s, body) for s in socks]
+        for t in tricklers:
+            t.start()
+        _wait_closed(tricklers, within=30)
+        for t in tricklers:
+            assert t.closed_after is not None and t.closed_after >= BODY_TIMEOUT_S * 0.8
+            assert _status(t.answer) == 408, t.answer[:300]
+            error = json.loads(t.answer.partition(b"\r\n\r\n")[2])["error"]
+            assert error["type"] == "request_timeout" and "body" in error["message"]
+        with httpx.Client(base_url=server.rest_url, timeout=10) as c:
+            assert c.get("/v1/rollouts").json()["rollouts"] == []  # none of the slow bodies made a rollout
+            assert c.get("/healthz").status_code == 200
+    finally:
+        for s in socks:
+            s.close()
