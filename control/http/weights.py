@@ -104,10 +104,10 @@ class PushSlots:
         self.taken -= 1
 
 
-def too_many_pushes(slots: PushSlots) -> JSONResponse:
-    return error_response(429, "too_many_pushes",
-                          f"the limit of --max-weights-pushes={slots.limit} weights pushes are already being "
-                          "received or applied; retry later", headers={"Retry-After": "1"})
+def too_many_pushes(slots: PushSlots) -> HttpError:
+    return HttpError(429, "too_many_pushes",
+                     f"the limit of --max-weights-pushes={slots.limit} weights pushes are already being "
+                     "received or applied; retry later", headers={"Retry-After": "1"})
 
 
 async def read_body(request: Request) -> bytearray:
@@ -124,7 +124,7 @@ async def read_body(request: Request) -> bytearray:
 async def _push(request: Request, load: Callable[[Any, str, bytearray], JSONResponse]) -> Response:
     slots: PushSlots = request.app.state.push_slots
     if not slots.try_take():
-        return too_many_pushes(slots)
+        raise too_many_pushes(slots)
     try:
         body = await read_body(request)
         return await run_in_threadpool(load, request.state.service, request.path_params["model_id"], body)
