@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from sigmaflight.pipeline.builtins import _BUILTINS, _CLIP_LEN, _T5_LEN, ModelDefaults
+from sigmaflight.pipeline.families import family_of_pipeline
 from sigmaflight.pipeline.lora import LoraAdapter, attach_adapter, share_tensors_copy
 from sigmaflight.pipeline.spec import RolloutInputError
 
@@ -88,7 +89,7 @@ class LoadedModel:
 
     id: str
     family: str
-    """"sd3", "flux", "wan" or "other": selects the per-family batch argument names."""
+    """The name of its row in `sigmaflight.pipeline.families` ("sd3", "flux", "wan", or "other")."""
     pipeline: Any
     device: torch.device
     dtype: torch.dtype
@@ -216,17 +217,6 @@ def check_flow_match(path: str) -> None:
         )
 
 
-def _family_of(pipeline: Any) -> str:
-    name = type(pipeline).__name__
-    if name.startswith("StableDiffusion3"):
-        return "sd3"
-    if name.startswith("Flux"):
-        return "flux"
-    if name.startswith("Wan"):
-        return "wan"
-    return "other"
-
-
 def max_image_size(pipeline: Any) -> int | None:
     """Largest height/width the transformer can place (SD3's learned position embedding covers
     pos_embed_max_size patches a side); None where positions are unbounded (RoPE: FLUX, Wan)."""
@@ -235,17 +225,6 @@ def max_image_size(pipeline: Any) -> int | None:
     if cfg is None or pos is None:
         return None
     return int(pos) * int(getattr(cfg, "patch_size", 1)) * int(getattr(pipeline, "vae_scale_factor", 8))
-
-
-def _size_multiple(pipeline: Any) -> int:
-    vae = getattr(pipeline, "vae_scale_factor", 8)
-    if _family_of(pipeline) == "flux":
-        return int(vae) * 2
-    if _family_of(pipeline) == "wan":  # spatial VAE factor x the transformer's (t, h, w) patch
-        patch = tuple(pipeline.transformer.config.patch_size)
-        return int(pipeline.vae_scale_factor_spatial) * int(max(patch[1], patch[2]))
-    patch = getattr(getattr(pipeline, "transformer", None), "config", {}).get("patch_size", 1)
-    return int(vae) * int(patch if isinstance(patch, int) else 1)
 
 
 def _prepare(pipeline: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -434,25 +413,23 @@ class ModelRegistry:
         check_flow_match(path)
         pipeline = DiffusionPipeline.from_pretrained(path, local_files_only=True, dtype=dtype)
         _prepare(pipeline, device, dtype)
-        family = _family_of(pipeline)
-        vae = int(getattr(pipeline, "vae_scale_factor", 8))
-        sample = getattr(pipeline, "default_sample_size", 64)
-        size = int(sample) * vae if family != "flux" else 32 * _size_multiple(pipeline)
+        family = family_of_pipeline(pipeline)
+        local = family.local_defaults(pipeline)
         builtin_kwargs = {"max_sequence_length": _T5_LEN} if _is_builtin_sized(pipeline) else {}
         defaults = ModelDefaults(
-            height=size,
-            width=size,
+            height=local.size,
+            width=local.size,
             num_inference_steps=28,
-            guidance_scale=3.5 if family == "flux" else 5.0,
-            size_multiple=_size_multiple(pipeline),
-            is_video=family == "wan",
-            num_frames=9 if family == "wan" else None,
+            guidance_scale=local.guidance_scale,
+            size_multiple=family.size_multiple(pipeline),
+            is_video=family.is_video,
+            num_frames=local.num_frames,
             call_kwargs=builtin_kwargs,
         )
         components = component_digests(pipeline)
         return LoadedModel(
             id=model_id,
-            family=family,
+            family=family.name,
             pipeline=pipeline,
             device=device,
             dtype=dtype,
