@@ -18,7 +18,10 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any, get_args
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_settings import CliSettingsSource, SettingsError
 
 from sigmaflight.control.settings import Settings, TokenFileError, token_file_exposed
 
@@ -36,26 +39,44 @@ class StartupError(Exception):
     """A setting the server cannot start with; its message is the one line the user sees."""
 
 
-def _settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per Settings field; defaults stay unset so env vars and defaults apply underneath."""
-    for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        env = f"SIGMAFLIGHT_{name.upper()}"
+def _add_setting_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> argparse.Action:
+    """pydantic-settings' `add_argument_method`: its flag for a Settings field, with our help line
+    ("<description> [env SIGMAFLIGHT_<NAME>; default <value>]") and an upper-case metavar."""
+    field = Settings.model_fields.get(kwargs.get("dest", ""))
+    if field is not None:
+        name = kwargs["dest"]
         default = field.default
         shown = "none" if default is None else ("<secret>" if name == "token" else default)
-        help_ = f"{field.description} [env {env}; default {shown}]"
-        choices = get_args(field.annotation) if "Literal" in str(field.annotation) else None
-        if field.annotation is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
-        else:
-            parser.add_argument(
-                flag, dest=name, default=argparse.SUPPRESS, choices=choices or None, help=help_, metavar=None if choices else name.upper()
-            )
+        kwargs["help"] = f"{field.description} [env SIGMAFLIGHT_{name.upper()}; default {shown}]".replace("%", "%%")
+        if "metavar" in kwargs and not str(kwargs["metavar"]).startswith("{"):  # {a,b}: a Literal's choices
+            kwargs["metavar"] = name.upper()
+    return parser.add_argument(*names, **kwargs)
+
+
+def _cli_source(prog: str = "sigmaflight serve") -> CliSettingsSource[argparse.ArgumentParser]:
+    """pydantic-settings' CLI source for Settings: one --kebab-case flag per field, bools as
+    --flag/--no-flag, flags above SIGMAFLIGHT_<NAME> above the default."""
+    parser = argparse.ArgumentParser(prog=prog, description=SERVE_DESCRIPTION)
+    return CliSettingsSource(
+        Settings, root_parser=parser, cli_prog_name=prog, cli_kebab_case=True, cli_implicit_flags=True, cli_hide_none_type=True,
+        add_argument_method=_add_setting_argument,
+    )
+
+
+def build_parser(prog: str = "sigmaflight serve") -> argparse.ArgumentParser:
+    """The `sigmaflight serve` parser (pydantic-settings' CLI source's root parser)."""
+    return _cli_source(prog).root_parser
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    given: dict[str, Any] = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
-    return Settings(**given)
+    """Settings from parsed flags (build_parser().parse_args), the environment and the defaults."""
+    return Settings(_cli_settings_source=_cli_source()(parsed_args=args))
+
+
+def settings_from_argv(argv: Sequence[str]) -> Settings:
+    """Settings from command-line flags, the environment and the defaults (--help prints and exits 0;
+    an unknown flag exits 2 with the usage)."""
+    return Settings(_cli_settings_source=_cli_source()(args=list(argv)))
 
 
 def serve(settings: Settings) -> int:
@@ -170,21 +191,27 @@ def preflight(settings: Settings) -> None:
         raise StartupError(f"--model {settings.model!r}: unknown model; known: {', '.join(known)}")
 
 
-def build_parser(prog: str = "sigmaflight serve") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=SERVE_DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    _settings_arguments(parser)
-    return parser
+def invalid_setting_lines(exc: ValidationError) -> list[str]:
+    """One line per bad setting: "--flag (SIGMAFLIGHT_FLAG) VALUE: why"."""
+    lines = []
+    for err in exc.errors():
+        name = str(err["loc"][0]) if err["loc"] else ""
+        flag = f"--{name.replace('_', '-')} (SIGMAFLIGHT_{name.upper()})" if name else "settings"
+        value = "" if name == "token" or "input" not in err else f" {err['input']!r}"
+        lines.append(f"{flag}{value}: {err['msg']}")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`sigmaflight serve [flags]`: 2 on a startup mistake, 1 if the server did not start, else 0."""
-    args = build_parser().parse_args(argv)
     try:
-        settings = settings_from_args(args)
-    except Exception as exc:  # pydantic ValidationError: name the flag and the reason
-        print(f"sigmaflight serve: invalid settings:\n{exc}", file=sys.stderr)
+        settings = settings_from_argv(sys.argv[1:] if argv is None else argv)
+    except ValidationError as exc:  # name the flag and the reason, one line each
+        for line in invalid_setting_lines(exc):
+            print(f"sigmaflight serve: {line}", file=sys.stderr)
+        return 2
+    except SettingsError as exc:  # a value the CLI source cannot parse
+        print(f"sigmaflight serve: {exc}", file=sys.stderr)
         return 2
     try:
         preflight(settings)
