@@ -22,7 +22,6 @@ from typing import Any
 
 from pydantic import ValidationError
 from pydantic_settings import CliSettingsSource, SettingsError
-
 from sigmaflight.control.settings import Settings, TokenFileError, token_file_exposed
 
 log = logging.getLogger("sigmaflight")
