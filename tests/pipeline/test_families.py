@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -28,6 +29,13 @@ class MinePipeline(StableDiffusion3Pipeline):
     """A pipeline class no row of the table knows."""
 
 
+def _mine(sd3: LoadedModel) -> Any:
+    """tiny-sd3's components in a MinePipeline."""
+    mine = MinePipeline(**sd3.pipeline.components)
+    mine.set_progress_bar_config(disable=True)  # type: ignore[attr-defined]
+    return mine
+
+
 def _as(model: LoadedModel, pipeline: object, family: str) -> LoadedModel:
     return LoadedModel(id=f"{model.id}-as-{family}", family=family, pipeline=pipeline, device=model.device,
                        dtype=model.dtype, digest=model.digest, defaults=model.defaults)
@@ -40,8 +48,7 @@ SPEC = RolloutSpec(model="tiny-sd3", prompts=("a cat", "the dog"), num_outputs_p
 
 def test_a_pipeline_no_row_knows_runs_as_other_and_refuses_what_needs_a_family(registry):
     sd3 = registry.get("tiny-sd3")
-    mine = MinePipeline(**sd3.pipeline.components)
-    mine.set_progress_bar_config(disable=True)
+    mine = _mine(sd3)
     assert family_of_pipeline(mine) is OTHER and family_named("no-such-family") is OTHER
     model = _as(sd3, mine, OTHER.name)
     plain = dataclasses.replace(SPEC, return_conditioning=False)
@@ -60,8 +67,7 @@ def test_adding_a_family_is_one_row_of_the_table(registry, monkeypatch):
     """A row for MinePipeline (SD3's functions under another name and class prefix) is all it takes:
     per-row model calls, conditioning and decode then work, bit for bit as for tiny-sd3."""
     sd3 = registry.get("tiny-sd3")
-    mine = MinePipeline(**sd3.pipeline.components)
-    mine.set_progress_bar_config(disable=True)
+    mine = _mine(sd3)
     monkeypatch.setitem(FAMILIES, "mine", dataclasses.replace(SD3, name="mine", class_prefix="Mine"))
     family = family_of_pipeline(mine)
     assert family.name == "mine"
