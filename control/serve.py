@@ -1,11 +1,12 @@
-"""What `sigmaflight serve` runs: flags from Settings, a preflight check, then uvicorn.
+"""What `sigmaflight serve` runs: flags from Settings, the start-up checks, then uvicorn.
 
 Imported only by the `serve` command (sigmaflight/cli.py), so the users' side never loads
-the server. Startup mistakes (unknown --model, a missing --model-dir, a pipeline directory
-diffusers cannot load, a --token-file that is missing, unreadable or holds no token) end in
-one line on stderr and exit status 2, before uvicorn starts. SIGHUP re-reads --token-file
-(both planes, every Ray worker); a file that is now missing, unreadable or empty changes
-nothing (an error line; the old tokens stay).
+the server. Flags come from pydantic-settings' CLI source over `Settings`. Startup mistakes
+(control/startup.py: ports in use, a bad --shm-dir, --backend ray without Ray, an unknown
+--model, a bad --model-dir, an unusable --token-file; and any invalid value) end in one line on
+stderr and exit status 2, before any model loads. SIGHUP re-reads --token-file (both planes,
+every Ray worker); a file that is now missing, unreadable or empty changes nothing (an error
+line; the old tokens stay). A SIGHUP while the server starts is held until it is ready.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_settings import CliSettingsSource, SettingsError
 from sigmaflight.control.settings import Settings, TokenFileError, token_file_exposed
+from sigmaflight.control.startup import StartupError, preflight, prepare_shm_dir
 
 log = logging.getLogger("sigmaflight")
 
@@ -32,10 +34,6 @@ SERVE_DESCRIPTION = (
     "Every flag is also an environment variable SIGMAFLIGHT_<NAME>; flags win. "
     "SIGHUP re-reads --token-file (a missing or empty file changes nothing)."
 )
-
-
-class StartupError(Exception):
-    """A setting the server cannot start with; its message is the one line the user sees."""
 
 
 def _add_setting_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> argparse.Action:
@@ -86,6 +84,7 @@ def serve(settings: Settings) -> int:
     from sigmaflight.control.http.app import create_app
 
     logs.configure(settings.log_level, settings.log_format)
+    prepare_shm_dir(settings.shm_dir)
     if settings.token_file is not None and token_file_exposed(settings.token_file):
         log.warning(
             f"--token-file {settings.token_file} is readable by group or others; "
@@ -132,9 +131,15 @@ def serve(settings: Settings) -> int:
             if self.should_exit:
                 return
             if hasattr(signal, "SIGHUP"):
-                asyncio.get_running_loop().add_signal_handler(
-                    signal.SIGHUP, lambda: threading.Thread(target=reload_tokens, name="sigmaflight-sighup").start()
-                )
+                def on_sighup() -> None:
+                    threading.Thread(target=reload_tokens, name="sigmaflight-sighup").start()
+
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_sighup)
+                if _EARLY_SIGHUPS:  # received while starting: re-read the tokens now, once
+                    log.info("SIGHUP received while starting; re-reading --token-file now",
+                             extra={"signals": len(_EARLY_SIGHUPS)})
+                    _EARLY_SIGHUPS.clear()
+                    on_sighup()
             port = self.servers[0].sockets[0].getsockname()[1] if self.servers else settings.port
             scheme = "https" if tls else "http"
             service = app.state.service if hasattr(app.state, "service") else None
@@ -157,39 +162,6 @@ def serve(settings: Settings) -> int:
     return 0 if server.started else 1
 
 
-def preflight(settings: Settings) -> None:
-    """Refuse settings the server cannot start with, naming the flag and the reason (StartupError)."""
-    from sigmaflight.control.node import local_model_dirs
-    from sigmaflight.pipeline.models import ModelLoadError, ModelRegistry, check_flow_match
-
-    try:
-        settings.tokens()  # a --token-file that is missing, unreadable or empty: fail closed
-    except TokenFileError as exc:
-        raise StartupError(str(exc)) from None
-    local: list[str] = []
-    if settings.model_dir is not None:
-        root = settings.model_dir
-        if not root.is_dir():
-            raise StartupError(f"--model-dir {root}: {'not a directory' if root.exists() else 'no such directory'}")
-        dirs = local_model_dirs(root)
-        if not dirs:
-            raise StartupError(f"--model-dir {root}: no pipeline in it (no subdirectory holds a model_index.json)")
-        for sub in dirs:
-            if not (sub / "scheduler" / "scheduler_config.json").is_file():
-                raise StartupError(
-                    f"--model-dir {root}: {sub.name}/scheduler/scheduler_config.json is missing "
-                    "(save the whole pipeline with save_pretrained)"
-                )
-            try:
-                check_flow_match(str(sub))  # reads model_index.json only: a DDIM/PNDM/... pipeline cannot run
-            except ModelLoadError as exc:
-                raise StartupError(f"--model-dir {root}: {exc}") from None
-        local = [sub.name for sub in dirs]
-    known = sorted(set(ModelRegistry().ids()) | set(local))
-    if settings.model not in known:
-        raise StartupError(f"--model {settings.model!r}: unknown model; known: {', '.join(known)}")
-
-
 def invalid_setting_lines(exc: ValidationError) -> list[str]:
     """One line per bad setting: "--flag (SIGMAFLIGHT_FLAG) VALUE: why"."""
     lines = []
@@ -201,8 +173,22 @@ def invalid_setting_lines(exc: ValidationError) -> list[str]:
     return lines
 
 
+_EARLY_SIGHUPS: list[int] = []
+"""SIGHUPs that arrived before the reload handler was installed (handled once the server is ready)."""
+
+
+def _defer_sighup() -> None:
+    """From the first moment of `serve` until the server is ready, a SIGHUP is noted instead of
+    ending the process (its default action): an operator's `kill -HUP` during start-up, or a
+    closing terminal, must not kill a server that is loading its models. A handler, not SIG_IGN:
+    processes started from here (Ray) get the default disposition back at exec."""
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, lambda signum, frame: _EARLY_SIGHUPS.append(signum))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`sigmaflight serve [flags]`: 2 on a startup mistake, 1 if the server did not start, else 0."""
+    _defer_sighup()
     try:
         settings = settings_from_argv(sys.argv[1:] if argv is None else argv)
     except ValidationError as exc:  # name the flag and the reason, one line each
