@@ -18,7 +18,7 @@ from sigmaflight.control.jobs.manager import Backend, JobManager, NotFinished
 from sigmaflight.control.node import Node, NodeConfig
 from sigmaflight.control.settings import Settings
 from sigmaflight.dataplane.auth import TokenSet
-from sigmaflight.pipeline.models import Policy
+from sigmaflight.pipeline.models import Policy, parse_hub_id
 
 log = logging.getLogger("sigmaflight.service")
 
@@ -40,6 +40,7 @@ def node_config(settings: Settings) -> NodeConfig:
         tls_certificates=settings.tls_certificates(),
         max_flight_streams=settings.max_flight_streams,
         batch_invariant=settings.batch_invariant,
+        hub_models=(settings.model,) if parse_hub_id(settings.model) is not None else (),
     )
 
 

@@ -10,9 +10,12 @@
 - a --shm-dir that is a dangling symbolic link, not a directory, not writable, in use by another
   live server (its lock is held), or missing with a missing parent (only the last component is
   created, by `prepare_shm_dir`, mode 0700; never parents);
-- --backend ray where Ray cannot be imported (the `ray` extra);
+- --backend ray where Ray cannot be imported (the `ray` extra), or with a hub --model (Ray workers
+  load the built-ins and --model-dir only);
 - a --model-dir that does not exist or holds no pipeline, or a pipeline there whose scheduler is not
   flow-match;
+- a hub --model (org/name[@revision]) that is neither in the Hugging Face cache nor on the hub
+  (HF_HUB_OFFLINE=1: the cache only), is not a diffusers pipeline, or is not flow-match;
 - an unknown --model (the line lists the known ones).
 """
 
@@ -47,6 +50,11 @@ def preflight(settings: Settings) -> None:
     if settings.shm_dir is not None:
         check_shm_dir(settings.shm_dir)
     if settings.backend == "ray":
+        from sigmaflight.pipeline.models import parse_hub_id
+
+        if parse_hub_id(settings.model) is not None:
+            raise StartupError(f"--model {settings.model}: a hub model is served by --backend local only "
+                               "(Ray workers load the built-ins and --model-dir)")
         check_ray()
     check_models(settings)
 
@@ -152,7 +160,13 @@ def check_ray() -> None:
 def check_models(settings: Settings) -> None:
     """--model-dir holds loadable flow-match pipelines, and --model is one the server can serve."""
     from sigmaflight.control.node import local_model_dirs
-    from sigmaflight.pipeline.models import ModelLoadError, ModelRegistry, check_flow_match
+    from sigmaflight.pipeline.models import (
+        ModelLoadError,
+        ModelRegistry,
+        check_flow_match,
+        check_hub_model,
+        parse_hub_id,
+    )
 
     local: list[str] = []
     if settings.model_dir is not None:
@@ -173,6 +187,13 @@ def check_models(settings: Settings) -> None:
             except ModelLoadError as exc:
                 raise StartupError(f"--model-dir {root}: {exc}") from None
         local = [sub.name for sub in dirs]
+    if parse_hub_id(settings.model) is not None:
+        try:
+            check_hub_model(settings.model)  # model_index.json only: in the cache (or on the hub), flow-match
+        except ModelLoadError as exc:
+            raise StartupError(f"--model {exc}") from None
+        return
     known = sorted(set(ModelRegistry().ids()) | set(local))
     if settings.model not in known:
-        raise StartupError(f"--model {settings.model!r}: unknown model; known: {', '.join(known)}")
+        raise StartupError(f"--model {settings.model!r}: unknown model; known: {', '.join(known)} "
+                           "(or a Hugging Face hub id, org/name[@revision])")

@@ -8,7 +8,6 @@ import signal
 import socket
 import stat
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,19 +18,7 @@ import psutil
 import pytest
 
 from sigmaflight.launcher import ROOT, ServerProcess
-
-SERVE = [sys.executable, "-m", "sigmaflight.cli", "serve", "--log-format", "json"]
-
-
-def _refused(*flags: str, env: dict[str, str] | None = None) -> str:
-    """Run `sigmaflight serve FLAGS` that must refuse to start: exit 2, one stderr line, no model loaded."""
-    done = subprocess.run([*SERVE, *flags], cwd=ROOT, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, **(env or {})})
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2, done.stderr
-    assert len(lines) == 1, done.stderr  # no traceback, no "model loaded" line before it
-    assert lines[0].startswith("sigmaflight serve: "), lines
-    return lines[0]
+from tests.hardening.conftest import SERVE, serve_refused
 
 
 @contextmanager
@@ -54,7 +41,7 @@ def _free_port() -> int:
 def test_serving_twice_on_the_same_ports_is_refused_naming_both_flags():
     port, flight_port = _free_port(), _free_port()
     with ServerProcess("--port", str(port), "--flight-port", str(flight_port)) as first:
-        line = _refused("--port", str(port), "--flight-port", str(flight_port))
+        line = serve_refused("--port", str(port), "--flight-port", str(flight_port))
         assert f"--port {port}" in line and f"--flight-port {flight_port}" in line and "already in use" in line
         with first.client() as c:
             assert c.get("/readyz").status_code == 200  # the first server is untouched
@@ -62,19 +49,19 @@ def test_serving_twice_on_the_same_ports_is_refused_naming_both_flags():
 
 def test_a_rest_port_in_use_is_refused_before_the_model_loads():
     with _listening() as port:
-        line = _refused("--port", str(port), "--flight-port", "0")
+        line = serve_refused("--port", str(port), "--flight-port", "0")
     assert f"--port {port}: 127.0.0.1:{port} is already in use" in line and "--flight-port" not in line
 
 
 def test_a_flight_port_in_use_is_refused_before_the_model_loads():
     with _listening() as port:
-        line = _refused("--port", "0", "--flight-port", str(port))
+        line = serve_refused("--port", "0", "--flight-port", str(port))
     assert f"--flight-port {port}: 127.0.0.1:{port} is already in use" in line and "--port " not in line
 
 
-def test_the_same_port_for_both_planes_is_refused():
+def test_the_same_port_for_both_planes_isserve_refused():
     port = _free_port()
-    line = _refused("--port", str(port), "--flight-port", str(port))
+    line = serve_refused("--port", str(port), "--flight-port", str(port))
     assert f"--port and --flight-port are both {port}" in line
 
 
@@ -82,23 +69,23 @@ def test_the_same_port_for_both_planes_is_refused():
 
 def test_a_shm_dir_whose_parent_is_missing_is_refused_and_nothing_is_created(tmp_path):
     target = tmp_path / "no-such-parent" / "shm"
-    line = _refused("--port", "0", "--flight-port", "0", "--shm-dir", str(target))
+    line = serve_refused("--port", "0", "--flight-port", "0", "--shm-dir", str(target))
     assert f"--shm-dir {target}: its parent {target.parent} does not exist" in line
     assert not target.parent.exists()
 
 
-def test_a_shm_dir_that_is_a_file_is_refused(tmp_path):
+def test_a_shm_dir_that_is_a_file_isserve_refused(tmp_path):
     target = tmp_path / "a-file"
     target.write_text("not a directory")
-    line = _refused("--port", "0", "--flight-port", "0", "--shm-dir", str(target))
+    line = serve_refused("--port", "0", "--flight-port", "0", "--shm-dir", str(target))
     assert f"--shm-dir {target}: not a directory" in line
     assert target.read_text() == "not a directory"
 
 
-def test_a_shm_dir_that_is_a_dangling_symlink_is_refused(tmp_path):
+def test_a_shm_dir_that_is_a_dangling_symlink_isserve_refused(tmp_path):
     target = tmp_path / "link"
     target.symlink_to(tmp_path / "gone")
-    line = _refused("--port", "0", "--flight-port", "0", "--shm-dir", str(target))
+    line = serve_refused("--port", "0", "--flight-port", "0", "--shm-dir", str(target))
     assert f"--shm-dir {target}: a symbolic link to {tmp_path / 'gone'}, which does not exist" in line
     assert not (tmp_path / "gone").exists()
 
@@ -106,7 +93,7 @@ def test_a_shm_dir_that_is_a_dangling_symlink_is_refused(tmp_path):
 def test_a_shm_dir_in_use_by_a_live_server_is_refused_before_the_model_loads(tmp_path):
     shm = tmp_path / "shm"
     with ServerProcess("--shm-dir", str(shm)):
-        line = _refused("--port", "0", "--flight-port", "0", "--shm-dir", str(shm))
+        line = serve_refused("--port", "0", "--flight-port", "0", "--shm-dir", str(shm))
     assert f"--shm-dir {shm}: in use by another live server" in line
 
 
@@ -136,7 +123,7 @@ def test_backend_ray_without_ray_installed_names_the_extra_before_the_model_load
     (tmp_path / "ray").mkdir()
     (tmp_path / "ray" / "__init__.py").write_text(
         "raise ModuleNotFoundError(\"No module named 'ray'\", name='ray')\n")
-    line = _refused("--port", "0", "--flight-port", "0", "--backend", "ray",
+    line = serve_refused("--port", "0", "--flight-port", "0", "--backend", "ray",
                     env={"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
     assert "--backend ray:" in line and "pip install 'sigmaflight[ray]'" in line
 
