@@ -55,7 +55,12 @@ def _cli_source(prog: str = "sigmaflight serve") -> CliSettingsSource[argparse.A
     --flag/--no-flag, flags above SIGMAFLIGHT_<NAME> above the default."""
     parser = argparse.ArgumentParser(prog=prog, description=SERVE_DESCRIPTION)
     return CliSettingsSource(
-        Settings, root_parser=parser, cli_prog_name=prog, cli_kebab_case=True, cli_implicit_flags=True, cli_hide_none_type=True,
+        Settings,
+        root_parser=parser,
+        cli_prog_name=prog,
+        cli_kebab_case=True,  # --flight-port
+        cli_implicit_flags=True,  # --batch-invariant / --no-batch-invariant
+        cli_hide_none_type=True,  # Optional fields show their NAME, not {str,null}
         add_argument_method=_add_setting_argument,
     )
 
@@ -74,6 +79,19 @@ def settings_from_argv(argv: Sequence[str]) -> Settings:
     """Settings from command-line flags, the environment and the defaults (--help prints and exits 0;
     an unknown flag exits 2 with the usage)."""
     return Settings(_cli_settings_source=_cli_source()(args=list(argv)))
+
+
+_EARLY_SIGHUPS: list[int] = []
+"""SIGHUPs that arrived before the reload handler was installed (handled once the server is ready)."""
+
+
+def _defer_sighup() -> None:
+    """From the first moment of `serve` until the server is ready, a SIGHUP is noted instead of
+    ending the process (its default action): an operator's `kill -HUP` during start-up, or a
+    closing terminal, must not kill a server that is loading its models. A handler, not SIG_IGN:
+    processes started from here (Ray) get the default disposition back at exec."""
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, lambda signum, frame: _EARLY_SIGHUPS.append(signum))
 
 
 def serve(settings: Settings) -> int:
@@ -171,19 +189,6 @@ def invalid_setting_lines(exc: ValidationError) -> list[str]:
         value = "" if name == "token" or "input" not in err else f" {err['input']!r}"
         lines.append(f"{flag}{value}: {err['msg']}")
     return lines
-
-
-_EARLY_SIGHUPS: list[int] = []
-"""SIGHUPs that arrived before the reload handler was installed (handled once the server is ready)."""
-
-
-def _defer_sighup() -> None:
-    """From the first moment of `serve` until the server is ready, a SIGHUP is noted instead of
-    ending the process (its default action): an operator's `kill -HUP` during start-up, or a
-    closing terminal, must not kill a server that is loading its models. A handler, not SIG_IGN:
-    processes started from here (Ray) get the default disposition back at exec."""
-    if hasattr(signal, "SIGHUP"):
-        signal.signal(signal.SIGHUP, lambda signum, frame: _EARLY_SIGHUPS.append(signum))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
