@@ -18,7 +18,7 @@ from sigmaflight.control.backends.local import LocalBackend
 from sigmaflight.control.settings import Settings
 from sigmaflight.dataplane.server import FlightDataServer
 from sigmaflight.dataplane.store import ResultStore
-from sigmaflight.pipeline.models import ModelRegistry
+from sigmaflight.pipeline.models import ModelRegistry, parse_hub_id
 
 log = logging.getLogger("sigmaflight.node")
 
@@ -48,6 +48,8 @@ class NodeConfig:
     tls_certificates: Sequence[tuple[bytes, bytes]] = ()
     max_flight_streams: int = 64
     batch_invariant: bool = False
+    hub_models: Sequence[str] = ()
+    """Hugging Face hub ids (org/name[@revision]) loaded at start-up, from the HF cache or the hub."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> NodeConfig:
@@ -66,6 +68,7 @@ class NodeConfig:
             tls_certificates=settings.tls_certificates(),
             max_flight_streams=settings.max_flight_streams,
             batch_invariant=settings.batch_invariant,
+            hub_models=(settings.model,) if parse_hub_id(settings.model) is not None else (),
         )
 
 
@@ -88,18 +91,24 @@ def quiet_library_progress_bars() -> None:
 
 
 def load_registry(config: NodeConfig) -> ModelRegistry:
-    """A registry on the node's device and dtype, with every pipeline under `model_dir` loaded.
+    """A registry on the node's device and dtype, with every hub model and every pipeline under
+    `model_dir` loaded.
 
     Loading local pipelines can take long: a tqdm bar shows it on a terminal (off when stderr is
     not one, so a JSON log stays JSON), diffusers' and transformers' own bars are off, and each
     model logs one "model loaded" line."""
     dtype = DTYPES[config.dtype]
     registry = ModelRegistry(device=config.device, dtype=dtype)
+    if config.hub_models or config.model_dir is not None:
+        quiet_library_progress_bars()
+    for model_id in config.hub_models:
+        model = registry.register_hub(model_id, device=config.device, dtype=dtype)
+        log.info("model loaded", extra={"model": model.id, "source": "hub", "family": model.family,
+                                        "digest": model.digest, "device": str(model.device)})
     if config.model_dir is None:
         return registry
     from tqdm import tqdm
 
-    quiet_library_progress_bars()
     for sub in tqdm(local_model_dirs(config.model_dir), desc="loading models", unit="model", disable=None):
         model = registry.register_local(sub.name, str(sub), device=config.device, dtype=dtype)
         log.info("model loaded", extra={"model": model.id, "path": str(sub), "family": model.family,

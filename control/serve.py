@@ -1,11 +1,12 @@
-"""What `sigmaflight serve` runs: flags from Settings, a preflight check, then uvicorn.
+"""What `sigmaflight serve` runs: flags from Settings, the start-up checks, then uvicorn.
 
 Imported only by the `serve` command (sigmaflight/cli.py), so the users' side never loads
-the server. Startup mistakes (unknown --model, a missing --model-dir, a pipeline directory
-diffusers cannot load, a --token-file that is missing, unreadable or holds no token) end in
-one line on stderr and exit status 2, before uvicorn starts. SIGHUP re-reads --token-file
-(both planes, every Ray worker); a file that is now missing, unreadable or empty changes
-nothing (an error line; the old tokens stay).
+the server. Flags come from pydantic-settings' CLI source over `Settings`. Startup mistakes
+(control/startup.py: ports in use, a bad --shm-dir, --backend ray without Ray, an unknown
+--model, a bad --model-dir, an unusable --token-file; and any invalid value) end in one line on
+stderr and exit status 2, before any model loads. SIGHUP re-reads --token-file (both planes,
+every Ray worker); a file that is now missing, unreadable or empty changes nothing (an error
+line; the old tokens stay). A SIGHUP while the server starts is held until it is ready.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any, get_args
+from typing import Any
 
+from pydantic import ValidationError
+from pydantic_settings import CliSettingsSource, SettingsError
 from sigmaflight.control.settings import Settings, TokenFileError, token_file_exposed
+from sigmaflight.control.startup import StartupError, preflight, prepare_shm_dir
 
 log = logging.getLogger("sigmaflight")
 
@@ -32,30 +36,62 @@ SERVE_DESCRIPTION = (
 )
 
 
-class StartupError(Exception):
-    """A setting the server cannot start with; its message is the one line the user sees."""
-
-
-def _settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per Settings field; defaults stay unset so env vars and defaults apply underneath."""
-    for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        env = f"SIGMAFLIGHT_{name.upper()}"
+def _add_setting_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> argparse.Action:
+    """pydantic-settings' `add_argument_method`: its flag for a Settings field, with our help line
+    ("<description> [env SIGMAFLIGHT_<NAME>; default <value>]") and an upper-case metavar."""
+    field = Settings.model_fields.get(kwargs.get("dest", ""))
+    if field is not None:
+        name = kwargs["dest"]
         default = field.default
         shown = "none" if default is None else ("<secret>" if name == "token" else default)
-        help_ = f"{field.description} [env {env}; default {shown}]"
-        choices = get_args(field.annotation) if "Literal" in str(field.annotation) else None
-        if field.annotation is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_)
-        else:
-            parser.add_argument(
-                flag, dest=name, default=argparse.SUPPRESS, choices=choices or None, help=help_, metavar=None if choices else name.upper()
-            )
+        kwargs["help"] = f"{field.description} [env SIGMAFLIGHT_{name.upper()}; default {shown}]".replace("%", "%%")
+        if "metavar" in kwargs and not str(kwargs["metavar"]).startswith("{"):  # {a,b}: a Literal's choices
+            kwargs["metavar"] = name.upper()
+    return parser.add_argument(*names, **kwargs)
+
+
+def _cli_source(prog: str = "sigmaflight serve") -> CliSettingsSource[argparse.ArgumentParser]:
+    """pydantic-settings' CLI source for Settings: one --kebab-case flag per field, bools as
+    --flag/--no-flag, flags above SIGMAFLIGHT_<NAME> above the default."""
+    parser = argparse.ArgumentParser(prog=prog, description=SERVE_DESCRIPTION)
+    return CliSettingsSource(
+        Settings,
+        root_parser=parser,
+        cli_prog_name=prog,
+        cli_kebab_case=True,  # --flight-port
+        cli_implicit_flags=True,  # --batch-invariant / --no-batch-invariant
+        cli_hide_none_type=True,  # Optional fields show their NAME, not {str,null}
+        add_argument_method=_add_setting_argument,
+    )
+
+
+def build_parser(prog: str = "sigmaflight serve") -> argparse.ArgumentParser:
+    """The `sigmaflight serve` parser (pydantic-settings' CLI source's root parser)."""
+    return _cli_source(prog).root_parser
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    given: dict[str, Any] = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
-    return Settings(**given)
+    """Settings from parsed flags (build_parser().parse_args), the environment and the defaults."""
+    return Settings(_cli_settings_source=_cli_source()(parsed_args=args))
+
+
+def settings_from_argv(argv: Sequence[str]) -> Settings:
+    """Settings from command-line flags, the environment and the defaults (--help prints and exits 0;
+    an unknown flag exits 2 with the usage)."""
+    return Settings(_cli_settings_source=_cli_source()(args=list(argv)))
+
+
+_EARLY_SIGHUPS: list[int] = []
+"""SIGHUPs that arrived before the reload handler was installed (handled once the server is ready)."""
+
+
+def _defer_sighup() -> None:
+    """From the first moment of `serve` until the server is ready, a SIGHUP is noted instead of
+    ending the process (its default action): an operator's `kill -HUP` during start-up, or a
+    closing terminal, must not kill a server that is loading its models. A handler, not SIG_IGN:
+    processes started from here (Ray) get the default disposition back at exec."""
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, lambda signum, frame: _EARLY_SIGHUPS.append(signum))
 
 
 def serve(settings: Settings) -> int:
@@ -67,6 +103,7 @@ def serve(settings: Settings) -> int:
     from sigmaflight.control.http.timeouts import header_timeout_protocol
 
     logs.configure(settings.log_level, settings.log_format)
+    prepare_shm_dir(settings.shm_dir)
     if settings.token_file is not None and token_file_exposed(settings.token_file):
         log.warning(
             f"--token-file {settings.token_file} is readable by group or others; "
@@ -114,9 +151,15 @@ def serve(settings: Settings) -> int:
             if self.should_exit:
                 return
             if hasattr(signal, "SIGHUP"):
-                asyncio.get_running_loop().add_signal_handler(
-                    signal.SIGHUP, lambda: threading.Thread(target=reload_tokens, name="sigmaflight-sighup").start()
-                )
+                def on_sighup() -> None:
+                    threading.Thread(target=reload_tokens, name="sigmaflight-sighup").start()
+
+                asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_sighup)
+                if _EARLY_SIGHUPS:  # received while starting: re-read the tokens now, once
+                    log.info("SIGHUP received while starting; re-reading --token-file now",
+                             extra={"signals": len(_EARLY_SIGHUPS)})
+                    _EARLY_SIGHUPS.clear()
+                    on_sighup()
             port = self.servers[0].sockets[0].getsockname()[1] if self.servers else settings.port
             scheme = "https" if tls else "http"
             service = app.state.service if hasattr(app.state, "service") else None
@@ -139,54 +182,28 @@ def serve(settings: Settings) -> int:
     return 0 if server.started else 1
 
 
-def preflight(settings: Settings) -> None:
-    """Refuse settings the server cannot start with, naming the flag and the reason (StartupError)."""
-    from sigmaflight.control.node import local_model_dirs
-    from sigmaflight.pipeline.models import ModelLoadError, ModelRegistry, check_flow_match
-
-    try:
-        settings.tokens()  # a --token-file that is missing, unreadable or empty: fail closed
-    except TokenFileError as exc:
-        raise StartupError(str(exc)) from None
-    local: list[str] = []
-    if settings.model_dir is not None:
-        root = settings.model_dir
-        if not root.is_dir():
-            raise StartupError(f"--model-dir {root}: {'not a directory' if root.exists() else 'no such directory'}")
-        dirs = local_model_dirs(root)
-        if not dirs:
-            raise StartupError(f"--model-dir {root}: no pipeline in it (no subdirectory holds a model_index.json)")
-        for sub in dirs:
-            if not (sub / "scheduler" / "scheduler_config.json").is_file():
-                raise StartupError(
-                    f"--model-dir {root}: {sub.name}/scheduler/scheduler_config.json is missing "
-                    "(save the whole pipeline with save_pretrained)"
-                )
-            try:
-                check_flow_match(str(sub))  # reads model_index.json only: a DDIM/PNDM/... pipeline cannot run
-            except ModelLoadError as exc:
-                raise StartupError(f"--model-dir {root}: {exc}") from None
-        local = [sub.name for sub in dirs]
-    known = sorted(set(ModelRegistry().ids()) | set(local))
-    if settings.model not in known:
-        raise StartupError(f"--model {settings.model!r}: unknown model; known: {', '.join(known)}")
-
-
-def build_parser(prog: str = "sigmaflight serve") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=SERVE_DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    _settings_arguments(parser)
-    return parser
+def invalid_setting_lines(exc: ValidationError) -> list[str]:
+    """One line per bad setting: "--flag (SIGMAFLIGHT_FLAG) VALUE: why"."""
+    lines = []
+    for err in exc.errors():
+        name = str(err["loc"][0]) if err["loc"] else ""
+        flag = f"--{name.replace('_', '-')} (SIGMAFLIGHT_{name.upper()})" if name else "settings"
+        value = "" if name == "token" or "input" not in err else f" {err['input']!r}"
+        lines.append(f"{flag}{value}: {err['msg']}")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`sigmaflight serve [flags]`: 2 on a startup mistake, 1 if the server did not start, else 0."""
-    args = build_parser().parse_args(argv)
+    _defer_sighup()
     try:
-        settings = settings_from_args(args)
-    except Exception as exc:  # pydantic ValidationError: name the flag and the reason
-        print(f"sigmaflight serve: invalid settings:\n{exc}", file=sys.stderr)
+        settings = settings_from_argv(sys.argv[1:] if argv is None else argv)
+    except ValidationError as exc:  # name the flag and the reason, one line each
+        for line in invalid_setting_lines(exc):
+            print(f"sigmaflight serve: {line}", file=sys.stderr)
+        return 2
+    except SettingsError as exc:  # a value the CLI source cannot parse
+        print(f"sigmaflight serve: {exc}", file=sys.stderr)
         return 2
     try:
         preflight(settings)

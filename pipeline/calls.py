@@ -2,7 +2,8 @@
 per-call attribute overrides (tokenizer locks; per-row model calls).
 
 `call_kwargs` is also what a benchmark or a test passes to the stock pipeline to compare
-a rollout with a plain `__call__`.
+a rollout with a plain `__call__`. The per-row calls take each family's batch arguments and
+text encoders from `sigmaflight.pipeline.families`.
 """
 
 from __future__ import annotations
@@ -12,24 +13,12 @@ from typing import Any
 
 import torch
 from sigmaflight.pipeline.conditioning import conditioning_call_kwargs
+from sigmaflight.pipeline.families import family_named
 from sigmaflight.pipeline.models import LoadedModel
 from sigmaflight.pipeline.seeds import sample_generators
 from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec
 
 __all__ = ["call_kwargs", "call_overrides"]
-
-# Batch arguments of each family's transformer call (sliced row by row with per_sample_model_calls).
-_TRANSFORMER_BATCH_ARGS: dict[str, tuple[str, ...]] = {
-    "sd3": ("hidden_states", "timestep", "encoder_hidden_states", "pooled_projections"),
-    "flux": ("hidden_states", "timestep", "guidance", "pooled_projections", "encoder_hidden_states"),
-    "wan": ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
-}
-# Text encoders of each family; all are called as encoder(input_ids, ...) with batch-first positional tensors.
-_TEXT_ENCODERS: dict[str, tuple[str, ...]] = {
-    "sd3": ("text_encoder", "text_encoder_2", "text_encoder_3"),
-    "flux": ("text_encoder", "text_encoder_2"),
-    "wan": ("text_encoder",),
-}
 
 
 def call_kwargs(
@@ -155,10 +144,11 @@ def call_overrides(model: LoadedModel, pipeline: Any, per_sample_model_calls: bo
 
 
 def _per_row_overrides(model: LoadedModel, pipeline: Any) -> dict[str, Any]:
-    if model.family not in _TRANSFORMER_BATCH_ARGS:
+    family = family_named(model.family)
+    if not family.transformer_batch_args:
         raise RolloutInputError("model", f"per-sample model calls are not available for family {model.family!r}")
-    out: dict[str, Any] = {"transformer": _PerRow(pipeline.transformer, _TRANSFORMER_BATCH_ARGS[model.family], False)}
-    for name in _TEXT_ENCODERS[model.family]:
+    out: dict[str, Any] = {"transformer": _PerRow(pipeline.transformer, family.transformer_batch_args, False)}
+    for name in family.text_encoders:
         enc = getattr(pipeline, name, None)
         if enc is not None:
             out[name] = _PerRow(enc, ("attention_mask",), True)

@@ -3,13 +3,9 @@
 A rollout that asks for its conditioning wraps the transformer of its own pipeline copy in a
 `TransformerRecorder` (per call, never a hook on the shared module), which keeps the text
 tensors of the model calls of the first step; `conditioning_from_calls` names them as the
-stock `__call__` keywords that take them:
-
-| family | transformer keyword(s) | conditioning names |
-| --- | --- | --- |
-| sd3 | encoder_hidden_states, pooled_projections ([neg; pos] with CFG) | prompt_embeds, pooled_prompt_embeds, negative_prompt_embeds, negative_pooled_prompt_embeds |
-| flux | encoder_hidden_states, pooled_projections | prompt_embeds, pooled_prompt_embeds |
-| wan | encoder_hidden_states (cond call, then uncond call with CFG) | prompt_embeds, negative_prompt_embeds |
+stock `__call__` keywords that take them, as the model's family says
+(`sigmaflight.pipeline.families`: sd3 splits its [negative; positive] CFG batch, Wan takes its
+cond call and then its uncond call).
 
 Each tensor has B rows (one per sample, prompt-major) in the dtype the transformer consumed.
 Passing them back (`conditioning_call_kwargs`) replaces the prompts: the pipeline then calls
@@ -22,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from sigmaflight.pipeline.families import FAMILIES, family_named
 from sigmaflight.pipeline.models import LoadedModel
 from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec
 
@@ -29,9 +26,7 @@ __all__ = ["CONDITIONING_NAMES", "TransformerRecorder", "conditioning_from_calls
            "conditioning_call_kwargs", "encode_prompts", "branch_conditioning"]
 
 CONDITIONING_NAMES: dict[str, tuple[str, ...]] = {
-    "sd3": ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds"),
-    "flux": ("prompt_embeds", "pooled_prompt_embeds"),
-    "wan": ("prompt_embeds", "negative_prompt_embeds"),
+    name: family.conditioning_names for name, family in FAMILIES.items() if family.conditioning_names
 }
 """The conditioning names of each family (the negative ones only with CFG)."""
 
@@ -60,48 +55,31 @@ class TransformerRecorder:
         return self.calls
 
 
-def _cpu(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().to("cpu").clone().contiguous()
-
-
 def conditioning_from_calls(family: str, calls: list[dict[str, torch.Tensor]], batch: int) -> dict[str, torch.Tensor]:
     """Name the recorded text inputs of one step's model calls (B = `batch` rows each, CPU)."""
-    if family not in CONDITIONING_NAMES or not calls:
+    name_conditioning = family_named(family).name_conditioning
+    if name_conditioning is None or not calls:
         raise RuntimeError(f"no conditioning recorded for family {family!r}")
-    first = calls[0]
-    ehs = first["encoder_hidden_states"]
-    if family == "wan":
-        out = {"prompt_embeds": _cpu(ehs)}
-        if len(calls) > 1:  # WanPipeline: cond call, then the uncond call (CFG)
-            out["negative_prompt_embeds"] = _cpu(calls[1]["encoder_hidden_states"])
-        return out
-    pooled = first["pooled_projections"]
-    if family == "sd3" and ehs.shape[0] == 2 * batch:  # CFG: torch.cat([negative, positive])
-        return {
-            "prompt_embeds": _cpu(ehs[batch:]),
-            "pooled_prompt_embeds": _cpu(pooled[batch:]),
-            "negative_prompt_embeds": _cpu(ehs[:batch]),
-            "negative_pooled_prompt_embeds": _cpu(pooled[:batch]),
-        }
-    return {"prompt_embeds": _cpu(ehs), "pooled_prompt_embeds": _cpu(pooled)}
+    return name_conditioning(calls, batch)
 
 
 def check_conditioning(family: str, conditioning: Mapping[str, torch.Tensor], batch: int, *, field: str) -> None:
     """Raise RolloutInputError(`field`.<name>) unless `conditioning` is a usable set of B rows."""
-    names = CONDITIONING_NAMES.get(family)
-    if names is None:
+    fam = family_named(family)
+    names = fam.conditioning_names
+    if not names:
         raise RolloutInputError(field, f"conditioning is not available for family {family!r}")
     for name, value in conditioning.items():
         if name not in names:
             raise RolloutInputError(f"{field}.{name}", f"unknown conditioning name; {family} takes {', '.join(names)}")
         if not isinstance(value, torch.Tensor) or value.ndim < 2 or value.shape[0] != batch:
             raise RolloutInputError(f"{field}.{name}", f"must be a tensor with one row per sample ({batch})")
-    needed = ("prompt_embeds",) if family == "wan" else ("prompt_embeds", "pooled_prompt_embeds")
-    for name in needed:
+    for name in fam.required_conditioning:
         if name not in conditioning:
             raise RolloutInputError(f"{field}.{name}", "missing")
-    if ("negative_prompt_embeds" in conditioning) != ("negative_pooled_prompt_embeds" in conditioning) and family == "sd3":
-        raise RolloutInputError(f"{field}.negative_pooled_prompt_embeds", "give both negative tensors or neither")
+    paired = fam.paired_conditioning
+    if len({name in conditioning for name in paired}) > 1:
+        raise RolloutInputError(f"{field}.{paired[-1]}", "give both negative tensors or neither")
 
 
 def conditioning_call_kwargs(conditioning: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
@@ -117,24 +95,11 @@ def encode_prompts(model: LoadedModel, pipe: Any, spec: RolloutSpec) -> dict[str
     guidance = d.guidance_scale if spec.guidance_scale is None else float(spec.guidance_scale)
     cfg = guidance > 1
     extra = {k: v for k, v in d.call_kwargs.items() if k == "max_sequence_length"}
-    prompts, neg, device = list(spec.prompts), spec.negative_prompt, model.device
-    if model.family == "sd3":
-        pe, ne, pp, npp = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=device,
-                                             num_images_per_prompt=1, do_classifier_free_guidance=cfg,
-                                             negative_prompt=neg, **extra)
-        out = {"prompt_embeds": pe, "pooled_prompt_embeds": pp}
-        if cfg:
-            out.update(negative_prompt_embeds=ne, negative_pooled_prompt_embeds=npp)
-        return out
-    if model.family == "flux":
-        pe, pp, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=device, num_images_per_prompt=1, **extra)
-        return {"prompt_embeds": pe, "pooled_prompt_embeds": pp}
-    if model.family == "wan":
-        pe, ne = pipe.encode_prompt(prompt=prompts, negative_prompt=neg, do_classifier_free_guidance=cfg,
-                                    num_videos_per_prompt=1, device=device, **extra)
-        dtype = pipe.transformer.dtype  # WanPipeline.__call__ casts to the transformer's dtype
-        return {"prompt_embeds": pe.to(dtype), **({"negative_prompt_embeds": ne.to(dtype)} if cfg else {})}
-    raise RolloutInputError("model", f"conditioning is not available for family {model.family!r}")
+    encode = family_named(model.family).encode_prompts
+    if encode is None:
+        raise RolloutInputError("model", f"conditioning is not available for family {model.family!r}")
+    return encode(pipe, prompts=list(spec.prompts), negative_prompt=spec.negative_prompt, cfg=cfg,
+                  device=model.device, extra=extra)
 
 
 def branch_conditioning(model: LoadedModel, pipe: Any, spec: RolloutSpec) -> dict[str, torch.Tensor]:

@@ -1,14 +1,11 @@
 """Decode final latents x_T with a model's own VAE, as the stock diffusers pipelines do after their loop.
 
-Per family, the steps are those of the pipeline's `__call__` once the loop has ended:
-  sd3  (StableDiffusion3Pipeline): x / vae.config.scaling_factor + vae.config.shift_factor,
-       vae.decode, image_processor.postprocess;
-  flux (FluxPipeline): the packed [B, seq, C] latents are unpacked (`_unpack_latents`) first,
-       then as sd3;
-  wan  (WanPipeline): x / (1 / latents_std) + latents_mean with the VAE's per-channel
-       config values, vae.decode, video_processor.postprocess_video.
-Built-in and local (`--model-dir`) models go the same way: the family comes from the pipeline
-class. Other pipelines raise ValueError saying why (callers draw that reason instead).
+The steps are those of the pipeline's `__call__` once the loop has ended: the family's
+`vae_input` (sigmaflight.pipeline.families: sd3 x / scaling_factor + shift_factor; flux unpacks
+its [B, seq, C] latents first, then as sd3; wan x / (1 / latents_std) + latents_mean), then
+vae.decode, then image_processor.postprocess (video_processor.postprocess_video for a video
+family). Built-in and local (`--model-dir`) models go the same way: the family comes from the
+pipeline class. Other pipelines raise ValueError saying why (callers draw that reason instead).
 
 `decode_uint8` is the public entry point for images users look at (plots, an outputs
 stream): its bytes equal `numpy.asarray` of the stock pipeline's `output_type="pil"` images,
@@ -21,11 +18,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from sigmaflight.pipeline.families import FAMILIES, family_named
 from sigmaflight.pipeline.models import LoadedModel
 
 __all__ = ["DECODABLE_FAMILIES", "decode_latents", "decode_uint8"]
 
-DECODABLE_FAMILIES = ("sd3", "flux", "wan")
+DECODABLE_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.vae_input is not None)
 
 
 def _vae_output(model: LoadedModel, pipeline: Any, latents: torch.Tensor, height: int | None,
@@ -34,24 +32,12 @@ def _vae_output(model: LoadedModel, pipeline: Any, latents: torch.Tensor, height
     vae = getattr(pipeline, "vae", None)
     if vae is None:
         raise ValueError(f"model {model.id!r} has no VAE to decode with")
-    if model.family not in DECODABLE_FAMILIES:
+    vae_input = family_named(model.family).vae_input
+    if vae_input is None:
         raise ValueError(f"no decode for the {model.family!r} family ({type(pipeline).__name__}); "
                          f"decodable: {', '.join(DECODABLE_FAMILIES)}")
     with torch.inference_mode():
-        z = latents.to(device=model.device)
-        if model.family == "flux":
-            if height is None or width is None:
-                raise ValueError("height and width are needed to unpack FLUX latents")
-            z = pipeline._unpack_latents(z, height, width, pipeline.vae_scale_factor)  # [B, C, h, w]
-        if model.family == "wan":
-            z = z.to(dtype=vae.dtype)  # [B, C, f, h, w]
-            mean = torch.tensor(vae.config.latents_mean).view(1, vae.config.z_dim, 1, 1, 1).to(z.device, z.dtype)
-            inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, vae.config.z_dim, 1, 1, 1).to(
-                z.device, z.dtype)
-            z = z / inv_std + mean
-        else:
-            z = z / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)  # [B, C, h, w]
-            z = z.to(dtype=vae.dtype)
+        z = vae_input(pipeline, vae, latents.to(device=model.device), height, width)
         out: torch.Tensor = vae.decode(z, return_dict=False)[0]
     return out
 
@@ -66,7 +52,7 @@ def decode_latents(model: LoadedModel, latents: torch.Tensor, *, height: int | N
     out = _vae_output(model, pipeline, latents, height, width)
     with torch.inference_mode():
         out = (out / 2 + 0.5).clamp(0, 1)  # VaeImageProcessor.denormalize, in the VAE's dtype
-        if model.family == "wan":
+        if family_named(model.family).is_video:
             out = out.permute(0, 2, 1, 3, 4)  # [B, F, 3, H, W]
         return out.float().cpu()
 
@@ -84,7 +70,7 @@ def decode_uint8(model: LoadedModel, latents: torch.Tensor, *, height: int | Non
     pipeline, _ = model.snapshot()
     out = _vae_output(model, pipeline, latents, height, width)
     with torch.inference_mode():
-        if model.family == "wan":
+        if family_named(model.family).is_video:
             video = pipeline.video_processor.postprocess_video(out, output_type="np")  # [B, F, H, W, 3]
             return np.asarray((video * 255).round().astype(np.uint8))
         images = pipeline.image_processor.postprocess(out, output_type="np")  # [B, H, W, 3] in [0, 1]

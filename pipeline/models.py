@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 from sigmaflight.pipeline.builtins import _BUILTINS, _CLIP_LEN, _T5_LEN, ModelDefaults
+from sigmaflight.pipeline.families import family_of_pipeline
 from sigmaflight.pipeline.lora import LoraAdapter, attach_adapter, share_tensors_copy
 from sigmaflight.pipeline.spec import RolloutInputError
 
@@ -41,10 +43,13 @@ __all__ = [
     "ModelLoadError",
     "ModelRegistry",
     "Policy",
+    "check_hub_model",
     "combine_digests",
     "component_digest",
     "component_digests",
+    "hub_model_dir",
     "max_image_size",
+    "parse_hub_id",
     "state_digest",
     "weights_digest",
 ]
@@ -88,7 +93,7 @@ class LoadedModel:
 
     id: str
     family: str
-    """"sd3", "flux", "wan" or "other": selects the per-family batch argument names."""
+    """The name of its row in `sigmaflight.pipeline.families` ("sd3", "flux", "wan", or "other")."""
     pipeline: Any
     device: torch.device
     dtype: torch.dtype
@@ -193,38 +198,81 @@ def check_state_dict(current: Mapping[str, torch.Tensor], new: Mapping[str, Any]
     return None
 
 
-def check_flow_match(path: str) -> None:
+def check_flow_match(path: str, *, label: str | None = None) -> None:
     """Refuse a local pipeline directory whose scheduler is not flow-match (before loading it).
 
     sigmaflight's rollout scheduler is a FlowMatchEulerDiscreteScheduler; a DDIM/PNDM/... pipeline
-    would load and then fail on every request.
+    would load and then fail on every request. The message starts with `label` (default
+    "model directory <path>").
     """
     import diffusers
 
+    label = f"model directory {path}" if label is None else label
     index_path = Path(path) / "model_index.json"
     try:
         index = json.loads(index_path.read_text())
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"model directory {path}: cannot read model_index.json ({exc})") from None
+        raise ModelLoadError(f"{label}: cannot read model_index.json ({exc})") from None
     entry = index.get("scheduler") if isinstance(index, dict) else None
     name = entry[1] if isinstance(entry, (list, tuple)) and len(entry) == 2 else None
     cls = getattr(diffusers, name, None) if isinstance(name, str) else None
     if not (isinstance(cls, type) and issubclass(cls, diffusers.FlowMatchEulerDiscreteScheduler)):
         raise ModelLoadError(
-            f"model directory {path}: scheduler {name or entry!r} is not a flow-match scheduler "
+            f"{label}: scheduler {name or entry!r} is not a flow-match scheduler "
             f"(sigmaflight serves pipelines whose scheduler is FlowMatchEulerDiscreteScheduler)"
         )
 
 
-def _family_of(pipeline: Any) -> str:
-    name = type(pipeline).__name__
-    if name.startswith("StableDiffusion3"):
-        return "sd3"
-    if name.startswith("Flux"):
-        return "flux"
-    if name.startswith("Wan"):
-        return "wan"
-    return "other"
+HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<revision>[^\s@]+))?")
+"""A Hugging Face hub model id, `org/name` or `org/name@revision` (branch, tag or commit)."""
+
+
+def parse_hub_id(model_id: str) -> tuple[str, str | None] | None:
+    """(repo id, revision or None) of a hub id; None for anything else (built-in and local ids
+    have no "/")."""
+    m = HUB_ID.fullmatch(model_id)
+    return (m["repo"], m["revision"]) if m else None
+
+
+def hub_model_dir(model_id: str) -> str:
+    """The directory that holds the hub model's model_index.json: from the Hugging Face cache
+    (HF_HOME / HF_HUB_CACHE), fetched from the hub where it is not there and a network is
+    (only that file). Raises ModelLoadError naming the model and why."""
+    from huggingface_hub import constants, hf_hub_download
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    parts = parse_hub_id(model_id)
+    if parts is None:
+        raise ModelLoadError(f"{model_id}: not a hub model id (org/name or org/name@revision)")
+    repo, revision = parts
+    try:
+        index = hf_hub_download(repo, "model_index.json", revision=revision, local_files_only=constants.HF_HUB_OFFLINE)
+        return str(Path(index).parent)
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub cannot be reached"
+        raise ModelLoadError(f"{model_id}: no model_index.json of it in the Hugging Face cache "
+                             f"({constants.HF_HUB_CACHE}) and {why}") from None
+    except RevisionNotFoundError:
+        raise ModelLoadError(f"{model_id}: the hub has no revision {revision!r} of {repo}") from None
+    except RepositoryNotFoundError:
+        raise ModelLoadError(f"{model_id}: no such repository on the hub (a private or gated one needs HF_TOKEN)") \
+            from None
+    except RemoteEntryNotFoundError:
+        raise ModelLoadError(f"{model_id}: the repository has no model_index.json (not a diffusers pipeline)") \
+            from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise ModelLoadError(f"{model_id}: cannot be fetched ({exc})") from None
+
+
+def check_hub_model(model_id: str) -> None:
+    """Refuse a hub model that is not there or not a flow-match pipeline (reads model_index.json only)."""
+    check_flow_match(hub_model_dir(model_id), label=model_id)
 
 
 def max_image_size(pipeline: Any) -> int | None:
@@ -235,17 +283,6 @@ def max_image_size(pipeline: Any) -> int | None:
     if cfg is None or pos is None:
         return None
     return int(pos) * int(getattr(cfg, "patch_size", 1)) * int(getattr(pipeline, "vae_scale_factor", 8))
-
-
-def _size_multiple(pipeline: Any) -> int:
-    vae = getattr(pipeline, "vae_scale_factor", 8)
-    if _family_of(pipeline) == "flux":
-        return int(vae) * 2
-    if _family_of(pipeline) == "wan":  # spatial VAE factor x the transformer's (t, h, w) patch
-        patch = tuple(pipeline.transformer.config.patch_size)
-        return int(pipeline.vae_scale_factor_spatial) * int(max(patch[1], patch[2]))
-    patch = getattr(getattr(pipeline, "transformer", None), "config", {}).get("patch_size", 1)
-    return int(vae) * int(patch if isinstance(patch, int) else 1)
 
 
 def _prepare(pipeline: Any, device: torch.device, dtype: torch.dtype) -> Any:
@@ -302,6 +339,33 @@ class ModelRegistry:
         model = self._load_local(model_id, str(path), torch.device(device), dtype)
         with self._lock:
             self._local[model_id] = (str(path), torch.device(device), dtype)
+            self._loaded[model_id] = model
+        return model
+
+    def register_hub(
+        self,
+        model_id: str,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> LoadedModel:
+        """Load a Hugging Face hub model, `org/name[@revision]`, under that id with diffusers'
+        `DiffusionPipeline.from_pretrained`: from the Hugging Face cache, or the hub where a
+        network is (HF_HUB_OFFLINE=1: the cache only).
+
+        Raises ModelLoadError (naming the model and why) for an id that is not there or whose
+        scheduler is not a FlowMatchEulerDiscreteScheduler, before loading any weights.
+        """
+        parts = parse_hub_id(model_id)
+        if parts is None:
+            raise ModelLoadError(f"{model_id}: not a hub model id (org/name or org/name@revision)")
+        repo, revision = parts
+        check_hub_model(model_id)
+        from huggingface_hub import constants
+
+        # Offline: straight from the cache (no "cannot reach the hub" warnings on the log).
+        model = self._from_pretrained(model_id, repo, torch.device(device), dtype, revision=revision,
+                                      local_files_only=constants.HF_HUB_OFFLINE)
+        with self._lock:
             self._loaded[model_id] = model
         return model
 
@@ -429,30 +493,34 @@ class ModelRegistry:
         )
 
     def _load_local(self, model_id: str, path: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+        check_flow_match(path)
+        return self._from_pretrained(model_id, path, device, dtype, local_files_only=True)
+
+    def _from_pretrained(self, model_id: str, source: str, device: torch.device, dtype: torch.dtype,
+                         **kwargs: Any) -> LoadedModel:
+        """A LoadedModel from `DiffusionPipeline.from_pretrained(source, dtype=dtype, **kwargs)`
+        (a directory or a hub repo id), with the generic defaults of its family."""
         from diffusers import DiffusionPipeline
 
-        check_flow_match(path)
-        pipeline = DiffusionPipeline.from_pretrained(path, local_files_only=True, dtype=dtype)
+        pipeline = DiffusionPipeline.from_pretrained(source, dtype=dtype, **kwargs)
         _prepare(pipeline, device, dtype)
-        family = _family_of(pipeline)
-        vae = int(getattr(pipeline, "vae_scale_factor", 8))
-        sample = getattr(pipeline, "default_sample_size", 64)
-        size = int(sample) * vae if family != "flux" else 32 * _size_multiple(pipeline)
+        family = family_of_pipeline(pipeline)
+        local = family.local_defaults(pipeline)
         builtin_kwargs = {"max_sequence_length": _T5_LEN} if _is_builtin_sized(pipeline) else {}
         defaults = ModelDefaults(
-            height=size,
-            width=size,
+            height=local.size,
+            width=local.size,
             num_inference_steps=28,
-            guidance_scale=3.5 if family == "flux" else 5.0,
-            size_multiple=_size_multiple(pipeline),
-            is_video=family == "wan",
-            num_frames=9 if family == "wan" else None,
+            guidance_scale=local.guidance_scale,
+            size_multiple=family.size_multiple(pipeline),
+            is_video=family.is_video,
+            num_frames=local.num_frames,
             call_kwargs=builtin_kwargs,
         )
         components = component_digests(pipeline)
         return LoadedModel(
             id=model_id,
-            family=family,
+            family=family.name,
             pipeline=pipeline,
             device=device,
             dtype=dtype,

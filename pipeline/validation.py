@@ -11,7 +11,8 @@ import math
 from collections.abc import Sequence
 
 import torch
-from sigmaflight.pipeline.conditioning import CONDITIONING_NAMES, check_conditioning
+from sigmaflight.pipeline.conditioning import check_conditioning
+from sigmaflight.pipeline.families import family_named
 from sigmaflight.pipeline.models import LoadedModel, max_image_size
 from sigmaflight.pipeline.seeds import SEED_MASK
 from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec
@@ -140,7 +141,7 @@ def validate_spec(model: LoadedModel, spec: RolloutSpec) -> None:
     if g is not None and (not _is_number(g) or not 0 <= g <= GUIDANCE_SCALE_MAX):
         raise RolloutInputError("guidance_scale", f"must be a finite number in [0, {GUIDANCE_SCALE_MAX:g}]")
     _validate_seeds(spec)
-    if spec.return_conditioning and model.family not in CONDITIONING_NAMES:
+    if spec.return_conditioning and not family_named(model.family).conditioning_names:
         raise RolloutInputError("return.conditioning", f"not available for family {model.family!r}")
 
 
@@ -149,7 +150,7 @@ def _validate_branch(model: LoadedModel, spec: RolloutSpec) -> None:
     parent's schedule with T+1 sigmas and T timesteps."""
     b, t = spec.branch_from, spec.num_inference_steps
     assert b is not None
-    if model.family not in CONDITIONING_NAMES:
+    if not family_named(model.family).conditioning_names:
         raise RolloutInputError("branch_from", f"branch rollouts are not available for family {model.family!r}")
     if not isinstance(b.step, int) or isinstance(b.step, bool) or not 0 <= b.step < t:
         raise RolloutInputError("branch_from.step", f"{b.step!r} is out of range: must be in 0..{t - 1} (T={t})")
@@ -174,21 +175,10 @@ def capture_dtype(model: LoadedModel, spec: RolloutSpec) -> torch.dtype:
 
 def latent_shape(model: LoadedModel, spec: RolloutSpec) -> tuple[int, ...]:
     """Per-sample latent shape as the model consumes it, computed from the request."""
-    pipe = model.pipeline
     d = model.defaults
-    h = spec.height or d.height
-    w = spec.width or d.width
-    vae = int(getattr(pipe, "vae_scale_factor", 8))
-    cin = int(pipe.transformer.config.in_channels)
-    if model.family == "flux":
-        lh, lw = 2 * (h // (vae * 2)), 2 * (w // (vae * 2))
-        return ((lh // 2) * (lw // 2), cin)
-    if model.family == "wan":
-        frames = spec.num_frames or d.num_frames or 1
-        sv = int(getattr(pipe, "vae_scale_factor_spatial", 8))
-        st = int(getattr(pipe, "vae_scale_factor_temporal", 4))
-        return (cin, (frames - 1) // st + 1, h // sv, w // sv)
-    return (cin, h // vae, w // vae)
+    return family_named(model.family).latent_shape(
+        model.pipeline, spec.height or d.height, spec.width or d.width, spec.num_frames or d.num_frames or 1
+    )
 
 
 def estimate_latent_bytes(model: LoadedModel, spec: RolloutSpec) -> int:

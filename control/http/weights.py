@@ -32,9 +32,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-WEIGHTS_PATH = "/v1/models/{model_id}/weights"
-LORA_PATH = "/v1/models/{model_id}/lora"
-WEIGHTS_PATH_REGEX = r"/v1/models/[^/]+/(?:weights|lora)"
+WEIGHTS_PATH = "/v1/models/{model_id:path}/weights"
+LORA_PATH = "/v1/models/{model_id:path}/lora"
+"""`:path`: a hub model's id has a "/" (org/name)."""
+WEIGHTS_PATH_REGEX = r"/v1/models/.+/(?:weights|lora)"
 """For BodyLimitMiddleware's per-route limit (PUT of either)."""
 
 

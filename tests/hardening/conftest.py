@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -12,6 +14,8 @@ import psutil
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
+
+from sigmaflight.launcher import ROOT
 
 TOKEN = "sfk-3b1f0c2e9d7a4e58a6c4f1e2d3c4b5a6"
 OTHER_TOKEN = "sfk-second-token-0f9e8d7c6b5a"
@@ -90,3 +94,19 @@ def metric(text: str, name: str) -> float:
     m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
     assert m, f"{name} not in /metrics"
     return float(m.group(1))
+
+
+SERVE = [sys.executable, "-m", "sigmaflight.cli", "serve", "--log-format", "json"]
+"""The real `sigmaflight serve` command (JSON logs)."""
+
+
+def serve_refused(*flags: str, env: dict[str, str] | None = None) -> str:
+    """Run `sigmaflight serve FLAGS` that must refuse to start: exit 2 and one stderr line (no
+    traceback, no log line: nothing loaded before it). Returns that line."""
+    done = subprocess.run([*SERVE, *flags], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, **(env or {})})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("sigmaflight serve: "), lines
+    return lines[0]

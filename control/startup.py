@@ -1,0 +1,199 @@
+"""What `sigmaflight serve` checks before it loads anything: each mistake is one line naming the flag.
+
+`preflight(settings)` raises `StartupError` (serve.py prints "sigmaflight serve: <message>" and exits
+2) for, in this order, the cheap checks first:
+
+- a --token-file that is missing, unreadable or holds no token (auth would silently be off);
+- --port / --flight-port already in use on --host (another `sigmaflight serve`, say), or the same
+  port for both planes: both binds are tried here, before the model loads (the real binds come
+  later: REST after the model loads, Flight while it loads);
+- a --shm-dir that is a dangling symbolic link, not a directory, not writable, in use by another
+  live server (its lock is held), or missing with a missing parent (only the last component is
+  created, by `prepare_shm_dir`, mode 0700; never parents);
+- --backend ray where Ray cannot be imported (the `ray` extra), or with a hub --model (Ray workers
+  load the built-ins and --model-dir only);
+- a --model-dir that does not exist or holds no pipeline, or a pipeline there whose scheduler is not
+  flow-match;
+- a hub --model (org/name[@revision]) that is neither in the Hugging Face cache nor on the hub
+  (HF_HUB_OFFLINE=1: the cache only), is not a diffusers pipeline, or is not flow-match;
+- an unknown --model (the line lists the known ones).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import importlib
+import logging
+import os
+import socket
+from pathlib import Path
+
+from sigmaflight.control.settings import Settings, TokenFileError
+
+log = logging.getLogger("sigmaflight")
+
+__all__ = ["StartupError", "preflight", "prepare_shm_dir"]
+
+
+class StartupError(Exception):
+    """A setting the server cannot start with; its message is the one line the user sees."""
+
+
+def preflight(settings: Settings) -> None:
+    """Refuse settings the server cannot start with, naming the flag and the reason (StartupError)."""
+    try:
+        settings.tokens()  # a --token-file that is missing, unreadable or empty: fail closed
+    except TokenFileError as exc:
+        raise StartupError(str(exc)) from None
+    check_ports(settings.host, settings.port, settings.flight_port)
+    if settings.shm_dir is not None:
+        check_shm_dir(settings.shm_dir)
+    if settings.backend == "ray":
+        from sigmaflight.pipeline.models import parse_hub_id
+
+        if parse_hub_id(settings.model) is not None:
+            raise StartupError(f"--model {settings.model}: a hub model is served by --backend local only "
+                               "(Ray workers load the built-ins and --model-dir)")
+        check_ray()
+    check_models(settings)
+
+
+# ---------------------------------------------------------------------------------------- ports
+
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why `host:port` cannot be bound now (None when it can). SO_REUSEADDR as uvicorn binds, so a
+    port left in TIME_WAIT is not "in use"; a listening socket is."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc
+    return None
+
+
+def check_ports(host: str, port: int, flight_port: int) -> None:
+    """Both planes' ports can be bound on `host` (0 = any free one: nothing to check)."""
+    if port and port == flight_port:
+        raise StartupError(f"--port and --flight-port are both {port}: the REST and Flight planes need a port each")
+    problems = []
+    for flag, p in (("--port", port), ("--flight-port", flight_port)):
+        exc = _bind_error(host, p) if p else None
+        if exc is None:
+            continue
+        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+            raise StartupError(f"--host {host}: not an address of this machine ({exc.strerror or exc})")
+        if exc.errno == errno.EADDRINUSE:
+            problems.append(f"{flag} {p}: {host}:{p} is already in use")
+        elif exc.errno == errno.EACCES:
+            problems.append(f"{flag} {p}: binding {host}:{p} is not permitted (ports below 1024 need privileges)")
+        else:
+            problems.append(f"{flag} {p}: cannot bind {host}:{p} ({exc.strerror or exc})")
+    if problems:
+        raise StartupError("; ".join(problems) + " (is another sigmaflight serve running? choose other ports, "
+                           "or 0 for free ones)")
+
+
+# ---------------------------------------------------------------------------------------- --shm-dir
+
+def _lock_held(lock: Path) -> bool:
+    """Whether a live process holds the flock of a shm dir's lock file (dataplane/shm.py takes it)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def check_shm_dir(path: Path) -> None:
+    """A usable --shm-dir: an existing directory this user can write and no live server uses, or a
+    missing last component whose parent exists (created by `prepare_shm_dir`)."""
+    from sigmaflight.dataplane.shm import LOCK_NAME
+
+    if path.is_symlink() and not path.exists():
+        raise StartupError(f"--shm-dir {path}: a symbolic link to {os.readlink(path)}, which does not exist")
+    if not path.exists():
+        if not path.parent.is_dir():
+            raise StartupError(f"--shm-dir {path}: its parent {path.parent} does not exist (only the last "
+                               "component is created, e.g. --shm-dir /dev/shm/sigmaflight)")
+        if not os.access(path.parent, os.W_OK | os.X_OK):
+            raise StartupError(f"--shm-dir {path}: cannot be created: {path.parent} is not writable by this user")
+        return
+    if not path.is_dir():
+        raise StartupError(f"--shm-dir {path}: not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise StartupError(f"--shm-dir {path}: not writable by this user")
+    if _lock_held(path / LOCK_NAME):
+        raise StartupError(f"--shm-dir {path}: in use by another live server (it holds {path / LOCK_NAME})")
+
+
+def prepare_shm_dir(path: Path | None) -> None:
+    """Create a missing --shm-dir (its last component only, mode 0700: the parent was checked) and log it."""
+    if path is None or path.exists():
+        return
+    path.mkdir(mode=0o700)
+    log.info("created --shm-dir", extra={"shm_dir": str(path), "mode": "0700"})
+
+
+# ---------------------------------------------------------------------------------------- --backend ray
+
+def check_ray() -> None:
+    try:
+        importlib.import_module("ray")
+    except ImportError as exc:
+        raise StartupError(f"--backend ray: Ray cannot be imported here ({exc}); install the ray extra: "
+                           "pip install 'sigmaflight[ray]'") from None
+
+
+# ---------------------------------------------------------------------------------------- models
+
+def check_models(settings: Settings) -> None:
+    """--model-dir holds loadable flow-match pipelines, and --model is one the server can serve."""
+    from sigmaflight.control.node import local_model_dirs
+    from sigmaflight.pipeline.models import (
+        ModelLoadError,
+        ModelRegistry,
+        check_flow_match,
+        check_hub_model,
+        parse_hub_id,
+    )
+
+    local: list[str] = []
+    if settings.model_dir is not None:
+        root = settings.model_dir
+        if not root.is_dir():
+            raise StartupError(f"--model-dir {root}: {'not a directory' if root.exists() else 'no such directory'}")
+        dirs = local_model_dirs(root)
+        if not dirs:
+            raise StartupError(f"--model-dir {root}: no pipeline in it (no subdirectory holds a model_index.json)")
+        for sub in dirs:
+            if not (sub / "scheduler" / "scheduler_config.json").is_file():
+                raise StartupError(
+                    f"--model-dir {root}: {sub.name}/scheduler/scheduler_config.json is missing "
+                    "(save the whole pipeline with save_pretrained)"
+                )
+            try:
+                check_flow_match(str(sub))  # reads model_index.json only: a DDIM/PNDM/... pipeline cannot run
+            except ModelLoadError as exc:
+                raise StartupError(f"--model-dir {root}: {exc}") from None
+        local = [sub.name for sub in dirs]
+    if parse_hub_id(settings.model) is not None:
+        try:
+            check_hub_model(settings.model)  # model_index.json only: in the cache (or on the hub), flow-match
+        except ModelLoadError as exc:
+            raise StartupError(f"--model {exc}") from None
+        return
+    known = sorted(set(ModelRegistry().ids()) | set(local))
+    if settings.model not in known:
+        raise StartupError(f"--model {settings.model!r}: unknown model; known: {', '.join(known)} "
+                           "(or a Hugging Face hub id, org/name[@revision])")

@@ -1,0 +1,107 @@
+"""`--model org/name[@revision]`: a Hugging Face hub id served from the HF cache, offline.
+
+Nothing can be downloaded here, so the cache is made by hand, as huggingface_hub lays it out:
+`$HF_HUB_CACHE/models--org--name/snapshots/<commit>/...` (the built-in tiny-sd3 saved with
+`save_pretrained`) and `refs/main` holding the commit. The server runs with HF_HUB_OFFLINE=1.
+The reference for the trajectory is the stock diffusers pipeline loaded from that snapshot
+directory with `StableDiffusion3Pipeline.from_pretrained`, called with the rollout's x_0.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow.flight as flight
+import pytest
+import torch
+from diffusers import StableDiffusion3Pipeline
+from sigmaflight.dataplane.client import Trajectory
+from sigmaflight.pipeline.models import ModelRegistry
+
+from tests.hardening.conftest import serve_refused
+from tests.servers import ServerProcess, wait_for_status
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """An offline Hugging Face cache holding org/tiny-sd3 (flow-match) and org/pndm (a PNDM scheduler)."""
+    home = tmp_path_factory.mktemp("hf")
+    cache = home / "hub"
+    pipe = ModelRegistry().get("tiny-sd3").pipeline
+    for name in ("tiny-sd3", "pndm"):
+        repo = cache / f"models--org--{name}"
+        pipe.save_pretrained(repo / "snapshots" / COMMIT)
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text(COMMIT)
+    index = cache / "models--org--pndm" / "snapshots" / COMMIT / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "scheduler": ["diffusers", "PNDMScheduler"]}))
+    return {"HF_HOME": str(home), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+
+
+def _snapshot(hub: dict[str, str], name: str) -> Path:
+    return Path(hub["HF_HUB_CACHE"]) / f"models--org--{name}" / "snapshots" / COMMIT
+
+
+def test_a_hub_id_in_the_cache_is_served_and_its_trajectory_is_the_stock_pipelines(hub):
+    request = {"prompts": ["a red cube"], "num_inference_steps": 3, "guidance_scale": 4.5, "height": 32,
+               "width": 32, "seed": 5, "sampler": {"type": "ode"}}
+    with ServerProcess("--model", "org/tiny-sd3", env=hub) as server, server.client() as c:
+        models = {m["id"]: m for m in c.get("/v1/models").json()["models"]}
+        served = models["org/tiny-sd3"]
+        assert served["default"] and served["family"] == "sd3" and served["dtype"] == "float32"
+        assert served["digest"] == models["tiny-sd3"]["digest"]  # the same weights as the built-in it was saved from
+        ticket = c.post("/v1/rollouts", json=request).json()
+        assert wait_for_status(c, ticket["id"], {"succeeded", "failed"})["status"] == "succeeded"
+        # The weights and LoRA routes take the id with its "/": the model is found (it has no adapter).
+        gone = c.delete("/v1/models/org/tiny-sd3/lora")
+        assert gone.status_code == 404 and gone.json()["error"]["type"] == "lora_not_loaded", gone.text
+        with flight.FlightClient(ticket["flight"]["locations"][0]) as fc:
+            traj = Trajectory.from_reader(fc.do_get(flight.Ticket(ticket["flight"]["ticket"].encode())))
+    assert '"model loaded"' in server.log_text and '"source": "hub"' in server.log_text
+    assert "reach the Hub" not in server.log_text and "connect to the Hub" not in server.log_text  # offline: quiet
+
+    stock = StableDiffusion3Pipeline.from_pretrained(_snapshot(hub, "tiny-sd3"))
+    stock.set_progress_bar_config(disable=True)
+    seen: list[torch.Tensor] = []
+
+    def on_step_end(pipe, i, t, kwargs):
+        seen.append(kwargs["latents"].clone())
+        return kwargs
+
+    x = traj.latents[:, 0]  # x_0 as the rollout drew it, [B, C, h, w]
+    with torch.inference_mode():
+        out = stock(prompt=["a red cube"], num_inference_steps=3, guidance_scale=4.5, height=32, width=32,
+                    latents=x, output_type="latent", max_sequence_length=16, callback_on_step_end=on_step_end)
+    assert len(seen) == 3
+    for i, stock_latent in enumerate(seen, start=1):
+        assert torch.equal(traj.latents[:, i], stock_latent), i
+    assert torch.equal(traj.latents[:, 3], out.images)
+
+
+def test_a_hub_id_with_a_revision_takes_that_snapshot_and_the_dtype(hub):
+    model = f"org/tiny-sd3@{COMMIT}"
+    with ServerProcess("--model", model, "--dtype", "bfloat16", env=hub) as server, server.client() as c:
+        (served,) = [m for m in c.get("/v1/models").json()["models"] if m["id"] == model]
+        assert served["dtype"] == "bfloat16" and served["default"]
+        ticket = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2, "seed": 1}).json()
+        assert wait_for_status(c, ticket["id"], {"succeeded", "failed"})["status"] == "succeeded"
+
+
+def test_a_hub_model_that_is_not_flow_match_is_refused_at_start(hub):
+    line = serve_refused("--port", "0", "--flight-port", "0", "--model", "org/pndm", env=hub)
+    assert line.startswith("sigmaflight serve: --model org/pndm: scheduler 'PNDMScheduler' is not a flow-match")
+
+
+def test_a_hub_model_that_is_not_in_the_cache_is_refused_at_start(hub):
+    line = serve_refused("--port", "0", "--flight-port", "0", "--model", "org/absent", env=hub)
+    assert "--model org/absent: no model_index.json of it in the Hugging Face cache" in line
+    assert "HF_HUB_OFFLINE is set" in line
+
+
+def test_a_hub_model_with_the_ray_backend_is_refused_at_start(hub):
+    line = serve_refused("--port", "0", "--flight-port", "0", "--model", "org/tiny-sd3", "--backend", "ray",
+                         env=hub)
+    assert "--model org/tiny-sd3: a hub model is served by --backend local only" in line

@@ -1,0 +1,197 @@
+"""Start-up mistakes on the real `sigmaflight serve`: one line on stderr naming the flag, exit
+status 2, before any model loads; and a SIGHUP during start-up does not kill the server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import psutil
+import pytest
+
+from sigmaflight.launcher import ROOT, ServerProcess
+from tests.hardening.conftest import SERVE, serve_refused
+
+
+@contextmanager
+def _listening() -> Iterator[int]:
+    """A port some other program listens on (a plain TCP socket on 127.0.0.1)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---------------------------------------------------------------------------------------- ports
+
+def test_serving_twice_on_the_same_ports_is_refused_naming_both_flags():
+    port, flight_port = _free_port(), _free_port()
+    with ServerProcess("--port", str(port), "--flight-port", str(flight_port)) as first:
+        line = serve_refused("--port", str(port), "--flight-port", str(flight_port))
+        assert f"--port {port}" in line and f"--flight-port {flight_port}" in line and "already in use" in line
+        with first.client() as c:
+            assert c.get("/readyz").status_code == 200  # the first server is untouched
+
+
+def test_a_rest_port_in_use_is_refused_before_the_model_loads():
+    with _listening() as port:
+        line = serve_refused("--port", str(port), "--flight-port", "0")
+    assert f"--port {port}: 127.0.0.1:{port} is already in use" in line and "--flight-port" not in line
+
+
+def test_a_flight_port_in_use_is_refused_before_the_model_loads():
+    with _listening() as port:
+        line = serve_refused("--port", "0", "--flight-port", str(port))
+    assert f"--flight-port {port}: 127.0.0.1:{port} is already in use" in line and "--port " not in line
+
+
+def test_the_same_port_for_both_planes_isserve_refused():
+    port = _free_port()
+    line = serve_refused("--port", str(port), "--flight-port", str(port))
+    assert f"--port and --flight-port are both {port}" in line
+
+
+# ---------------------------------------------------------------------------------------- --shm-dir
+
+def test_a_shm_dir_whose_parent_is_missing_is_refused_and_nothing_is_created(tmp_path):
+    target = tmp_path / "no-such-parent" / "shm"
+    line = serve_refused("--port", "0", "--flight-port", "0", "--shm-dir", str(target))
+    assert f"--shm-dir {target}: its parent {target.parent} does not exist" in line
+    assert not target.parent.exists()
+
+
+def test_a_shm_dir_that_is_a_file_isserve_refused(tmp_path):
+    target = tmp_path / "a-file"
+    target.write_text("not a directory")
+    line = serve_refused("--port", "0", "--flight-port", "0", "--shm-dir", str(target))
+    assert f"--shm-dir {target}: not a directory" in line
+    assert target.read_text() == "not a directory"
+
+
+def test_a_shm_dir_that_is_a_dangling_symlink_isserve_refused(tmp_path):
+    target = tmp_path / "link"
+    target.symlink_to(tmp_path / "gone")
+    line = serve_refused("--port", "0", "--flight-port", "0", "--shm-dir", str(target))
+    assert f"--shm-dir {target}: a symbolic link to {tmp_path / 'gone'}, which does not exist" in line
+    assert not (tmp_path / "gone").exists()
+
+
+def test_a_shm_dir_in_use_by_a_live_server_is_refused_before_the_model_loads(tmp_path):
+    shm = tmp_path / "shm"
+    with ServerProcess("--shm-dir", str(shm)):
+        line = serve_refused("--port", "0", "--flight-port", "0", "--shm-dir", str(shm))
+    assert f"--shm-dir {shm}: in use by another live server" in line
+
+
+def test_a_missing_last_component_is_created_private_and_flags_beat_variables(tmp_path):
+    """Only the last component of --shm-dir is made (mode 0700), and logged. The same server shows
+    the CLI source's precedence on the real process: flag > SIGMAFLIGHT_<NAME> > default."""
+    shm = tmp_path / "shm"
+    env = {"SIGMAFLIGHT_MAX_PROMPTS": "9", "SIGMAFLIGHT_MAX_STEPS": "3"}
+    with ServerProcess("--shm-dir", str(shm), "--max-prompts", "2", env=env) as server:
+        assert shm.is_dir() and stat.S_IMODE(shm.stat().st_mode) == 0o700
+        assert '"created --shm-dir"' in server.log_text
+        with server.client() as c:
+            too_many = c.post("/v1/rollouts", json={"prompts": ["a", "b", "c"], "num_inference_steps": 1})
+            too_long = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 4})
+            samples = c.post("/v1/rollouts", json={"prompts": ["a"], "num_outputs_per_prompt": 257,
+                                                   "num_inference_steps": 1})
+    assert too_many.status_code == 422 and "exceed the limit of 2" in too_many.text  # the flag, not the variable
+    assert too_long.status_code == 422 and "exceeds the limit of 3" in too_long.text  # the variable
+    assert samples.status_code == 422 and "exceed the limit of 256" in samples.text  # the default
+
+
+# ---------------------------------------------------------------------------------------- --backend ray
+
+def test_backend_ray_without_ray_installed_names_the_extra_before_the_model_loads(tmp_path):
+    """Ray is made absent for this process alone: a `ray` package on PYTHONPATH whose import fails
+    exactly as a missing one does."""
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'ray'\", name='ray')\n")
+    line = serve_refused("--port", "0", "--flight-port", "0", "--backend", "ray",
+                    env={"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])})
+    assert "--backend ray:" in line and "pip install 'sigmaflight[ray]'" in line
+
+
+# ---------------------------------------------------------------------------------------- SIGHUP
+
+def _listens(pid: int) -> bool:
+    """Whether the process listens on a TCP port: its Flight server is up, its models are not yet
+    loaded (the REST port is bound after them), and its SIGHUP handler is not installed yet."""
+    try:
+        return any(c.status == psutil.CONN_LISTEN for c in psutil.Process(pid).net_connections("tcp"))
+    except psutil.Error:
+        return False
+
+
+def test_sighup_while_starting_does_not_kill_the_server_and_rereads_the_tokens_once_ready(tmp_path):
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("old-token-0123456789\n")
+    tokens.chmod(0o600)
+    # small-sd3 takes seconds to build: SIGHUP lands while the model loads.
+    proc = subprocess.Popen([*SERVE, "--port", "0", "--flight-port", "0", "--token-file", str(tokens),
+                             "--model", "small-sd3"], cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    logs: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            logs.append(line)
+            if '"sigmaflight ready"' in line:
+                ready.set()
+        ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not _listens(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(logs)
+            time.sleep(0.01)
+        tokens.write_text("new-token-9876543210\n")
+        proc.send_signal(signal.SIGHUP)
+        assert ready.wait(120) and proc.poll() is None, f"rc={proc.poll()}\n" + "".join(logs)
+        rest_url = next(line for line in logs if '"sigmaflight ready"' in line).split('"rest_url": "')[1].split('"')[0]
+        deadline = time.monotonic() + 60
+        while not any('"tokens reloaded"' in line for line in logs):  # the deferred reload runs once ready
+            assert time.monotonic() < deadline, "".join(logs)
+            time.sleep(0.05)
+        assert any('"SIGHUP received while starting' in line for line in logs)  # it landed before ready
+        new = httpx.get(f"{rest_url}/v1/models", headers={"authorization": "Bearer new-token-9876543210"})
+        old = httpx.get(f"{rest_url}/v1/models", headers={"authorization": "Bearer old-token-0123456789"})
+        assert (new.status_code, old.status_code) == (200, 401)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        reader.join(5)
+        assert proc.stderr is not None
+        proc.stderr.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_ray_address(monkeypatch):
+    """A RAY_ADDRESS of the caller's must not reach these servers."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
