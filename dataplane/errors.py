@@ -59,7 +59,8 @@ def not_found(e: TicketNotFound) -> flight.FlightError:
     """An unknown, released or expired ticket or rollout id; "ended" says how, when the store
     still remembers that the rollout ended ("cancelled" for one cancelled while queued, say)."""
     ended = e.reason.split(":", 1)[0]
-    return flight_error("not_found", str(e), reason=e.reason, ended=ended if ended in ENDED else None)
+    message = f"{clip(e.what, 200)} not found ({clip(e.reason, 300)})"  # the id echoes client input: clipped
+    return flight_error("not_found", message, reason=clip(e.reason, 300), ended=ended if ended in ENDED else None)
 
 
 def error_info(exc: BaseException) -> dict[str, Any] | None:
