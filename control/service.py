@@ -47,6 +47,8 @@ class Service:
             queue_size=settings.queue_size,
             ttl_s=settings.ttl_s,
             data_dir=settings.data_dir,
+            max_batch_samples=settings.max_batch_samples,
+            batch_wait_s=settings.batch_wait_ms / 1000.0,
         )
         self.backend.on_result_lost(self._result_unavailable)
         self.ready = False

@@ -61,6 +61,14 @@ class Settings(BaseSettings):
         600.0, gt=0, description="Seconds a Ray worker has to start (load its model) or to load pushed weights.",
     )
     queue_size: int = Field(64, ge=1, description="Rollouts that may wait; beyond it POST answers 429.")
+    max_batch_samples: int = Field(
+        64, ge=1, description="Samples of one co-batched model call (the queued rollouts that can share it run as "
+        "one batch; CFG doubles the rows inside the model); 1 turns co-batching off.",
+    )
+    batch_wait_ms: float = Field(
+        0.0, ge=0, le=10_000, description="Milliseconds a worker may wait for compatible rollouts before starting "
+        "a batch smaller than --max-batch-samples (0: a lone rollout starts at once).",
+    )
     ttl_s: float = Field(3600.0, gt=0, description="Seconds a finished result is kept before it expires.")
 
     # Store

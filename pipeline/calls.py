@@ -18,7 +18,7 @@ from sigmaflight.pipeline.models import LoadedModel
 from sigmaflight.pipeline.seeds import sample_generators
 from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec
 
-__all__ = ["call_kwargs", "call_overrides"]
+__all__ = ["batch_call_kwargs", "call_kwargs", "call_overrides"]
 
 
 def call_kwargs(
@@ -62,6 +62,64 @@ def call_kwargs(
         kw["num_frames"] = spec.num_frames or d.num_frames
     if branch is not None:
         kw["latents"] = branch.latents.repeat_interleave(n, dim=0).to(model.device)  # [B, ...] parent-major
+    return kw
+
+
+def _row_prompts(spec: RolloutSpec) -> list[str]:
+    """One prompt per sample: each prompt (a branch: each parent row's) num_outputs_per_prompt times."""
+    n = spec.num_outputs_per_prompt
+    rows = spec.prompts if spec.branch_from is None else [spec.prompts[j] for j in spec.branch_from.prompt_index]
+    return [p for p in rows for _ in range(n)]
+
+
+def batch_call_kwargs(
+    model: LoadedModel,
+    specs: Sequence[RolloutSpec],
+    seeds: Sequence[Sequence[int]],
+    *,
+    conditioning: Sequence[Mapping[str, torch.Tensor]] | None = None,
+) -> dict[str, Any]:
+    """One `__call__` for several specs that share a batch key (pipeline/batch.py): their samples
+    one after another, in order, each exactly as its own `call_kwargs` lays it out.
+
+    One spec gives `call_kwargs` itself. Several: one generator per sample (each row of x_0 is
+    drawn from its own seed, as alone); prompts concatenated with their num_outputs_per_prompt when
+    all specs share it, else one prompt per sample (a count of 1); negative prompts as one string
+    when all are the same, else one per prompt ("" for a spec without, as the pipeline itself
+    takes None); branches' x_k rows concatenated; `conditioning` (one mapping of B_m rows per spec)
+    concatenated row-wise instead of prompts."""
+    if len(specs) == 1:
+        return call_kwargs(model, specs[0], seeds[0], conditioning=None if conditioning is None else conditioning[0])
+    first = specs[0]
+    cond: dict[str, torch.Tensor] | None = None
+    if conditioning is not None:
+        names = set(conditioning[0])
+        if any(set(c) != names for c in conditioning):
+            raise ValueError("co-batched conditioning must name the same tensors for every member")
+        cond = {k: torch.cat([c[k] for c in conditioning], dim=0) for k in conditioning[0]}
+    kw = call_kwargs(model, first, [int(s) for member in seeds for s in member], conditioning=cond)
+    per_prompt = "num_videos_per_prompt" if model.defaults.is_video else "num_images_per_prompt"
+    if cond is None:
+        counts = {s.num_outputs_per_prompt for s in specs}
+        if len(counts) == 1:
+            groups = [list(s.prompts) if s.branch_from is None else [s.prompts[j] for j in s.branch_from.prompt_index]
+                      for s in specs]
+            kw[per_prompt] = counts.pop()
+        else:
+            groups = [_row_prompts(s) for s in specs]
+            kw[per_prompt] = 1
+        kw["prompt"] = [p for g in groups for p in g]
+        negatives = {s.negative_prompt for s in specs}
+        kw.pop("negative_prompt", None)
+        if len(negatives) == 1:
+            (negative,) = negatives
+            if negative is not None:
+                kw["negative_prompt"] = negative
+        else:
+            kw["negative_prompt"] = [s.negative_prompt or "" for s, g in zip(specs, groups, strict=True) for _ in g]
+    if first.branch_from is not None:
+        kw["latents"] = torch.cat([s.branch_from.latents.repeat_interleave(s.num_outputs_per_prompt, dim=0)
+                                   for s in specs if s.branch_from is not None]).to(model.device)
     return kw
 
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from sigmaflight.pipeline.calls import call_kwargs, call_overrides
+from sigmaflight.pipeline.batch import batch_key
+from sigmaflight.pipeline.calls import batch_call_kwargs, call_overrides
 from sigmaflight.pipeline.conditioning import branch_conditioning, check_conditioning
 from sigmaflight.pipeline.kernels import step_log_prob, stochastic_transitions
 from sigmaflight.pipeline.models import LoadedModel
@@ -26,39 +27,25 @@ from sigmaflight.pipeline.spec import RolloutSpec
 from sigmaflight.pipeline.stepping import advance
 from sigmaflight.pipeline.validation import requested_sde_steps, validate_spec
 
-__all__ = ["Replayer", "ReplayResult", "step_log_prob"]
+__all__ = ["ReplayItem", "Replayer", "ReplayResult", "step_log_prob"]
 
 
-class _ReplayDriver:
-    def __init__(
-        self,
-        spec: RolloutSpec,
-        latents: dict[int, torch.Tensor],
-        sigmas: torch.Tensor,
-        timesteps: torch.Tensor,
-        seeds: tuple[int, ...],
-        grad: bool = False,
-    ) -> None:
+class _ReplayMember:
+    """One replayed trajectory inside the call: its rows [first, end) and what it replays from."""
+
+    def __init__(self, item: ReplayItem, first: int, device: torch.device, grad: bool) -> None:
+        spec = item.spec
         self.spec = spec
+        self.first, self.end = first, first + spec.num_samples
         self.grad = grad
         self.T = spec.num_inference_steps
-        self.latents = latents
-        self.sigmas = sigmas
-        self.timesteps = timesteps
-        self.seeds = seeds
-        self.sde_steps = stochastic_transitions(requested_sde_steps(spec), sigmas, sampler=spec.sampler)
-        self.log_probs = torch.full((len(seeds), self.T), float("nan"), dtype=torch.float32)
+        self.latents = {int(s): item.latents[:, k].to(device) for k, s in enumerate(item.steps)}
+        self.sigmas = item.sigmas
+        self.timesteps = item.timesteps
+        self.seeds = tuple(int(s) for s in item.seeds)
+        self.sde_steps = stochastic_transitions(requested_sde_steps(spec), item.sigmas, sampler=spec.sampler)
+        self.log_probs = torch.full((len(self.seeds), self.T), float("nan"), dtype=torch.float32)
         self.velocities: dict[int, torch.Tensor] = {}
-
-    def on_set_timesteps(self, scheduler: RolloutScheduler) -> None:
-        if self.sigmas.shape[0] != self.T + 1 or self.timesteps.shape[0] != self.T:
-            raise ValueError(f"sigmas must have T+1 = {self.T + 1} entries and timesteps T = {self.T}")
-        b = self.spec.branch_from
-        if b is not None:  # a branch replays from its start k on the recorded schedule
-            scheduler.start_at(b.step, self.sigmas, self.timesteps, dict(b.set_timesteps_kwargs))
-            return
-        # Condition the model on the recorded timesteps (the pipeline reads scheduler.timesteps next).
-        scheduler.timesteps = self.timesteps.to(device=scheduler.timesteps.device, dtype=torch.float32)
 
     def step(self, scheduler: RolloutScheduler, i: int, sample: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
         if i in self.latents:
@@ -79,6 +66,29 @@ class _ReplayDriver:
         return x_next
 
 
+class _ReplayDriver:
+    def __init__(self, members: list[_ReplayMember]) -> None:
+        self.members = members
+        first = members[0]
+        self.spec, self.sigmas, self.timesteps, self.T = first.spec, first.sigmas, first.timesteps, first.T
+
+    def on_set_timesteps(self, scheduler: RolloutScheduler) -> None:
+        if self.sigmas.shape[0] != self.T + 1 or self.timesteps.shape[0] != self.T:
+            raise ValueError(f"sigmas must have T+1 = {self.T + 1} entries and timesteps T = {self.T}")
+        b = self.spec.branch_from
+        if b is not None:  # a branch replays from its start k on the recorded schedule
+            scheduler.start_at(b.step, self.sigmas, self.timesteps, dict(b.set_timesteps_kwargs))
+            return
+        # Condition the model on the recorded timesteps (the pipeline reads scheduler.timesteps next).
+        scheduler.timesteps = self.timesteps.to(device=scheduler.timesteps.device, dtype=torch.float32)
+
+    def step(self, scheduler: RolloutScheduler, i: int, sample: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
+        if len(self.members) == 1:
+            return self.members[0].step(scheduler, i, sample, velocity)
+        return torch.cat([m.step(scheduler, i, sample[m.first:m.end], velocity[m.first:m.end])
+                          for m in self.members], dim=0)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ReplayResult:
     log_probs: torch.Tensor
@@ -86,6 +96,19 @@ class ReplayResult:
     velocities: dict[int, torch.Tensor]
     """Absolute step i -> float32 [B, *latent_shape] (CPU): the CFG-combined velocity the replay
     computed at every captured step i < T (compare with the rollout's `StepCapture.velocity`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayItem:
+    """One trajectory to replay (the arguments of `Replayer.replay`, as a record)."""
+
+    spec: RolloutSpec
+    latents: torch.Tensor
+    steps: Sequence[int]
+    sigmas: torch.Tensor
+    timesteps: torch.Tensor
+    seeds: Sequence[int]
+    conditioning: Mapping[str, torch.Tensor] | None = None
 
 
 class Replayer:
@@ -139,29 +162,60 @@ class Replayer:
         result carries a graph back to every model parameter with `requires_grad` (a trainer's
         policy loss). The values are the same bits as with `grad=False`; each x_{i+1} is
         treated as data (detached), so the graph of step i runs through its velocity only.
+        A trajectory that ran co-batched (`sigmaflight.rollout.batch.requests` > 1) replays bit
+        for bit in the same company: `replay_batch`.
         """
-        validate_spec(self.model, spec)
-        if latents.shape[0] != spec.num_samples or latents.shape[1] != len(steps):
-            raise ValueError(f"latents must be [B={spec.num_samples}, K={len(steps)}, ...], got {tuple(latents.shape)}")
-        if conditioning is not None:
-            check_conditioning(self.model.family, conditioning, spec.num_samples, field="conditioning")
-        seeds_t = tuple(int(s) for s in seeds)
-        by_step = {int(s): latents[:, k].to(self.model.device) for k, s in enumerate(steps)}
-        driver = _ReplayDriver(spec, by_step, sigmas, timesteps, seeds_t, grad=grad)
+        item = ReplayItem(spec=spec, latents=latents, steps=steps, sigmas=sigmas, timesteps=timesteps, seeds=seeds,
+                          conditioning=conditioning)
+        return self.replay_batch([item], per_sample_model_calls=per_sample_model_calls, grad=grad)[0]
+
+    def replay_batch(
+        self, items: Sequence[ReplayItem], *, per_sample_model_calls: bool = False, grad: bool = False
+    ) -> list[ReplayResult]:
+        """`replay` of several trajectories in one model call, laid out as `run_batch` laid out the
+        rollouts they came from (their rows one after another, in this order): the trajectories of
+        one co-batched call, replayed together in their batch's order (`rows`), give their
+        rollouts' log-probs bit for bit. They must share a batch key (pipeline/batch.py), and either
+        all or none capture their first latent and carry conditioning."""
+        if not items:
+            return []
+        for item in items:
+            validate_spec(self.model, item.spec)
+            if item.latents.shape[0] != item.spec.num_samples or item.latents.shape[1] != len(item.steps):
+                raise ValueError(f"latents must be [B={item.spec.num_samples}, K={len(item.steps)}, ...], "
+                                 f"got {tuple(item.latents.shape)}")
+            if item.conditioning is not None:
+                check_conditioning(self.model.family, item.conditioning, item.spec.num_samples, field="conditioning")
+        if len({batch_key(self.model, item.spec) for item in items}) != 1:
+            raise ValueError("trajectories replayed in one call must share one batch_key (pipeline/batch.py)")
+        members, first = [], 0
+        for item in items:
+            members.append(_ReplayMember(item, first, self.model.device, grad))
+            first = members[-1].end
+        driver = _ReplayDriver(members)
         pipeline, _ = self.model.snapshot()
         scheduler = make_rollout_scheduler(pipeline.scheduler, driver)
         pipe = per_call_pipeline(pipeline, scheduler, call_overrides(self.model, pipeline, per_sample_model_calls))
-        if conditioning is None and spec.branch_from is not None:
+        conditioning: list[Mapping[str, torch.Tensor]] | None = None
+        if all(item.conditioning is not None for item in items):
+            conditioning = [item.conditioning for item in items if item.conditioning is not None]
+        elif any(item.conditioning is not None for item in items):
+            raise ValueError("give conditioning for every trajectory of a replay_batch, or for none")
+        elif items[0].spec.branch_from is not None:
             with torch.inference_mode():
-                conditioning = branch_conditioning(self.model, pipe, spec)
+                conditioning = [branch_conditioning(self.model, pipe, item.spec) for item in items]
         if conditioning is not None and grad:  # inference tensors (a rollout's): autograd may not save them
-            conditioning = {k: v.clone() for k, v in conditioning.items()}
-        kwargs: dict[str, Any] = call_kwargs(self.model, spec, seeds_t, conditioning=conditioning)
-        start = spec.start_step
-        if start in by_step:
-            kwargs["latents"] = by_step[start].to(self.model.dtype)
+            conditioning = [{k: v.clone() for k, v in c.items()} for c in conditioning]
+        kwargs: dict[str, Any] = batch_call_kwargs(self.model, [item.spec for item in items],
+                                                   [m.seeds for m in members], conditioning=conditioning)
+        start = items[0].spec.start_step
+        have = [start in m.latents for m in members]
+        if all(have):
+            kwargs["latents"] = torch.cat([m.latents[start] for m in members], dim=0).to(self.model.dtype)
         elif start > 0:
             raise ValueError(f"a branch replay needs its first latent x_{start} among `steps`")
+        elif any(have):
+            raise ValueError("replay_batch needs x_0 captured in every trajectory, or in none (drawn from the seeds)")
         if grad:
             # diffusers decorates __call__ with @torch.no_grad(); call the undecorated function.
             with torch.enable_grad():
@@ -169,4 +223,4 @@ class Replayer:
         else:
             with torch.inference_mode():
                 pipe(**kwargs)
-        return ReplayResult(log_probs=driver.log_probs, velocities=driver.velocities)
+        return [ReplayResult(log_probs=m.log_probs, velocities=m.velocities) for m in members]

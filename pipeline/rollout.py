@@ -7,28 +7,38 @@ log p(x_{i+1} | x_i) with `kernels.step_log_prob` and fails the rollout (`Rollou
 at the first non-finite latent or log-prob. `rollout_metadata` is the contract's
 `sigmaflight.rollout` object for the run.
 
+Co-batching: `run_batch` runs several rollouts that share a batch key (pipeline/batch.py) as
+one `__call__`, their samples one after another (`calls.batch_call_kwargs`). The model sees
+all rows at once; everything else is done per member on its own rows, exactly as for the member
+alone: its own seeds and noise, sde window, kernel step (`advance` on its rows), log-probs,
+captures, callbacks, cancel and failure. A member that fails or is cancelled ends at once (its
+`on_end` is called then) while the others run on; `run_rollout` is a batch of one.
+
 Seeds and noise: see pipeline/seeds.py; validation and sizes: pipeline/validation.py; the
 pipeline call: pipeline/calls.py. Their public names are re-exported here, as before the split.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from sigmaflight.pipeline.calls import call_kwargs, call_overrides
+from sigmaflight.pipeline.batch import batch_key
+from sigmaflight.pipeline.calls import batch_call_kwargs, call_overrides
 from sigmaflight.pipeline.conditioning import (
     TransformerRecorder,
     branch_conditioning,
     conditioning_from_calls,
 )
 from sigmaflight.pipeline.kernels import step_log_prob, stochastic_transitions
-from sigmaflight.pipeline.models import LoadedModel
+from sigmaflight.pipeline.models import LoadedModel, Policy
 from sigmaflight.pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
 from sigmaflight.pipeline.seeds import derive_seeds, noise_seed, sample_seeds
 from sigmaflight.pipeline.spec import (
+    BatchInfo,
     RolloutCancelled,
     RolloutNonFinite,
     RolloutSpec,
@@ -46,6 +56,7 @@ from sigmaflight.pipeline.validation import (
 )
 
 __all__ = [
+    "BatchMember",
     "RolloutResult",
     "derive_seeds",
     "noise_seed",
@@ -53,6 +64,7 @@ __all__ = [
     "validate_spec",
     "latent_shape",
     "estimate_latent_bytes",
+    "run_batch",
     "run_rollout",
     "rollout_metadata",
     "parent_metadata",
@@ -80,130 +92,217 @@ class RolloutResult:
     """Branch rollouts: the parent sample of each sample; None otherwise."""
 
 
-class _Driver:
-    """Applies the kernel at every step, captures x_i and scores log-probs."""
+@dataclass(eq=False, kw_only=True)
+class BatchMember:
+    """One rollout of a co-batched call, and what it reports to. A callback that raises ends this
+    member with that error, alone; `on_end` gets the member's RolloutResult or its error as soon
+    as it is known (a cancel or a failure at step i: at step i, while the others run on)."""
 
-    def __init__(
-        self,
-        model: LoadedModel,
-        spec: RolloutSpec,
-        seeds: tuple[int, ...],
-        digest: str,
-        *,
-        weights_version: int = 0,
-        components: Mapping[str, str] | None = None,
-        on_schedule: Callable[[ScheduleSnapshot], None] | None,
-        on_step: Callable[[StepCapture], None] | None,
-        on_progress: Callable[[int, int], None] | None,
-        should_stop: Callable[[], bool] | None,
-        keep: bool,
-        original_scheduler: Any,
-    ) -> None:
-        self.model = model
-        self.spec = spec
-        self.sampler = spec.sampler
-        self.seeds = seeds
-        self.digest = digest
-        self.weights_version = weights_version
-        self.components = dict(components) if components else None
+    spec: RolloutSpec
+    on_start: Callable[[Policy], None] | None = None
+    """Called with the weights the call will run on, before anything runs (raise to refuse them)."""
+    on_schedule: Callable[[ScheduleSnapshot], None] | None = None
+    on_step: Callable[[StepCapture], None] | None = None
+    on_progress: Callable[[int, int], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+    on_end: Callable[[RolloutResult | BaseException], None] | None = None
+    keep: bool = True
+    """Keep the captures in the result (False: only `on_step` sees them)."""
+
+
+class _BatchOver(Exception):
+    """Every member of the call has ended: stop the pipeline's loop."""
+
+
+@dataclass(eq=False)
+class _Run:
+    """One member inside the call: its rows [first, end) and everything that is its own."""
+
+    member: BatchMember
+    seeds: tuple[int, ...]
+    first: int
+    end: int
+    model: LoadedModel
+    policy: Policy
+    steps: frozenset[int] = frozenset()
+    sde_steps: frozenset[int] = frozenset()
+    captures: list[StepCapture] = field(default_factory=list)
+    snapshot: ScheduleSnapshot | None = None
+    conditioning: dict[str, torch.Tensor] | None = None
+    outcome: RolloutResult | BaseException | None = None
+
+    def __post_init__(self) -> None:
+        spec = self.member.spec
         self.T = spec.num_inference_steps
         self.steps = frozenset(captured_steps(spec)) if spec.capture else frozenset()
         self.sde_steps = frozenset(requested_sde_steps(spec))
-        self.on_schedule = on_schedule
-        self.on_step = on_step
-        self.on_progress = on_progress
-        self.should_stop = should_stop
-        self.keep = keep
-        self.original_scheduler = original_scheduler
-        self.capture_dtype = capture_dtype(model, spec)
-        self.captures: list[StepCapture] = []
-        self.log_probs = torch.full((len(seeds), self.T), float("nan"), dtype=torch.float32)
-        self.snapshot: ScheduleSnapshot | None = None
+        self.capture_dtype = capture_dtype(self.model, spec)
+        self.log_probs = torch.full((len(self.seeds), self.T), float("nan"), dtype=torch.float32)
         self.sigmas: torch.Tensor | None = None
-        self.recorder: TransformerRecorder | None = None
-        self.conditioning: dict[str, torch.Tensor] | None = None
+        self.whole = False
+        """This member's rows are the whole call (a batch of one): stored tensors need no copy."""
 
-    def on_set_timesteps(self, scheduler: RolloutScheduler) -> None:
-        self.snapshot = None  # the last schedule wins; reported at the first step
-        b = self.spec.branch_from
-        if b is not None:  # the parent's schedule, bit for bit, from step k
-            scheduler.start_at(b.step, b.sigmas, b.timesteps, dict(b.set_timesteps_kwargs))
+    @property
+    def ended(self) -> bool:
+        return self.outcome is not None
 
-    def _take_conditioning(self) -> None:
-        if self.recorder is not None and self.conditioning is None:
-            self.conditioning = conditioning_from_calls(self.model.family, self.recorder.stop(), len(self.seeds))
+    def close(self, outcome: RolloutResult | BaseException) -> None:
+        self.outcome = outcome
+        if self.member.on_end is not None:
+            self.member.on_end(outcome)
 
-    def _report_schedule(self, scheduler: RolloutScheduler, sample: torch.Tensor) -> None:
+    def report_schedule(self, scheduler: RolloutScheduler, sample: torch.Tensor, batch: BatchInfo,
+                        original_scheduler: Any) -> None:
+        spec = self.member.spec
         assert scheduler.sigmas_snapshot is not None and scheduler.timesteps_snapshot is not None
         sigmas = scheduler.sigmas_snapshot
         if sigmas.shape[0] != self.T + 1:
             raise RuntimeError(f"the pipeline ran {sigmas.shape[0] - 1} steps, the request asked for {self.T}")
         self.sigmas = sigmas
-        self.sde_steps = stochastic_transitions(self.sde_steps, sigmas, sampler=self.sampler)
+        self.sde_steps = frozenset(stochastic_transitions(self.sde_steps, sigmas, sampler=spec.sampler))
         self.snapshot = ScheduleSnapshot(
             sigmas=sigmas,
             timesteps=scheduler.timesteps_snapshot,
             set_timesteps_kwargs=dict(scheduler.set_timesteps_kwargs or {}),
-            scheduler_class=type(self.original_scheduler).__name__,
-            scheduler_config=_json_config(self.original_scheduler.config),
+            scheduler_class=type(original_scheduler).__name__,
+            scheduler_config=_json_config(original_scheduler.config),
             sde_steps=tuple(sorted(self.sde_steps)),
             steps=tuple(sorted(self.steps)),
             seeds=self.seeds,
-            num_outputs_per_prompt=self.spec.num_outputs_per_prompt,
+            num_outputs_per_prompt=spec.num_outputs_per_prompt,
             latent_shape=tuple(sample.shape[1:]),
             latent_dtype=self.capture_dtype,
             native_dtype=sample.dtype,
-            model_digest=self.digest,
-            model_weights_version=self.weights_version,
-            model_components=self.components,
-            start_step=self.spec.start_step,
-            prompt_index=self.spec.prompt_indices(),
-            parent_sample=self.spec.parent_samples(),
+            model_digest=self.policy.digest,
+            model_weights_version=self.policy.weights_version,
+            model_components=dict(self.policy.components) if self.policy.components else None,
+            start_step=spec.start_step,
+            prompt_index=spec.prompt_indices(),
+            parent_sample=spec.parent_samples(),
             conditioning=self.conditioning,
+            batch=batch,
         )
-        if self.on_schedule is not None:
-            self.on_schedule(self.snapshot)
+        if self.member.on_schedule is not None:
+            self.member.on_schedule(self.snapshot)
+
+    def _own(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x on CPU in `dtype`: a reference on CPU in that dtype when the rows are the whole call,
+        one copy otherwise (a member keeps its own rows, not a view of the call's tensor)."""
+        out = x.to("cpu", dtype).contiguous()
+        return out if self.whole or out.data_ptr() != x.data_ptr() else out.clone()
 
     def _store(self, x: torch.Tensor) -> torch.Tensor:
-        """x on CPU in the capture dtype: a reference on CPU/native, one copy otherwise."""
-        return x.to("cpu", self.capture_dtype).contiguous()
+        return self._own(x, self.capture_dtype)
 
     def _emit(self, step: int, latent: torch.Tensor, log_prob: torch.Tensor | None,
               velocity: torch.Tensor | None = None) -> None:
         cap = StepCapture(step=step, latent=latent, log_prob=log_prob, velocity=velocity)
-        if self.keep:
+        if self.member.keep:
             self.captures.append(cap)
-        if self.on_step is not None:
-            self.on_step(cap)
+        if self.member.on_step is not None:
+            self.member.on_step(cap)
 
     def step(self, scheduler: RolloutScheduler, i: int, sample: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
-        if self.snapshot is None:
-            self._take_conditioning()
-            self._report_schedule(scheduler, sample)
+        """This member's transition i on its own rows: sample, velocity [B_m, ...]."""
+        spec = self.member.spec
         assert self.sigmas is not None
-        stored_i = self._store(sample) if i in self.steps else None  # [B, ...]
+        stored_i = self._store(sample) if i in self.steps else None  # [B_m, ...]
         stochastic = i in self.sde_steps
-        x_next = advance(scheduler, i, sample, velocity, self.sigmas, sampler=self.sampler, seeds=self.seeds,
+        x_next = advance(scheduler, i, sample, velocity, self.sigmas, sampler=spec.sampler, seeds=self.seeds,
                          stochastic=stochastic)
         lp: torch.Tensor | None = None
-        if stochastic and self.spec.return_log_probs:
+        if stochastic and spec.return_log_probs:
             # Score the stored values with the public replay function (same code path as replay).
-            lp = step_log_prob(sample, x_next, velocity, self.sigmas, i, sampler=self.sampler).to("cpu")  # [B]
+            lp = step_log_prob(sample, x_next, velocity, self.sigmas, i, sampler=spec.sampler).to("cpu")  # [B_m]
             if not bool(torch.isfinite(lp).all()):
                 raise RolloutNonFinite(i, "log_prob")
             self.log_probs[:, i] = lp
         if not bool(torch.isfinite(x_next).all()):
             raise RolloutNonFinite(i + 1, "latent")
         if stored_i is not None:
-            v = velocity.to("cpu", torch.float32).contiguous() if self.spec.return_velocities else None
+            v = self._own(velocity, torch.float32) if spec.return_velocities else None
             self._emit(i, stored_i, lp, v)
         if i == self.T - 1 and self.T in self.steps:
             self._emit(self.T, self._store(x_next), None)
-        if self.on_progress is not None:
-            self.on_progress(i + 1, self.T)
-        if i + 1 < self.T and self.should_stop is not None and self.should_stop():
+        if self.member.on_progress is not None:
+            self.member.on_progress(i + 1, self.T)
+        if i + 1 < self.T and self.member.should_stop is not None and self.member.should_stop():
             raise RolloutCancelled(f"cancelled after step {i + 1} of {self.T}")
         return x_next
+
+    def result(self, final: torch.Tensor) -> RolloutResult:
+        assert self.snapshot is not None
+        return RolloutResult(
+            snapshot=self.snapshot,
+            captures=tuple(self.captures),
+            log_probs=self.log_probs,
+            seeds=self.seeds,
+            final_latents=final,
+            digest=self.policy.digest,
+            conditioning=self.conditioning,
+            prompt_index=self.snapshot.prompt_index,
+            parent_sample=self.snapshot.parent_sample,
+        )
+
+
+class _Driver:
+    """The scheduler's step driver for one call: hands each member its rows, joins their x_{i+1}."""
+
+    def __init__(self, runs: list[_Run], batch_id: str, original_scheduler: Any, family: str) -> None:
+        self.runs = runs
+        self.batch_id = batch_id
+        self.original_scheduler = original_scheduler
+        self.family = family
+        self.samples = runs[-1].end
+        self.recorder: TransformerRecorder | None = None
+        self.started = False
+
+    def on_set_timesteps(self, scheduler: RolloutScheduler) -> None:
+        self.started = False  # the last schedule wins; reported at the first step
+        b = self.runs[0].member.spec.branch_from  # members share it (batch_key)
+        if b is not None:  # the parent's schedule, bit for bit, from step k
+            scheduler.start_at(b.step, b.sigmas, b.timesteps, dict(b.set_timesteps_kwargs))
+
+    def _start(self, scheduler: RolloutScheduler, sample: torch.Tensor) -> None:
+        self.started = True
+        conditioning = None
+        if self.recorder is not None:
+            conditioning = conditioning_from_calls(self.family, self.recorder.stop(), self.samples)
+        for run in self.runs:
+            if run.ended:
+                continue
+            if conditioning is not None:
+                run.conditioning = {k: v[run.first:run.end].clone() for k, v in conditioning.items()}
+            batch = BatchInfo(id=self.batch_id, samples=self.samples, rows=(run.first, run.end),
+                              requests=len(self.runs))
+            try:
+                run.report_schedule(scheduler, sample[run.first:run.end], batch, self.original_scheduler)
+            except Exception as exc:
+                run.close(exc)
+
+    def step(self, scheduler: RolloutScheduler, i: int, sample: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
+        if not self.started:
+            self._start(scheduler, sample)
+        if len(self.runs) == 1:
+            run = self.runs[0]
+            try:
+                return run.step(scheduler, i, sample, velocity)
+            except Exception as exc:
+                run.close(exc)
+                raise _BatchOver from None
+        out = []
+        for run in self.runs:
+            rows = slice(run.first, run.end)
+            if not run.ended:
+                try:
+                    out.append(run.step(scheduler, i, sample[rows], velocity[rows]))
+                    continue
+                except Exception as exc:
+                    run.close(exc)
+            out.append(torch.zeros_like(sample[rows]))  # an ended member's rows: ignored from now on
+        if all(run.ended for run in self.runs):
+            raise _BatchOver
+        return torch.cat(out, dim=0)
 
 
 def _json_config(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -219,6 +318,84 @@ def _json_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def run_batch(
+    model: LoadedModel,
+    members: Sequence[BatchMember],
+    *,
+    per_sample_model_calls: bool = False,
+    batch_id: str | None = None,
+) -> list[RolloutResult | BaseException]:
+    """Run `members` (sharing one `batch_key`) as one pipeline call; each member's result or error,
+    in order (each also given to its `on_end` as soon as it is known).
+
+    A member that is invalid, refuses the weights (`on_start`) or is stopped before the first step
+    ends at once and takes no rows. Thread-safe: each call builds its own scheduler and pipeline
+    copy over the shared modules; the weights (`model.policy()`) are read once, so a push during
+    the call leaves every member on the weights it started with."""
+    if not members:
+        return []
+    keys = {batch_key(model, m.spec) for m in members}
+    if len(keys) != 1:
+        raise ValueError("co-batched rollouts must share one batch_key (pipeline/batch.py)")
+    policy = model.policy()  # pipeline, digest and weights_version read together
+    runs: list[_Run] = []
+    ended: list[tuple[BatchMember, BaseException]] = []
+    first = 0
+    for member in members:
+        try:
+            validate_spec(model, member.spec)
+            if member.on_start is not None:
+                member.on_start(policy)
+            if member.should_stop is not None and member.should_stop():
+                raise RolloutCancelled("cancelled before the first step")
+        except Exception as refused:
+            ended.append((member, refused))
+            continue
+        seeds = sample_seeds(member.spec)
+        runs.append(_Run(member, seeds, first, first + len(seeds), model, policy))
+        first += len(seeds)
+    for member, error in ended:
+        if member.on_end is not None:
+            member.on_end(error)
+    if runs:
+        runs[0].whole = len(runs) == 1
+        _call(model, policy, runs, per_sample_model_calls, batch_id or uuid.uuid4().hex)
+    outcomes: dict[int, RolloutResult | BaseException] = {id(m): error for m, error in ended}
+    for run in runs:
+        assert run.outcome is not None
+        outcomes[id(run.member)] = run.outcome
+    return [outcomes[id(m)] for m in members]
+
+
+def _call(model: LoadedModel, policy: Policy, runs: list[_Run], per_sample_model_calls: bool, batch_id: str) -> None:
+    """The one pipeline call of a batch; ends every member that is still running."""
+    pipeline = policy.pipeline
+    driver = _Driver(runs, batch_id, pipeline.scheduler, model.family)
+    scheduler = make_rollout_scheduler(pipeline.scheduler, driver)
+    overrides = call_overrides(model, pipeline, per_sample_model_calls)
+    if any(r.member.spec.return_conditioning for r in runs):  # captured once, kept by who asked
+        driver.recorder = TransformerRecorder(overrides.get("transformer", pipeline.transformer))
+        overrides["transformer"] = driver.recorder
+    pipe = per_call_pipeline(pipeline, scheduler, overrides)
+    specs = [r.member.spec for r in runs]
+    try:
+        with torch.inference_mode():
+            cond = ([branch_conditioning(model, pipe, s) for s in specs] if specs[0].branch_from is not None
+                    else None)
+            out = pipe(**batch_call_kwargs(model, specs, [r.seeds for r in runs], conditioning=cond))
+    except _BatchOver:
+        return  # every member has ended
+    except Exception as exc:  # the call itself failed: every member still running fails with it
+        for run in runs:
+            if not run.ended:
+                run.close(exc)
+        return
+    final = out.frames if model.defaults.is_video else out.images  # [B, ...]
+    for run in runs:
+        if not run.ended:
+            run.close(run.result(final if run.whole else final[run.first:run.end]))
+
+
 def run_rollout(
     model: LoadedModel,
     spec: RolloutSpec,
@@ -230,52 +407,16 @@ def run_rollout(
     keep: bool = True,
     per_sample_model_calls: bool = False,
 ) -> RolloutResult:
-    """Run one rollout; see the module docstring and docs/pipeline.md for semantics.
+    """Run one rollout (a batch of one); see the module docstring and docs/pipeline.md for semantics.
 
-    Thread-safe: each call builds its own scheduler and pipeline copy over the shared modules.
-    """
-    validate_spec(model, spec)
-    seeds = sample_seeds(spec)
-    policy = model.policy()  # pipeline, digest and weights_version read together
-    pipeline, digest = policy.pipeline, policy.digest
-    if should_stop is not None and should_stop():
-        raise RolloutCancelled("cancelled before the first step")
-    driver = _Driver(
-        model,
-        spec,
-        seeds,
-        digest,
-        weights_version=policy.weights_version,
-        components=policy.components,
-        on_schedule=on_schedule,
-        on_step=on_step,
-        on_progress=on_progress,
-        should_stop=should_stop,
-        keep=keep,
-        original_scheduler=pipeline.scheduler,
-    )
-    scheduler = make_rollout_scheduler(pipeline.scheduler, driver)
-    overrides = call_overrides(model, pipeline, per_sample_model_calls)
-    if spec.return_conditioning:
-        driver.recorder = TransformerRecorder(overrides.get("transformer", pipeline.transformer))
-        overrides["transformer"] = driver.recorder
-    pipe = per_call_pipeline(pipeline, scheduler, overrides)
-    with torch.inference_mode():
-        cond = branch_conditioning(model, pipe, spec) if spec.branch_from is not None else None
-        out = pipe(**call_kwargs(model, spec, seeds, conditioning=cond))
-    final = out.frames if model.defaults.is_video else out.images
-    assert driver.snapshot is not None
-    return RolloutResult(
-        snapshot=driver.snapshot,
-        captures=tuple(driver.captures),
-        log_probs=driver.log_probs,
-        seeds=seeds,
-        final_latents=final,
-        digest=digest,
-        conditioning=driver.conditioning,
-        prompt_index=driver.snapshot.prompt_index,
-        parent_sample=driver.snapshot.parent_sample,
-    )
+    Raises its error (RolloutInputError before anything runs, RolloutCancelled, RolloutNonFinite,
+    an error of a callback). Thread-safe: each call builds its own scheduler and pipeline copy."""
+    member = BatchMember(spec=spec, on_schedule=on_schedule, on_step=on_step, on_progress=on_progress,
+                         should_stop=should_stop, keep=keep)
+    (outcome,) = run_batch(model, [member], per_sample_model_calls=per_sample_model_calls)
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
 
 
 def parent_metadata(spec: RolloutSpec) -> dict[str, Any] | None:
@@ -307,4 +448,5 @@ def rollout_metadata(model: LoadedModel, spec: RolloutSpec, snapshot: ScheduleSn
         "num_outputs_per_prompt": snapshot.num_outputs_per_prompt,
         "latent_dtype": str(snapshot.latent_dtype).removeprefix("torch."),
         "native_dtype": str(snapshot.native_dtype).removeprefix("torch."),
+        **({"batch": snapshot.batch.to_json()} if snapshot.batch is not None else {}),
     }

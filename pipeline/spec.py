@@ -221,6 +221,20 @@ class RolloutSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class BatchInfo:
+    """The contract's `sigmaflight.rollout.batch`: the model call's id, its samples, a member's rows
+    [first, end) among them, and how many rollouts shared it. Alone: samples B, rows [0, B), 1."""
+
+    id: str
+    samples: int
+    rows: tuple[int, int]
+    requests: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "samples": self.samples, "rows": list(self.rows), "requests": self.requests}
+
+
+@dataclass(frozen=True, kw_only=True)
 class ScheduleSnapshot:
     """The schedule that ran, reported once before the first StepCapture."""
 
@@ -259,6 +273,8 @@ class ScheduleSnapshot:
     """Branch rollouts: the parent sample of each sample (B entries); None otherwise."""
     conditioning: Mapping[str, torch.Tensor] | None = None
     """With `return_conditioning`: the tensors the transformer consumed (see `RolloutResult.conditioning`)."""
+    batch: BatchInfo | None = None
+    """The model call this rollout's rows were part of (pipeline/batch.py)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,7 +9,8 @@ rollouts through one of these too, so a trajectory is the same whichever backend
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import uuid
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,9 +20,16 @@ from sigmaflight.control.policy import check_started_with
 from sigmaflight.control.streams import outputs_table, stream_names
 from sigmaflight.dataplane.record import StepBatch, TrajectoryHeader
 from sigmaflight.dataplane.store import ResultStore
-from sigmaflight.dataplane.streams import CONDITIONING, StreamNotFound, stream_table
-from sigmaflight.pipeline.models import ModelRegistry
-from sigmaflight.pipeline.rollout import parent_metadata, rollout_metadata, run_rollout
+from sigmaflight.dataplane.streams import CONDITIONING, OUTPUTS, StreamNotFound, stream_table
+from sigmaflight.dataplane.writer import TrajectoryWriter
+from sigmaflight.pipeline.models import LoadedModel, ModelRegistry, Policy
+from sigmaflight.pipeline.rollout import (
+    BatchMember,
+    RolloutResult,
+    parent_metadata,
+    rollout_metadata,
+    run_batch,
+)
 from sigmaflight.pipeline.spec import RolloutCancelled, RolloutInputError, ScheduleSnapshot, StepCapture
 
 log = logging.getLogger("sigmaflight.backend")
@@ -69,67 +77,35 @@ class LocalBackend:
         self.batch_invariant = batch_invariant
 
     def run(self, batch: Sequence[RunContext]) -> None:
-        for ctx in batch:
-            self._run_one(ctx)
-
-    def _run_one(self, ctx: RunContext) -> None:
-        spec = ctx.spec
-        writer = None
-        header: TrajectoryHeader | None = None
-
-        def on_schedule(snapshot: ScheduleSnapshot) -> None:
-            nonlocal writer, header
-            check_started_with(spec.expected_digest, snapshot.model_digest)
-            rollout = {"id": ctx.job_id, **rollout_metadata(model, spec, snapshot)}
-            rollout["streams"] = stream_names(spec)
-            header = header_for(ctx.job_id, snapshot, rollout, spec.return_log_probs,
-                                velocities=spec.return_velocities, parent=parent_metadata(spec))
-            writer = self.store.create(header)
-
-        def on_step(capture: StepCapture) -> None:
-            assert writer is not None
-            writer.append(StepBatch(step=capture.step, latent=capture.latent, log_prob=capture.log_prob,
-                                    velocity=capture.velocity))
-
-        try:
-            model = self.registry.get(spec.model)
-            result = run_rollout(
-                model,
-                spec,
-                on_schedule=on_schedule,
-                on_step=on_step,
-                on_progress=ctx.progress,
-                should_stop=ctx.should_stop,
-                keep=False,
-                per_sample_model_calls=self.batch_invariant,
-            )
-            if spec.return_outputs:  # after the last step, on the rollout's device; nothing otherwise
-                assert writer is not None and header is not None
-                writer.publish("outputs", outputs_table(model, spec, header, result.final_latents,
-                                                        max_batch_bytes=self.store.max_batch_bytes))
-            if spec.return_conditioning:
-                assert writer is not None and header is not None
-                if not result.conditioning:
-                    raise RuntimeError("return.conditioning: the rollout captured no conditioning tensors")
-                writer.publish(CONDITIONING, stream_table(CONDITIONING, header, result.conditioning,
-                                                          max_batch_bytes=self.store.max_batch_bytes))
-            assert writer is not None
-            writer.finish()
-        except Exception as exc:
-            outcome = outcome_of(exc, ctx.stop_reason)
-            if not isinstance(exc, (RolloutCancelled, RolloutInputError)) and not hasattr(exc, "error_type"):
-                log.exception("rollout raised", extra={"rollout": ctx.job_id})
-            # the data plane's message names the error's class (Flight consumers see it)
-            message = outcome.message if ctx.stop_reason or outcome.error is None else f"{type(exc).__name__}: {exc}"
-            if writer is not None:
-                writer.fail(outcome.kind, message)
-            else:
-                self.abandon(ctx.job_id, outcome.kind, message)
-            ctx.settle(outcome)
+        """The rollouts of `batch` (sharing one batch key) as one model call (`run_batch`); each is
+        settled as soon as it ends, the others running on."""
+        if not batch:
             return
-        info = self.result_info(ctx.job_id)
-        ctx.settle(Outcome.success(info) if info is not None else
-                   Outcome.failure("result_unavailable", "the trajectory was finished but the store does not hold it"))
+        try:
+            model = self.registry.get(batch[0].spec.model)
+        except Exception as exc:
+            for ctx in batch:
+                self._end(ctx, None, exc)
+            return
+        members = [_Member(self, model, ctx) for ctx in batch]
+        run_batch(model, [m.member for m in members], per_sample_model_calls=self.batch_invariant,
+                  batch_id=uuid.uuid4().hex)
+
+    def _end(self, ctx: RunContext, writer: TrajectoryWriter | None, exc: BaseException) -> None:
+        """A rollout that did not succeed: end its streams, then settle it."""
+        outcome = outcome_of(exc, ctx.stop_reason)
+        if not isinstance(exc, (RolloutCancelled, RolloutInputError)) and not hasattr(exc, "error_type"):
+            log.error("rollout raised", extra={"rollout": ctx.job_id}, exc_info=exc)
+        # the data plane's message names the error's class (Flight consumers see it)
+        message = outcome.message if ctx.stop_reason or outcome.error is None else f"{type(exc).__name__}: {exc}"
+        if writer is not None:
+            writer.fail(outcome.kind, message)
+        else:
+            self.abandon(ctx.job_id, outcome.kind, message)
+        ctx.settle(outcome)
+
+    def group(self, job_id: str) -> Hashable:
+        return None  # one process, one model copy: any two compatible rollouts may share a call
 
     def reserve(self, job_id: str) -> str:
         return self.store.reserve(job_id)
@@ -189,3 +165,55 @@ class LocalBackend:
 
     def close(self) -> None:
         """Nothing to do: the node that built this backend stops its store and Flight server."""
+
+
+class _Member:
+    """One rollout of a local batch: its writer into the store, fed by its `BatchMember` callbacks."""
+
+    def __init__(self, backend: LocalBackend, model: LoadedModel, ctx: RunContext) -> None:
+        self.backend, self.model, self.ctx = backend, model, ctx
+        self.writer: TrajectoryWriter | None = None
+        self.header: TrajectoryHeader | None = None
+        self.member = BatchMember(
+            spec=ctx.spec, on_start=self.on_start, on_schedule=self.on_schedule, on_step=self.on_step,
+            on_progress=ctx.progress, should_stop=ctx.should_stop, on_end=self.on_end, keep=False,
+        )
+
+    def on_start(self, policy: Policy) -> None:
+        check_started_with(self.ctx.spec.expected_digest, policy.digest)
+
+    def on_schedule(self, snapshot: ScheduleSnapshot) -> None:
+        spec, job_id = self.ctx.spec, self.ctx.job_id
+        rollout = {"id": job_id, **rollout_metadata(self.model, spec, snapshot)}
+        rollout["streams"] = stream_names(spec)
+        self.header = header_for(job_id, snapshot, rollout, spec.return_log_probs,
+                                 velocities=spec.return_velocities, parent=parent_metadata(spec))
+        self.writer = self.backend.store.create(self.header)
+
+    def on_step(self, capture: StepCapture) -> None:
+        assert self.writer is not None
+        self.writer.append(StepBatch(step=capture.step, latent=capture.latent, log_prob=capture.log_prob,
+                                     velocity=capture.velocity))
+
+    def on_end(self, outcome: RolloutResult | BaseException) -> None:
+        ctx, store = self.ctx, self.backend.store
+        try:
+            if isinstance(outcome, BaseException):
+                raise outcome
+            spec, writer, header = ctx.spec, self.writer, self.header
+            assert writer is not None and header is not None
+            if spec.return_outputs:  # after the last step, on the rollout's device; nothing otherwise
+                writer.publish(OUTPUTS, outputs_table(self.model, spec, header, outcome.final_latents,
+                                                      max_batch_bytes=store.max_batch_bytes))
+            if spec.return_conditioning:
+                if not outcome.conditioning:
+                    raise RuntimeError("return.conditioning: the rollout captured no conditioning tensors")
+                writer.publish(CONDITIONING, stream_table(CONDITIONING, header, outcome.conditioning,
+                                                          max_batch_bytes=store.max_batch_bytes))
+            writer.finish()
+        except Exception as exc:
+            self.backend._end(ctx, self.writer, exc)
+            return
+        info = self.backend.result_info(ctx.job_id)
+        ctx.settle(Outcome.success(info) if info is not None else
+                   Outcome.failure("result_unavailable", "the trajectory was finished but the store does not hold it"))

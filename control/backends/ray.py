@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -294,6 +294,11 @@ class RayBackend:
                     self._where.pop(job_id, None)
                 raise
         raise NoWorkers("no live ray worker to take the rollout")
+
+    def group(self, job_id: str) -> Hashable:
+        """The worker (index and generation) the rollout was placed on: a batch stays on one worker."""
+        slot = self._slot_of(job_id)
+        return None if slot is None else (slot.index, slot.generation)
 
     def run(self, batch: Sequence[RunContext]) -> None:
         for ctx in batch:

@@ -36,6 +36,7 @@ from sigmaflight.control.service import Service
 from sigmaflight.control.settings import Settings
 from sigmaflight.control.streams import output_bytes, stream_names, stream_tickets, validate_outputs
 from sigmaflight.dataplane.auth import TokenSet
+from sigmaflight.pipeline.batch import batch_key
 from sigmaflight.pipeline.rollout import estimate_latent_bytes, validate_spec
 from sigmaflight.pipeline.spec import RolloutSpec
 from starlette.applications import Starlette
@@ -228,7 +229,8 @@ async def create_rollout(request: Request) -> Response:
     # off the event loop: the journal write (sqlite, synchronous=FULL) and the manager's lock;
     # QueueFull, IdempotencyConflict, NotAccepting and Unavailable have their handlers (errors.py)
     job, created = await run_in_threadpool(
-        service.jobs.submit, spec, streams=tuple(stream_names(spec)), idempotency_key=key, body_digest=digest
+        service.jobs.submit, spec, streams=tuple(stream_names(spec)), batch_key=batch_key(model, spec),
+        idempotency_key=key, body_digest=digest,
     )
     status_url = str(request.url_for("get_rollout", rollout_id=job.id))
     status = "queued" if created else job.status  # a new ticket reports the status it was accepted with

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
+    Histogram,
     ProcessCollector,
     disable_created_metrics,
     generate_latest,
@@ -48,9 +49,24 @@ class ServiceMetrics:
             registry=self.registry,
         )
 
+        self.batch_samples = Histogram(
+            "sigmaflight_batch_samples", "Samples per co-batched model call.", registry=self.registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, float("inf")),
+        )
+        self.batch_requests = Histogram(
+            "sigmaflight_batch_requests", "Rollouts per co-batched model call.", registry=self.registry,
+            buckets=(1, 2, 4, 8, 16, 32, 64, float("inf")),
+        )
+
+    def observe_batch(self, samples: int, requests: int) -> None:
+        self.batch_samples.observe(samples)
+        self.batch_requests.observe(requests)
+
     def bind(self, service: Service) -> None:
-        """Read `service`'s queue, store and Flight server at each scrape from now on."""
+        """Read `service`'s queue, store and Flight server at each scrape from now on, and count
+        its batches."""
         self.registry.register(ServiceCollector(service))
+        service.jobs.on_batch = self.observe_batch
 
     def render(self) -> str:
         """The exposition text (serve it with CONTENT_TYPE)."""

@@ -10,7 +10,7 @@ with the rollout's `Outcome`, as soon as that is known.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -159,8 +159,14 @@ class Backend(Protocol):
         ...
 
     def run(self, batch: Sequence[RunContext]) -> None:
-        """Run the rollouts of `batch` to their ends, settling each context as soon as its outcome is
-        known. A context left unsettled when this returns (or raises) is failed by the manager."""
+        """Run the rollouts of `batch` (one batch key, one group) as one model call, to their ends,
+        settling each context as soon as its outcome is known. A context left unsettled when this
+        returns (or raises) is failed by the manager."""
+        ...
+
+    def group(self, job_id: str) -> Hashable:
+        """Where a reserved rollout will run: rollouts share a batch only within one group (the
+        local backend has one; with Ray, the worker the rollout was placed on)."""
         ...
 
     def abandon(self, job_id: str, kind: str, message: str) -> None:

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -107,6 +107,8 @@ class Job:
     body_digest: str | None = None
     ticket: str = ""
     """Opaque Flight ticket, issued by the backend at submit time and kept for the job's life."""
+    batch_key: Hashable | None = None
+    """What it must share with the rollouts it runs with (pipeline/batch.py); None: it runs alone."""
     run: RunContext | None = None
     """While running: the context its backend runs it with."""
     unjournaled: bool = False
@@ -219,6 +221,22 @@ def _put_later(journal: Journal, job: Job) -> None:
         job.unjournaled = True  # the manager writes it once the journal can be written
 
 
+@dataclass(eq=False)
+class _Forming:
+    """A batch a worker is gathering: its jobs (queued still), their key and placement group."""
+
+    jobs: list[Job]
+    key: Hashable | None
+    group: Hashable
+
+    def takes(self, job: Job, group: Hashable) -> bool:
+        return self.key is not None and job.batch_key == self.key and group == self.group
+
+
+def _samples(job: Job) -> int:
+    return job.spec.num_samples if job.spec is not None else 1
+
+
 class JobManager:
     """Statuses, idempotency keys, the bounded queue, worker threads and the TTL reaper.
 
@@ -239,8 +257,15 @@ class JobManager:
         ttl_s: float = 3600.0,
         data_dir: Path | None = None,
         keep_records: int = 10_000,
+        max_batch_samples: int = 64,
+        batch_wait_s: float = 0.0,
+        on_batch: Callable[[int, int], None] | None = None,
     ) -> None:
         self._backend = backend
+        self._max_batch_samples = max_batch_samples
+        self._batch_wait_s = batch_wait_s
+        self.on_batch = on_batch
+        """Called with (samples, rollouts) of each batch as it starts (the /metrics histograms)."""
         self._workers_n = workers
         self._queue_size = queue_size
         self._ttl_s = ttl_s
@@ -249,7 +274,9 @@ class JobManager:
         self._work = threading.Condition(self._lock)
         """Signalled when a job is queued and when the manager stops."""
         self._pending: collections.deque[Job] = collections.deque()
-        """Queued jobs, oldest first."""
+        """Queued jobs no worker has taken yet, oldest first."""
+        self._forming: list[_Forming] = []
+        """Batches a worker is gathering (with --batch-wait-ms): their jobs are queued still."""
         self._jobs: dict[str, Job] = {}
         self._views: dict[str, JobView] = {}
         """The latest published snapshot of each job (replaced whole, read without the lock)."""
@@ -309,12 +336,15 @@ class JobManager:
         spec: RolloutSpec,
         *,
         streams: tuple[str, ...] = (TRAJECTORY,),
+        batch_key: Hashable | None = None,
         idempotency_key: str | None = None,
         body_digest: str | None = None,
     ) -> tuple[JobView, bool]:
         """Enqueue; returns (the job's view, created). A repeated Idempotency-Key returns the first job.
 
         `streams`: the streams the rollout publishes (control/streams.py `stream_names`), fixed now.
+        `batch_key`: what it must share with rollouts it may run with (`pipeline.batch.batch_key`);
+        None runs it alone.
         The backend places the rollout (`reserve`, a remote call with Ray) before anything is
         registered and outside the lock; the job is registered and journaled only once placed.
         Whatever fails leaves nothing behind: a placement failure raises PlacementFailed, a
@@ -333,6 +363,7 @@ class JobManager:
             created_at=time.time(),
             idempotency_key=idempotency_key,
             body_digest=body_digest,
+            batch_key=batch_key,
         )
         try:
             job.ticket = self._backend.reserve(job.id)
@@ -350,7 +381,7 @@ class JobManager:
                                                  "nothing was accepted; retry later")
                     self._add(job)
                     self._pending.append(job)
-                    self._work.notify()
+                    self._work.notify_all()  # an idle worker, or one gathering a batch it may join
         except BaseException:
             self._undo_reserve(job.id, "not accepted")
             raise
@@ -374,7 +405,7 @@ class JobManager:
                 if prior.body_digest != body_digest:
                     raise IdempotencyConflict(idempotency_key)
                 return prior
-        if len(self._pending) >= self._queue_size:
+        if self.queue_depth() >= self._queue_size:
             raise QueueFull(self._queue_size)
         return None
 
@@ -461,7 +492,11 @@ class JobManager:
 
     def _end_queued(self, job: Job, state: JobState, error: ErrorInfo | None = None) -> None:
         """Under the lock: a queued job that never runs (cancelled, shutdown, journal unwritable)."""
-        self._pending.remove(job)
+        if job in self._pending:
+            self._pending.remove(job)
+        for forming in self._forming:
+            if job in forming.jobs:
+                forming.jobs.remove(job)
         self._change(job, state, error=error)
         self._backend.abandon(job.id, str(state), error.message if error else "cancelled by client")
 
@@ -472,7 +507,7 @@ class JobManager:
             self._change(job, JobState.EXPIRED, keep_time=True)
 
     def queue_depth(self) -> int:  # lock-free like get/list (a /metrics scrape never waits on a journal write)
-        return len(self._pending)
+        return len(self._pending) + sum(len(f.jobs) for f in list(self._forming))
 
     def status_counts(self) -> Counter[str]:
         return Counter(str(v.status) for v in list(self._views.values()))
@@ -556,21 +591,75 @@ class JobManager:
     def _take(self) -> Sequence[Job] | None:
         """Wait for queued work; the jobs to run together, marked running (None once stopped).
 
-        A job whose running state the journal cannot record does not run: it fails at once."""
+        Batch formation: the oldest queued job no gathering batch could take heads the batch; every
+        queued job with its batch key and placement group joins, oldest first, while the batch holds
+        at most --max-batch-samples samples (`_gather`); with --batch-wait-ms the worker waits up to
+        that long for more while the batch is not full. So a job waits only for jobs older than it
+        (and at most one batch of younger compatible ones that fit beside an older head): the age
+        bound. A job whose running state the journal cannot record does not run: it fails at once."""
         with self._lock:
             while True:
-                while not self._pending and not self._stopped.is_set():
-                    self._work.wait()
+                head = self._next_head()
+                if head is None:
+                    return None
+                forming = _Forming([head], head.batch_key, self._backend.group(head.id))
+                self._forming.append(forming)
+                try:
+                    self._gather(forming)
+                    deadline = time.monotonic() + self._batch_wait_s
+                    while (forming.jobs and not self._stopped.is_set() and self._room(forming) > 0
+                           and (left := deadline - time.monotonic()) > 0):
+                        self._work.wait(left)
+                        self._gather(forming)
+                finally:
+                    self._forming.remove(forming)
+                    self._work.notify_all()  # jobs left for this batch are anyone's again
                 if self._stopped.is_set():
                     return None
-                job = self._pending.popleft()
-                error = self._start(job)
-                if error is None:
-                    return [job]
-                message = f"the job journal cannot be written ({error})"
-                self._change(job, JobState.FAILED, error=ErrorInfo(type="journal_unavailable", message=message))
-                self._backend.abandon(job.id, "failed", message)
-                log.error("rollout failed: journal unwritable", extra={"rollout": job.id})
+                started = [job for job in forming.jobs if self._start_or_fail(job)]
+                if started:
+                    if self.on_batch is not None:
+                        self.on_batch(sum(j.spec.num_samples for j in started if j.spec is not None), len(started))
+                    return started
+
+    def _next_head(self) -> Job | None:
+        """Under the lock: the oldest pending job that no gathering batch may take (None once stopped)."""
+        while True:
+            if self._stopped.is_set():
+                return None
+            for job in self._pending:
+                if not any(f.takes(job, self._backend.group(job.id)) and self._room(f) >= _samples(job)
+                           for f in self._forming):
+                    self._pending.remove(job)
+                    return job
+            self._work.wait()
+
+    def _room(self, forming: _Forming) -> int:
+        return self._max_batch_samples - sum(_samples(j) for j in forming.jobs)
+
+    def _gather(self, forming: _Forming) -> None:
+        """Under the lock: move every pending job that may join `forming` into it, oldest first."""
+        if forming.key is None:
+            return
+        room = self._room(forming)
+        for job in list(self._pending):
+            if room <= 0:
+                break
+            if forming.takes(job, self._backend.group(job.id)) and _samples(job) <= room:
+                self._pending.remove(job)
+                forming.jobs.append(job)
+                room -= _samples(job)
+
+    def _start_or_fail(self, job: Job) -> bool:
+        """Under the lock: start `job` (True), or fail it when the journal cannot record that (False)."""
+        error = self._start(job)
+        if error is None:
+            return True
+        message = f"the job journal cannot be written ({error})"
+        self._change(job, JobState.FAILED, error=ErrorInfo(type="journal_unavailable", message=message))
+        self._backend.abandon(job.id, "failed", message)
+        log.error("rollout failed: journal unwritable", extra={"rollout": job.id})
+        return False
 
     def _start(self, job: Job) -> str | None:
         """Under the lock: queued -> running, the running row journaled first (the error in words,
@@ -615,7 +704,9 @@ class JobManager:
 
     def _run(self, batch: Sequence[Job]) -> None:
         runs = [job.run for job in batch if job.run is not None]
-        log.info("rollout started", extra={"rollouts": [r.job_id for r in runs], "model": batch[0].model})
+        log.info("rollouts started" if len(runs) > 1 else "rollout started",
+                 extra={"rollouts": [r.job_id for r in runs], "model": batch[0].model,
+                        "samples": sum(r.spec.num_samples for r in runs)})
         try:
             self._backend.run(runs)
         except Exception as exc:  # a failing backend must never take the server down
