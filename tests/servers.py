@@ -20,7 +20,7 @@ __all__ = ["ServerProcess", "flight_streams", "metric", "wait_for", "wait_for_lo
 T = TypeVar("T")
 
 
-def wait_for(condition: Callable[[], T], what: str, timeout: float = 30.0, every: float = 0.02) -> T:
+def wait_for(condition: Callable[[], T | None], what: str, timeout: float = 30.0, every: float = 0.02) -> T:
     """Poll `condition` until it returns something truthy, and return that; fail naming `what`
     (and the last value seen) after `timeout` seconds."""
     deadline = time.monotonic() + timeout

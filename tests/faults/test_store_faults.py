@@ -221,9 +221,11 @@ def test_a_second_flight_server_on_the_same_store_serves_live_streams() -> None:
             wait_for(lambda: second.active_streams == 1, "the consumer's do_get waits on the reserved ticket")
             writer = store.create(header)
             for i in header.steps:  # each step reaches the consumer before the next is made: live
-                served = second.bytes_served
+                def streamed(before: int = second.bytes_served) -> bool:
+                    return second.bytes_served > before
+
                 writer.append(steps[i])
-                wait_for(lambda served=served: second.bytes_served > served, f"step {i} streamed by the second server")
+                wait_for(streamed, f"step {i} streamed by the second server")
             writer.finish()
             consumer.join(20)
             assert consumer.error is None, consumer.error

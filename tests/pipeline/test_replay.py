@@ -52,9 +52,11 @@ class _SteppedOntoStoredLatents(FlowMatchEulerDiscreteScheduler):
         i = len(self.seen)
         assert torch.equal(sample.cpu(), self.stored[:, i]), f"the pipeline did not feed x_{i} back in"
         self.seen.append(model_output.detach().float().cpu().clone())
-        super().step(model_output, timestep, sample, *args, **kwargs)  # the stock step's own bookkeeping
+        super().step(model_output, timestep, sample, *args, **kwargs)  # type: ignore[misc]  # the stock bookkeeping
         x_next = self.stored[:, i + 1].to(sample.device, sample.dtype)
-        return (x_next,) if kwargs.get("return_dict", True) is False else FlowMatchEulerDiscreteSchedulerOutput(x_next)
+        if kwargs.get("return_dict", True) is False:
+            return (x_next,)
+        return FlowMatchEulerDiscreteSchedulerOutput(prev_sample=x_next)  # type: ignore[arg-type]  # a FloatTensor
 
 
 def _stock_velocities(model, spec, latents):
