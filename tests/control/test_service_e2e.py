@@ -15,7 +15,7 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import ServerProcess, flight_streams, wait_for, wait_for_status
 
 COLUMNS = ["step", "sample", "prompt_index", "seed", "timestep", "sigma", "sigma_next", "sde", "log_prob", "latent"]
 
@@ -118,19 +118,39 @@ def test_same_seed_gives_bit_identical_trajectories(client):
 
 
 def test_consumer_joining_before_the_end_gets_every_step_once(client):
-    ticket = submit(client, num_inference_steps=60, seed=1)
+    """Two consumers that provably joined before the end, each proved from the server's own state:
+    one whose do_get is open (sigmaflight_flight_streams) while its rollout still waits in the
+    queue behind a long one (one worker), and one that receives its first batch while the rollout
+    runs with steps still to come (it catches up on the steps made so far, then follows live)."""
+    blocker = submit(client, num_inference_steps=3000, seed=9, **{"return": {"steps": [0, 3000]}})
+    wait_for(lambda: client.get(f"/v1/rollouts/{blocker['id']}").json()["status"] == "running", "the blocker runs")
+    T = 400
+    ticket = submit(client, num_inference_steps=T, seed=1)
+    open_before = flight_streams(client)
     got: dict[str, pa.Table] = {}
 
     def consume() -> None:
         got["table"] = pull(ticket)
 
-    reader = threading.Thread(target=consume)
-    reader.start()
-    status = client.get(f"/v1/rollouts/{ticket['id']}").json()["status"]
-    reader.join(60)
-    assert not reader.is_alive()
-    assert status in ("queued", "running")  # the consumer really joined before the end
-    assert got["table"]["step"].to_pylist() == list(range(61))
+    early = threading.Thread(target=consume)
+    early.start()
+    try:
+        wait_for(lambda: flight_streams(client) == open_before + 1, "the early consumer's do_get is open")
+        assert client.get(f"/v1/rollouts/{ticket['id']}").json()["status"] == "queued"  # it joined before the start
+    finally:
+        assert client.delete(f"/v1/rollouts/{blocker['id']}").status_code == 200  # the rollout runs now
+    wait_for(lambda: client.get(f"/v1/rollouts/{ticket['id']}").json()["progress"]["steps_done"] >= 5,
+             "the rollout made 5 steps")
+    with flight.FlightClient(ticket["flight"]["locations"][0]) as fc:
+        reader = fc.do_get(flight.Ticket(ticket["flight"]["ticket"].encode()))
+        first = reader.read_chunk().data
+        status = client.get(f"/v1/rollouts/{ticket['id']}").json()
+        assert status["status"] == "running" and status["progress"]["steps_done"] < T, status  # joined mid-run
+        late = pa.Table.from_batches([first, *[chunk.data for chunk in reader]])
+    early.join(60)
+    assert not early.is_alive()
+    for table in (got["table"], late):
+        assert table["step"].to_pylist() == list(range(T + 1))  # every step, once, in order
 
 
 def test_cancel_mid_run_ends_the_stream_with_a_named_error(client):

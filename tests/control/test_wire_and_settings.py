@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 from sigmaflight.control.serve import build_parser, settings_from_args
 from sigmaflight.control.settings import Settings
 
 from sigmaflight.wire import RolloutRequest, to_spec
+
+CONTRACT = Path(__file__).resolve().parents[2] / "docs" / "contract.md"
 
 
 def test_to_spec_maps_every_field_and_fills_defaults():
@@ -90,11 +95,22 @@ def test_invalid_setting_is_refused_with_its_name():
 
 
 def test_wire_status_names_are_the_job_states():
-    from typing import get_args
-
+    """The contract's list of states (docs/contract.md, "Status") is what every form of them says:
+    the wire model's JSON schema, the OpenAPI document (its RolloutStatus and the list route's
+    `status` filter) and the job layer's states; the terminal ones are all but queued and running."""
+    from sigmaflight.control.http.openapi import openapi_document
     from sigmaflight.control.jobs import STATES, TERMINAL
 
-    from sigmaflight.wire import RolloutState
+    from sigmaflight.wire import RolloutStatus
 
-    assert get_args(RolloutState) == STATES
-    assert TERMINAL == {"succeeded", "failed", "cancelled", "expired"}
+    found = re.findall(r"^Status: `id`, `status` in \{([a-z, ]+)\}", CONTRACT.read_text(), flags=re.M)
+    assert len(found) == 1, "docs/contract.md should list the states once, as 'Status: `id`, `status` in {...}'"
+    contract = [s.strip() for s in found[0].split(",")]
+    assert contract[:2] == ["queued", "running"], contract
+    assert RolloutStatus.model_json_schema()["properties"]["status"]["enum"] == contract
+    doc = openapi_document()
+    assert doc["components"]["schemas"]["RolloutStatus"]["properties"]["status"]["enum"] == contract
+    (status_filter,) = [p for p in doc["paths"]["/v1/rollouts"]["get"]["parameters"] if p["name"] == "status"]
+    assert status_filter["schema"]["enum"] == contract
+    assert list(STATES) == contract
+    assert set(TERMINAL) == set(contract) - {"queued", "running"}

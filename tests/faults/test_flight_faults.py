@@ -6,13 +6,12 @@ from __future__ import annotations
 import gc
 import json
 import threading
-import time
 
 import pyarrow.flight as flight
 import pytest
 
 from tests.faults.conftest import LONG, LONG_FLAGS, SMALL, Pull, latent_bytes, options, pull, wait_running
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import ServerProcess, flight_streams, wait_for, wait_for_status
 
 STREAMS = 8
 # 11 captured steps of 16 samples x 64 KiB: 11 batches of 1 MiB; two partitions of ~5.5 MiB each
@@ -52,13 +51,30 @@ def test_consumers_that_leave_a_queued_ticket_free_their_slots(server: ServerPro
         for w in waiters:
             w.join(10)
             assert isinstance(w.error, flight.FlightTimedOutError), w.error  # each left at its 1 s deadline
-        time.sleep(1.5)
         try:
-            table = pull(server.flight_url, done["flight"]["ticket"], timeout=10)  # an unrelated finished rollout
+            # The server notices that they left and frees their slots while the rollout is still queued.
+            def freed() -> bool:
+                status = c.get(f"/v1/rollouts/{queued['id']}").json()["status"]
+                assert status == "queued", f"the rollout ran ({status}) while its leavers' slots were still held"
+                return flight_streams(c) == 0
+
+            wait_for(freed, "the leavers' stream slots are free again")
+            _all_slots_serve(server, done["flight"]["ticket"])  # every slot streams an unrelated finished rollout
         finally:  # the queued rollout runs now, which frees the slots on any server
             c.delete(f"/v1/rollouts/{blocker['id']}")
             wait_for_status(c, queued["id"], {"succeeded", "failed"})
-        assert table.num_rows > 0
+
+
+def _all_slots_serve(server: ServerProcess, ticket: str) -> None:
+    """STREAMS pulls at once, one per stream slot: each streams the whole rollout."""
+    pulls = [Pull(server.flight_url, ticket, timeout=10) for _ in range(STREAMS)]
+    for p in pulls:
+        p.start()
+    for p in pulls:
+        p.join(15)
+    errors = [p.error for p in pulls if p.error is not None]
+    assert not errors, errors[0]
+    assert all(p.table is not None and p.table.num_rows > 0 for p in pulls)
 
 
 @pytest.mark.timeout(60)
@@ -126,13 +142,9 @@ def test_iter_steps_parallel_stopped_early_frees_its_streams() -> None:
                 never = tc.iter_steps_parallel(many["id"], streams=2, prefetch=1, merge_steps=merge)
                 del never  # one that never starts holds nothing either
             gc.collect()
-            time.sleep(2.0)
-            # Every slot is free again: STREAMS pulls at once all stream.
-            pulls = [Pull(server.flight_url, many["flight"]["ticket"], timeout=10) for _ in range(STREAMS)]
-            for p in pulls:
-                p.start()
-            for p in pulls:
-                p.join(15)
-            errors = [p.error for p in pulls if p.error is not None]
-            assert not errors, errors[0]
+            # The pumps end and their streams close (the server frees the slots), then every slot streams.
+            wait_for(lambda: threading.active_count() <= baseline, "the pump threads end")
+            with server.client() as c:
+                wait_for(lambda: flight_streams(c) == 0, "the stopped iterators' stream slots are free again")
+            _all_slots_serve(server, many["flight"]["ticket"])
             assert threading.active_count() <= baseline, "pump threads outlived the consumer"

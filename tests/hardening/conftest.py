@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import pyarrow.flight as flight
 import pytest
 
 from sigmaflight.launcher import ROOT
+from tests.servers import metric as metric  # re-exported: the /metrics parser lives in tests/servers.py
 
 TOKEN = "sfk-3b1f0c2e9d7a4e58a6c4f1e2d3c4b5a6"
 OTHER_TOKEN = "sfk-second-token-0f9e8d7c6b5a"
@@ -88,12 +88,6 @@ class RssSampler:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-
-
-def metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
 
 
 SERVE = [sys.executable, "-m", "sigmaflight.cli", "serve", "--log-format", "json"]

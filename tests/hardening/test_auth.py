@@ -117,18 +117,30 @@ def test_flight_refuses_missing_and_wrong_tokens(secured, token):
     assert pull(secured.flight_url, ticket["flight"]["ticket"], TOKEN).num_rows == 3
 
 
-def test_tokens_never_reach_the_logs(secured):
-    with secured.client(WRONG_TOKEN) as c:
-        c.get("/v1/models")
-        c.post("/v1/rollouts", json=BODY)
-    with secured.client(TOKEN) as c:
-        c.post("/v1/rollouts", content=b"{broken", headers={"content-type": "application/json"})
-        c.get("/v1/rollouts/does-not-exist")
-    with flight.FlightClient(secured.flight_url) as fc, pytest.raises(flight.FlightUnauthenticatedError):
-        fc.get_flight_info(flight.FlightDescriptor.for_path("rollouts", "x"), options=call_options(WRONG_TOKEN))
-    time.sleep(0.3)
-    logs = secured.log_text
-    assert '"auth": true' in logs or '"auth":true' in logs
+def test_tokens_never_reach_the_logs(tmp_path):
+    """Its own server: the log is read whole once the process has exited (SIGTERM), so a line
+    written late (a rollout's end, a closed connection, shutdown) is read too."""
+    path = tmp_path / "tokens.txt"
+    path.write_text(f"# tokens\n\n{TOKEN}\n{OTHER_TOKEN}\n")
+    os.chmod(path, 0o600)
+    server = ServerProcess("--token-file", str(path))
+    try:
+        with server.client(WRONG_TOKEN) as c:
+            assert c.get("/v1/models").status_code == 401
+            assert c.post("/v1/rollouts", json=BODY).status_code == 401
+        with server.client(TOKEN) as c:
+            assert c.post("/v1/rollouts", content=b"{broken", headers={"content-type": "application/json"}).status_code == 422
+            assert c.get("/v1/rollouts/does-not-exist").status_code == 404
+            ticket = c.post("/v1/rollouts", json=BODY).json()
+            assert wait_for_status(c, ticket["id"], {"succeeded"})["status"] == "succeeded"
+        assert pull(server.flight_url, ticket["flight"]["ticket"], OTHER_TOKEN).num_rows == 3
+        with flight.FlightClient(server.flight_url) as fc, pytest.raises(flight.FlightUnauthenticatedError):
+            fc.get_flight_info(flight.FlightDescriptor.for_path("rollouts", "x"), options=call_options(WRONG_TOKEN))
+    finally:
+        assert server.terminate() in (0, -15)  # exits (uvicorn re-raises SIGTERM); its stderr is read to the end
+    logs = server.log_text
+    assert '"msg": "sigmaflight ready"' in logs and ('"auth": true' in logs or '"auth":true' in logs)
+    assert "rollout succeeded" in logs  # the log holds what happened after the requests too
     for secret in (TOKEN, OTHER_TOKEN, WRONG_TOKEN):
         assert secret not in logs
         assert secret[4:20] not in logs

@@ -17,7 +17,8 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from sigmaflight.pipeline.kernels import kernel_mean_std, step_log_prob
-from sigmaflight.pipeline.spec import SamplerSpec
+from sigmaflight.pipeline.rollout import run_rollout
+from sigmaflight.pipeline.spec import RolloutSpec, SamplerSpec
 
 EPS32 = torch.finfo(torch.float32).eps
 ULPS = 4  # "within a few float32 ULPs"
@@ -131,10 +132,22 @@ SCHEDULES = {
 }
 
 
-def test_real_schedules_start_exactly_at_one():
-    # The sigma == 1 branch is what this file tests: every real schedule here really hits it.
-    for name, sig in SCHEDULES.items():
-        assert sig[0].item() == 1.0 and sig[-1].item() == 0.0, name
+@pytest.mark.parametrize("model_id", ["tiny-sd3", "tiny-flux", "tiny-wan"])
+def test_real_schedules_start_exactly_at_one(registry, model_id):
+    """The sigma == 1 branch is what the references special-case: a real rollout's schedule (static
+    shift, dynamic shift with mu, video) hits it, and its first transition is scored as Flow-GRPO
+    scores it there, with std = a exactly in closed form (sqrt(1 / (1 - s1)) a sqrt(1 - s1))."""
+    a = 0.7
+    spec = RolloutSpec(model=model_id, prompts=("a cat",), num_outputs_per_prompt=2, num_inference_steps=3, seed=4,
+                       sampler=SamplerSpec(type="sde", noise_level=a), return_velocities=True)
+    res = run_rollout(registry.get(model_id), spec)
+    sig = res.snapshot.sigmas
+    assert sig[0].item() == 1.0 and sig[-1].item() == 0.0, sig
+    x0, x1, v = res.captures[0].latent, res.captures[1].latent, res.captures[0].velocity
+    assert v is not None and 0 in res.snapshot.sde_steps
+    _, ref, _, std_dev_t, sqrt_dt = flow_grpo_step(sig, 0, x0, v, a, "sde", prev_sample=x1)
+    _close_ulps((std_dev_t * sqrt_dt).reshape(-1)[0], torch.tensor(a))
+    assert torch.equal(res.log_probs[:, 0], ref), (res.log_probs[:, 0], ref)
 
 
 def _inputs(shape, seed, dtype=torch.float32):
@@ -210,43 +223,49 @@ def test_random_schedules(kind):
             _close_ulps(nc, sg_nc, ULPS_SGLANG_LOG_PROB)
 
 
-def _old_numerator_substitution(sig, i, x, v, a):
-    """The formula sigmaflight used before: sigmas[1] in the numerator *and* the denominator."""
-    sigma, sigma_next = sig[i], sig[i + 1]
-    s = sig[1] if bool(sigma == 1) else sigma
-    std_t = torch.sqrt(s / (1 - s)) * a
-    dt = sigma_next - sigma
-    mean = x * (1 + std_t**2 / (2 * sigma) * dt) + v * (1 + std_t**2 * (1 - sigma) / (2 * sigma)) * dt
-    return mean, std_t * torch.sqrt(-dt)
-
-
 @pytest.mark.parametrize("schedule", ["static_shift", "dynamic_shift", "custom_list"])
 def test_the_old_numerator_substitution_is_detected(schedule):
+    """sigmaflight's first transition (sigma == 1) against its closed form in float64: only the
+    denominator takes s1 = sigmas[1], so std_t = a sqrt(1 / (1 - s1)) and std = std_t sqrt(1 - s1) = a.
+    The formula sigmaflight used before (s1 in the numerator too) gives std = a sqrt(s1)."""
     sig = SCHEDULES[schedule]
+    assert sig[0].item() == 1.0
+    a = 0.7
+    s1 = sig[1].item()
     x, v, eps = _inputs((2, 4, 8, 8), seed=7)
-    x_next, sg_d, sg_mean, sg_std = sglang_step(sig, 0, x, v, 0.7, "sde", no_const=False, noise=eps)
-    old_mean, old_std = _old_numerator_substitution(sig, 0, x, v, 0.7)
-    with pytest.raises(AssertionError):
-        _close_ulps(old_std, sg_std)
-    with pytest.raises(AssertionError):
-        _close_ulps(old_mean, sg_mean)
-    # At sigma == 1 the references' first std_t is exactly noise_level * sqrt(1 / (1 - sigmas[1])).
-    expected = math.sqrt(1.0 / (1.0 - sig[1].item())) * 0.7 * math.sqrt(1.0 - sig[1].item())
-    assert abs(float(sg_std) - expected) < 1e-6
-    _, std = kernel_mean_std(x, v, sig, 0, sampler=SamplerSpec(type="sde", noise_level=0.7))
-    _close_ulps(std, sg_std)
+    dt = s1 - 1.0
+    std_t = a * math.sqrt(1.0 / (1.0 - s1))
+    ref_std = std_t * math.sqrt(-dt)
+    # sigma = 1: mean = x (1 + std_t^2 dt / 2) + v (1 + std_t^2 (1 - 1) / 2) dt
+    ref_mean = x.double() * (1 + std_t**2 * dt / 2) + v.double() * dt
+    x_next = (ref_mean + ref_std * eps.double()).float()
+    ref_lp = (-((x_next.double() - ref_mean) ** 2) / (2 * ref_std**2) - math.log(ref_std)
+              - 0.5 * math.log(2 * math.pi)).mean(dim=(1, 2, 3))
+    sampler = SamplerSpec(type="sde", noise_level=a)
+    mean, std = kernel_mean_std(x, v, sig, 0, sampler=sampler)
+    _close_ulps(std, torch.tensor(ref_std, dtype=torch.float64))
+    _close_ulps(mean, ref_mean)
+    _close_ulps(step_log_prob(x, x_next, v, sig, 0, sampler=sampler), ref_lp, ULPS_SGLANG_LOG_PROB)
+    # The check tells the old formula apart: its std is off by far more ULPs than allowed.
+    assert abs(a * math.sqrt(s1) - ref_std) / (EPS32 * max(ref_std, 1.0)) > 1000 * ULPS
 
 
 def test_no_const_is_not_divided_by_two_std_squared():
-    sig = SCHEDULES["toy"]
-    x = torch.zeros(1, 2, 8, 8)
-    v = torch.zeros(1, 2, 8, 8)
-    x_next = torch.ones(1, 2, 8, 8)
+    sig = SCHEDULES["toy"]  # transition 1: std 1.15 (sde) and 0.54 (cps), so 2 std^2 is far from 1
+    zeros = torch.zeros(1, 2, 8, 8)
+    x, v, eps = _inputs((3, 2, 8, 8), seed=11)
+    x_next = x + 0.3 * eps
     for kind in ("sde", "cps"):
         sampler = SamplerSpec(type=kind, noise_level=0.7, log_prob="no_const")
-        mean, _ = kernel_mean_std(x, v, sig, 1, sampler=sampler)
-        got = step_log_prob(x, x_next, v, sig, 1, sampler=sampler)
-        torch.testing.assert_close(got, -((x_next - mean) ** 2).mean(dim=(1, 2, 3)), rtol=0, atol=0)
+        # x = v = 0: the mean of both kernels is 0 whatever their coefficients, so x' = 1 scores -(1 - 0)^2.
+        got = step_log_prob(zeros, torch.ones(1, 2, 8, 8), zeros, sig, 1, sampler=sampler)
+        assert torch.equal(got, torch.tensor([-1.0])), (kind, got)
+        # Any x and v: -(x' - mean)^2 with Flow-GRPO's mean (its cps log-prob is exactly this).
+        _, cps_lp, ref_mean, _, _ = flow_grpo_step(sig, 1, x, v, 0.7, kind, prev_sample=x_next)
+        ref = -((x_next - ref_mean) ** 2).mean(dim=(1, 2, 3))
+        if kind == "cps":
+            assert torch.equal(ref, cps_lp)
+        _close_ulps(step_log_prob(x, x_next, v, sig, 1, sampler=sampler), ref)
 
 
 def test_log_prob_is_a_mean_not_a_sum():

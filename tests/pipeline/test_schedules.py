@@ -1,7 +1,12 @@
+import json
+
+import numpy as np
 import pytest
 import torch
 from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
-from sigmaflight.pipeline.rollout import run_rollout
+from sigmaflight.control.backends.local import header_for
+from sigmaflight.dataplane.schema import trajectory_schema
+from sigmaflight.pipeline.rollout import rollout_metadata, run_rollout
 from sigmaflight.pipeline.schedules import make_rollout_scheduler
 from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec
 
@@ -49,16 +54,25 @@ def test_caller_supplied_sigmas_and_last_call_wins(registry):
 
 
 def test_timesteps_over_1000_drifts_from_the_snapshot(registry):
+    """sigmaflight ships the snapshot's bits, and they are not t/1000. Where stock diffusers'
+    t/1000 drifts from its own sigmas, the `sigmaflight.sigmas` a trajectory's schema carries
+    (built as the server builds it: header_for, trajectory_schema) parse back, with plain json
+    and numpy float32, to the stock schedule bit for bit, and the shipped timesteps / 1000 do not."""
     model = registry.get("tiny-sd3")
-    drifted = []
-    for n in range(1, 41):
-        stock = _stock(model, num_inference_steps=n)
-        if not torch.equal(stock.timesteps / 1000, stock.sigmas[:-1]):
-            drifted.append(n)
+    drifted = [n for n in range(1, 41)
+               if not torch.equal((s := _stock(model, num_inference_steps=n)).timesteps / 1000, s.sigmas[:-1])]
     assert drifted, "expected t/1000 to differ from the sigmas in at least one schedule"
-    # timesteps given without sigmas: the sigma that runs is shifted, t/1000 is not it at all.
-    stock = _stock(model, timesteps=[1000.0, 500.0, 250.0])
-    assert (stock.timesteps / 1000 - stock.sigmas[:-1]).abs().max() > 0.1
+    for n in drifted[:2]:
+        spec = RolloutSpec(model="tiny-sd3", prompts=("a cat",), num_inference_steps=n, seed=3, return_steps=(0, n))
+        res = run_rollout(model, spec)
+        header = header_for("drift", res.snapshot, rollout_metadata(model, spec, res.snapshot), log_probs=True)
+        meta = trajectory_schema(header).metadata
+        sigmas = torch.from_numpy(np.asarray(json.loads(meta[b"sigmaflight.sigmas"]), dtype=np.float32))
+        timesteps = torch.from_numpy(np.asarray(json.loads(meta[b"sigmaflight.timesteps"]), dtype=np.float32))
+        stock = _stock(model, num_inference_steps=n)
+        assert torch.equal(sigmas, stock.sigmas), f"T={n}: the shipped sigmas are not the schedule that ran"
+        assert torch.equal(timesteps, stock.timesteps), f"T={n}: the shipped timesteps are not the schedule's"
+        assert not torch.equal(timesteps / 1000, sigmas[:-1]), f"T={n}: t/1000 should drift here"
 
 
 def test_non_flow_match_scheduler_is_refused(registry):
