@@ -1,4 +1,4 @@
-"""Client subcommands of `sigmaflight`: submit, status, pull, inspect, plot.
+"""Client subcommands of `sigmaflight`: submit, status, list, cancel, pull, inspect, plot.
 
 Each talks to a running server through `sigmaflight.client.Client` (`--url`, default
 http://127.0.0.1:8000 or SIGMAFLIGHT_URL; `--token` or SIGMAFLIGHT_TOKEN), or reads an
@@ -14,6 +14,8 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from sigmaflight.wire import STATES, TERMINAL
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 FILE_SUFFIXES = frozenset({".arrow", ".arrows", ".ipc", ".feather"})
@@ -95,6 +97,33 @@ def run_status(args: argparse.Namespace) -> int:
         st = client.wait(args.id, timeout=args.timeout, raise_on_failure=False) if args.wait else client.status(args.id)
     _print_json(st.model_dump(mode="json", by_alias=True))
     return _exit_status(st.status)
+
+
+# ---- list / cancel --------------------------------------------------------------------------
+
+
+def run_list(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        listed = client.rollouts(status=args.status, limit=args.limit)
+    _print_json({"rollouts": [st.model_dump(mode="json", by_alias=True) for st in listed]})
+    return 0
+
+
+def run_cancel(args: argparse.Namespace) -> int:
+    """Cancel a queued or running rollout. A finished one is refused (exit 1) unless --release,
+    which frees its stored result (DELETE releases a finished rollout; it then reads "expired")."""
+    with _client(args) as client:
+        before = client.status(args.id)
+        if before.status in TERMINAL and not args.release:
+            print(f"sigmaflight cancel: rollout {before.id} already {before.status}: nothing to cancel "
+                  "(--release frees a finished rollout's stored result)", file=sys.stderr)
+            return 1
+        after = client.cancel(args.id)
+    _print_json(after.model_dump(mode="json", by_alias=True))
+    if before.status in TERMINAL or after.status == "expired":  # --release, or it finished meanwhile
+        print(f"sigmaflight cancel: rollout {after.id} had finished; released (its stored result is freed)",
+              file=sys.stderr)
+    return 0
 
 
 # ---- pull -----------------------------------------------------------------------------------
@@ -268,6 +297,24 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("--wait", action="store_true", help="wait until the rollout has finished")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits [default %(default)s]")
     p.set_defaults(run=run_status)
+
+    p = sub.add_parser("list", help="List rollouts, newest first (JSON).", formatter_class=fmt,
+                       description="Print GET /v1/rollouts as JSON, newest first.")
+    _client_arguments(p)
+    p.add_argument("--status", choices=STATES, help="only rollouts with this status")
+    p.add_argument("--limit", type=int, default=100, help="at most this many [default %(default)s]")
+    p.set_defaults(run=run_list)
+
+    p = sub.add_parser("cancel", help="Cancel a queued or running rollout (--release: free a finished one).",
+                       formatter_class=fmt,
+                       description="Cancel a queued or running rollout and print its status. A rollout that has "
+                       "already finished is refused with exit 1, unless --release: then its stored result is "
+                       "freed (its status becomes expired).")
+    _client_arguments(p)
+    p.add_argument("id", metavar="ID", help="rollout id")
+    p.add_argument("--release", action="store_true",
+                   help="also release a finished rollout's result (trajectory and streams are deleted)")
+    p.set_defaults(run=run_cancel)
 
     p = sub.add_parser("pull", help="Pull a trajectory over Flight into an .arrow file.", formatter_class=fmt,
                        description="Stream a rollout over Arrow Flight into an Arrow IPC file, with a progress "

@@ -6,11 +6,12 @@ converter, `to_spec`, turns a validated request into a `RolloutSpec`.
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
-from sigmaflight.pipeline.spec import RolloutSpec, SamplerSpec
+if TYPE_CHECKING:  # the engine's records hold torch tensors; a client reading a status needs no torch
+    from sigmaflight.pipeline.spec import RolloutSpec
 
 INT64_MAX = (1 << 63) - 1
 RolloutState = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired"]
@@ -102,6 +103,8 @@ class RolloutRequest(_Wire):
 
 def to_spec(request: RolloutRequest, *, model_id: str, default_steps: int, seed: int) -> RolloutSpec:
     """The one converter from wire to engine. `seed` is used when the request gave neither seed nor seeds."""
+    from sigmaflight.pipeline.spec import RolloutSpec, SamplerSpec
+
     r = request.return_
     return RolloutSpec(
         model=model_id,
