@@ -66,12 +66,12 @@ class RolloutRequest(_Wire):
     prompts: list[str] | None = Field(
         None, min_length=1, description="Prompts; samples are prompt-major. Required, except for a branch (inherited)."
     )
-    negative_prompt: str | None = None
-    num_outputs_per_prompt: int = Field(1, ge=1)
+    negative_prompt: str | None = Field(None, description="Negative prompt for classifier-free guidance; default: the model's.")
+    num_outputs_per_prompt: int = Field(1, ge=1, description="Samples per prompt (a GRPO group); B = prompts x this.")
     num_inference_steps: int | None = Field(None, ge=1, description="T; default: the model's.")
     guidance_scale: float | None = Field(None, description="CFG scale; default: the model's.")
-    height: int | None = Field(None, ge=1)
-    width: int | None = Field(None, ge=1)
+    height: int | None = Field(None, ge=1, description="Image height in pixels; default: the model's.")
+    width: int | None = Field(None, ge=1, description="Image width in pixels; default: the model's.")
     num_frames: int | None = Field(None, ge=1, description="Video models only.")
     seed: int | None = Field(None, ge=0, le=INT64_MAX, description="Per-sample seeds are derived from it.")
     seeds: list[int] | None = Field(None, description="Exactly one per sample (0 <= seed < 2^63).")
