@@ -14,7 +14,7 @@ pipeline call: pipeline/calls.py. Their public names are re-exported here, as be
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -281,12 +281,10 @@ def run_rollout(
 def _request_metadata(spec: RolloutSpec) -> dict[str, Any]:
     """The request as JSON: every RolloutSpec field, `branch_from` as its parent reference."""
     request: dict[str, Any] = {f.name: getattr(spec, f.name) for f in fields(spec) if f.name not in ("sampler", "branch_from")}
-    request["sampler"] = asdict(spec.sampler)
+    request["sampler"] = spec.sampler.to_json()
     for key in ("prompts", "seeds", "return_steps"):
         if request[key] is not None:
             request[key] = list(request[key])
-    if request["sampler"]["sde_steps"] is not None:
-        request["sampler"]["sde_steps"] = list(request["sampler"]["sde_steps"])
     request["branch_from"] = parent_metadata(spec)
     return request
 

@@ -64,6 +64,35 @@ class SamplerSpec:
     """"density": full Gaussian log-density; "no_const": -(x' - mean)^2 (no 1 / (2 std^2), no constants),
     as SGLang's `rollout_log_prob_no_const` and Flow-GRPO's cps log-prob. Both averaged over elements."""
 
+    def to_json(self) -> dict[str, Any]:
+        """The JSON form, as a trajectory's `sigmaflight.rollout.sampler` holds it."""
+        return {"type": self.type, "noise_level": self.noise_level,
+                "sde_steps": None if self.sde_steps is None else list(self.sde_steps), "log_prob": self.log_prob}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SamplerSpec:
+        """The SamplerSpec of its JSON form (a trajectory's `traj.metadata["sampler"]`). Every field must
+        be there and no other: a partial dict would silently score with defaults."""
+        names = set(cls.__dataclass_fields__)
+        missing, unknown = sorted(names - set(data)), sorted(set(data) - names)
+        if missing or unknown:
+            raise TypeError(
+                f"not a sampler's JSON form (missing {missing or 'nothing'}, unknown {unknown or 'nothing'}): pass the "
+                "trajectory's own traj.metadata['sampler'], or a SamplerSpec(type=..., noise_level=..., ...)")
+        sde = data["sde_steps"]
+        return cls(type=data["type"], noise_level=float(data["noise_level"]),
+                   sde_steps=None if sde is None else tuple(int(i) for i in sde), log_prob=data["log_prob"])
+
+    @classmethod
+    def of(cls, sampler: SamplerSpec | Mapping[str, Any]) -> SamplerSpec:
+        """`sampler` itself, or the SamplerSpec of its JSON form; TypeError saying what to pass otherwise."""
+        if isinstance(sampler, SamplerSpec):
+            return sampler
+        if isinstance(sampler, Mapping):
+            return cls.from_json(sampler)
+        raise TypeError(f"sampler must be a SamplerSpec or a trajectory's sampler metadata dict "
+                        f"(traj.metadata['sampler']), got {type(sampler).__name__}")
+
 
 @dataclass(frozen=True, kw_only=True)
 class BranchStart:

@@ -346,14 +346,12 @@ def rollout_spec(traj: Trajectory) -> RolloutSpec:
     from sigmaflight.pipeline.spec import BranchStart, RolloutSpec, SamplerSpec
 
     req = dict(traj.metadata["request"])
-    sampler = dict(req.pop("sampler"))
-    if sampler.get("sde_steps") is not None:
-        sampler["sde_steps"] = tuple(sampler["sde_steps"])
+    sampler = SamplerSpec.from_json(req.pop("sampler"))
     for key in ("prompts", "seeds", "return_steps"):
         if req.get(key) is not None:
             req[key] = tuple(req[key])
     known = set(RolloutSpec.__dataclass_fields__) - {"branch_from"}  # a parent reference, not a BranchStart
-    spec = RolloutSpec(sampler=SamplerSpec(**sampler), **{k: v for k, v in req.items() if k in known})
+    spec = RolloutSpec(sampler=sampler, **{k: v for k, v in req.items() if k in known})
     parent = req.get("branch_from")
     if parent is None:
         return spec
