@@ -94,28 +94,31 @@ class BearerAuthMiddleware:
 class BodyLimitMiddleware:
     """Refuses bodies over `max_bytes` with 413, by Content-Length up front or while streaming.
 
-    `path_limits`: (method, path regex, limit) triples that give matching routes their own limit
-    (the weights upload gets --max-weights-bytes); the first match wins.
+    `path_limits`: (method, path regex, limit, flag) that give matching routes their own limit
+    (the weights upload gets --max-weights-bytes); the first match wins. The 413 message names
+    the flag that raises the limit (`flag`: --max-body-bytes for the rest).
     """
 
     def __init__(
-        self, app: ASGIApp, max_bytes: int, path_limits: Sequence[tuple[str, str, int]] = ()
+        self, app: ASGIApp, max_bytes: int, path_limits: Sequence[tuple[str, str, int, str]] = (),
+        flag: str = "--max-body-bytes",
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        self.path_limits = [(m, re.compile(p), n) for m, p, n in path_limits]
+        self.flag = flag
+        self.path_limits = [(m, re.compile(p), n, f) for m, p, n, f in path_limits]
 
-    def _limit(self, scope: Scope) -> int:
-        for method, pattern, limit in self.path_limits:
+    def _limit(self, scope: Scope) -> tuple[int, str]:
+        for method, pattern, limit, flag in self.path_limits:
             if scope["method"] == method and pattern.fullmatch(scope["path"]):
-                return limit
-        return self.max_bytes
+                return limit, flag
+        return self.max_bytes, self.flag
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        max_bytes = self._limit(scope)
+        max_bytes, flag = self._limit(scope)
         for k, v in scope["headers"]:
             if k == b"content-length":
                 try:
@@ -124,7 +127,7 @@ class BodyLimitMiddleware:
                     await send_error(send, 400, "bad_request", "Content-Length is not a number")
                     return
                 if declared > max_bytes:
-                    await send_error(send, 413, "body_too_large", self._message(declared, max_bytes))
+                    await send_error(send, 413, "body_too_large", self._message(declared, max_bytes, flag))
                     return
         seen = 0
         started = False
@@ -151,7 +154,7 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except TooLarge:
             if not started:
-                await send_error(send, 413, "body_too_large", self._message(seen, max_bytes))
+                await send_error(send, 413, "body_too_large", self._message(seen, max_bytes, flag))
 
-    def _message(self, size: int, limit: int) -> str:
-        return f"request body of {size} bytes or more exceeds the limit of {limit} bytes"
+    def _message(self, size: int, limit: int, flag: str) -> str:
+        return f"request body of {size} bytes or more exceeds the limit of {limit} bytes ({flag})"
