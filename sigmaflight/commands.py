@@ -69,7 +69,7 @@ FLAG_NAMES: dict[tuple[str, ...], tuple[str, ...]] = {
 """Flags whose names are shorter than the field path; every other RolloutRequest field `a.b_c` is
 `--a-b-c` (e.g. return.outputs is --return-outputs, branch_from.step is --branch-from-step)."""
 
-METAVARS = {("num_outputs_per_prompt",): "G", ("num_inference_steps",): "T", ("seed",): "S"}
+METAVARS: dict[tuple[str, ...], str] = {("num_outputs_per_prompt",): "G", ("num_inference_steps",): "T", ("seed",): "S"}
 
 DEST = "request:"
 """argparse dest prefix of a request flag: "request:sampler.noise_level"."""
