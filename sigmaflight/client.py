@@ -397,8 +397,17 @@ def replay_log_probs(
     off-policy step on purpose).
 
     `conditioning`: the rollout's "conditioning/v1" tensors (`Client.pull_conditioning`): the
-    prompts are not encoded, so `model`'s text encoders may be None."""
-    from sigmaflight.pipeline.replay import Replayer
+    prompts are not encoded, so `model`'s text encoders may be None.
+
+    It runs a diffusers model: diffusers must be installed (the trainer's own, or the `replay`
+    extra). Scoring transitions from velocities you computed needs only torch: `step_log_prob`."""
+    try:
+        from sigmaflight.pipeline.replay import Replayer
+    except ModuleNotFoundError as exc:
+        if exc.name != "diffusers":
+            raise
+        raise ModuleNotFoundError("replay_log_probs runs a diffusers model and diffusers is not installed: "
+                                  "pip install 'sigmaflight[replay]' (or your own diffusers)", name=exc.name) from exc
 
     if check_weights:
         _check_weights(model, traj, strict=strict)
