@@ -425,7 +425,7 @@ def replay_log_probs(
 
 
 _digest_cache: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[list[tuple[Any, int]], str]]] = (
-    weakref.WeakKeyDictionary())  # an annotation only: no torch at import
+    weakref.WeakKeyDictionary())  # postponed annotations: torch is not needed to import this module
 
 
 def _cached(module: torch.nn.Module, what: str, tensors: list[torch.Tensor], make: Callable[[], str]) -> str:
