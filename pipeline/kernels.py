@@ -54,7 +54,8 @@ transition, `step_log_prob` gives NaN or -inf for "density".
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from sigmaflight.pipeline.spec import SamplerSpec
@@ -148,7 +149,7 @@ def step_log_prob(
     sigmas: torch.Tensor,
     step_index: int,
     *,
-    sampler: SamplerSpec,
+    sampler: SamplerSpec | Mapping[str, Any],
 ) -> torch.Tensor:
     """log p(x_{i+1} | x_i) of one transition: float32 [B].
 
@@ -157,6 +158,8 @@ def step_log_prob(
     sigmas: the trajectory's [T+1] float32 snapshot (pass it as recorded; a sigma recomputed
     from timesteps, or stored in bf16, gives other numbers).
     step_index: absolute transition index i (0 <= i < T).
+    sampler: a SamplerSpec, or the trajectory's own sampler metadata (`traj.metadata["sampler"]`).
     """
-    mean, std = kernel_mean_std(x_i, velocity, sigmas, step_index, sampler=sampler)
-    return gaussian_log_prob(x_next, mean, std, sampler.log_prob)
+    spec = SamplerSpec.of(sampler)
+    mean, std = kernel_mean_std(x_i, velocity, sigmas, step_index, sampler=spec)
+    return gaussian_log_prob(x_next, mean, std, spec.log_prob)

@@ -8,7 +8,7 @@ models into a `RolloutSpec`; the loop reports a `ScheduleSnapshot` once and one
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import torch
@@ -67,6 +67,36 @@ class SamplerSpec:
     log_prob: LogProbKind = "density"
     """"density": full Gaussian log-density; "no_const": -(x' - mean)^2 (no 1 / (2 std^2), no constants),
     as SGLang's `rollout_log_prob_no_const` and Flow-GRPO's cps log-prob. Both averaged over elements."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON form, as a trajectory's `sigmaflight.rollout.sampler` holds it."""
+        return {"type": self.type, "noise_level": self.noise_level,
+                "sde_steps": None if self.sde_steps is None else list(self.sde_steps), "log_prob": self.log_prob}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], *, ignore_unknown: bool = False) -> SamplerSpec:
+        """The SamplerSpec of its JSON form (a trajectory's `traj.metadata["sampler"]`). Every field must
+        be there: a partial dict would silently score with defaults. A key it does not know is refused
+        too (a misspelt one), unless `ignore_unknown` (reading a newer server's recorded request)."""
+        names = set(cls.__dataclass_fields__)
+        missing, unknown = sorted(names - set(data)), [] if ignore_unknown else sorted(set(data) - names)
+        if missing or unknown:
+            raise TypeError(
+                f"not a sampler's JSON form (missing {missing or 'nothing'}, unknown {unknown or 'nothing'}): pass the "
+                "trajectory's own traj.metadata['sampler'], or a SamplerSpec(type=..., noise_level=..., ...)")
+        sde = data["sde_steps"]
+        return cls(type=data["type"], noise_level=float(data["noise_level"]),
+                   sde_steps=None if sde is None else tuple(int(i) for i in sde), log_prob=data["log_prob"])
+
+    @classmethod
+    def of(cls, sampler: SamplerSpec | Mapping[str, Any]) -> SamplerSpec:
+        """`sampler` itself, or the SamplerSpec of its JSON form; TypeError saying what to pass otherwise."""
+        if isinstance(sampler, SamplerSpec):
+            return sampler
+        if isinstance(sampler, Mapping):
+            return cls.from_json(sampler)
+        raise TypeError(f"sampler must be a SamplerSpec or a trajectory's sampler metadata dict "
+                        f"(traj.metadata['sampler']), got {type(sampler).__name__}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,9 +183,7 @@ class RolloutSpec:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "sampler":
-                value = asdict(value)
-                if value["sde_steps"] is not None:
-                    value["sde_steps"] = list(value["sde_steps"])
+                value = value.to_json()
             elif f.name == "branch_from":
                 value = None if value is None else value.ref()
             elif isinstance(value, tuple):
@@ -188,10 +216,7 @@ class RolloutSpec:
             if out.get(key) is not None:
                 out[key] = tuple(out[key])
         if isinstance(out.get("sampler"), Mapping):
-            sampler = {k: v for k, v in out["sampler"].items() if k in SamplerSpec.__dataclass_fields__}
-            if sampler.get("sde_steps") is not None:
-                sampler["sde_steps"] = tuple(sampler["sde_steps"])
-            out["sampler"] = SamplerSpec(**sampler)
+            out["sampler"] = SamplerSpec.from_json(out["sampler"], ignore_unknown=True)
         return out
 
     @property

@@ -1,20 +1,42 @@
 """sigmaflight: the users' side in one import (client, wire models, typed errors, replay).
 
 Nothing here loads server code: no Starlette, uvicorn, job journal or Ray (the server lives in
-control/; `sigmaflight serve` imports it only when it runs).
+control/; `sigmaflight serve` imports it only when it runs). Nor does `import sigmaflight` load
+the model stack: each name below is imported on first use (PEP 562), so `Client` costs httpx,
+pydantic and pyarrow, `Trajectory` and `step_log_prob` add torch, and only `Replayer` and
+`replay_log_probs` (running a model) need diffusers, the `replay` extra.
 """
 
-from sigmaflight.client import Client, replay_log_probs, rollout_spec
-from sigmaflight.dataplane.client import Trajectory, Transition
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from sigmaflight.errors import (
     ApiError,
     NotFound,
     RolloutCancelled,
     RolloutFailed,
+    ServerUnreachable,
     Unauthorized,
     WeightsMismatch,
 )
-from sigmaflight.pipeline.replay import Replayer, step_log_prob
+
+if TYPE_CHECKING:
+    from sigmaflight.client import Client, replay_log_probs, rollout_spec
+    from sigmaflight.dataplane.client import Trajectory, Transition
+    from sigmaflight.pipeline.kernels import step_log_prob
+    from sigmaflight.pipeline.replay import Replayer
+
+_LAZY = {
+    "Client": "sigmaflight.client",
+    "replay_log_probs": "sigmaflight.client",
+    "rollout_spec": "sigmaflight.client",
+    "Trajectory": "sigmaflight.dataplane.client",
+    "Transition": "sigmaflight.dataplane.client",
+    "step_log_prob": "sigmaflight.pipeline.kernels",  # torch only: scoring needs no diffusers
+    "Replayer": "sigmaflight.pipeline.replay",
+}
 
 __all__ = [
     "ApiError",
@@ -23,11 +45,30 @@ __all__ = [
     "Replayer",
     "RolloutCancelled",
     "RolloutFailed",
+    "ServerUnreachable",
     "Trajectory",
     "Transition",
     "Unauthorized",
     "WeightsMismatch",
+    "__version__",
     "replay_log_probs",
     "rollout_spec",
     "step_log_prob",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from importlib.metadata import version
+
+        return version("sigmaflight")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sigmaflight' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next access is a plain lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

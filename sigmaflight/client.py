@@ -23,30 +23,33 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import numpy as np
 import pyarrow as pa
-import torch
 from pyarrow import flight
 
-from sigmaflight.dataplane.client import Trajectory, TrajectoryClient, Transport
-from sigmaflight.dataplane.errors import error_info
-from sigmaflight.dataplane.streams import KEY_COLUMNS, column_tensor
 from sigmaflight.errors import (
     ApiError,
     NotFound,
     RolloutCancelled,
     RolloutFailed,
+    ServerUnreachable,
     Unauthorized,
     WeightsMismatch,
 )
-from sigmaflight.pipeline.spec import BranchStart, RolloutSpec
 from sigmaflight.wire import TERMINAL, RolloutStatus, Ticket
 
+if TYPE_CHECKING:  # torch and the data plane's torch side load on first use: `sigmaflight status` needs neither
+    import numpy as np
+    import torch
+
+    from sigmaflight.dataplane.client import Trajectory, TrajectoryClient, Transport
+    from sigmaflight.pipeline.spec import RolloutSpec
+
 __all__ = [
-    "ApiError", "Client", "NotFound", "RolloutCancelled", "RolloutFailed", "Unauthorized", "WeightsMismatch",
+    "ApiError", "Client", "NotFound", "RolloutCancelled", "RolloutFailed", "ServerUnreachable", "Unauthorized",
+    "WeightsMismatch",
     "current_digest", "replay_log_probs", "rollout_spec",
 ]
 
@@ -61,6 +64,16 @@ def _raise_for(r: httpx.Response) -> None:
         type_, message, details = "http_error", r.text[:500], None
     kind = {404: NotFound, 401: Unauthorized}.get(r.status_code, ApiError)
     raise kind(r.status_code, type_, message, details)
+
+
+def _unreachable_reason(exc: httpx.TransportError, timeout: float) -> str:
+    """Why a REST call got no HTTP answer, in words that say what to check."""
+    if isinstance(exc, httpx.TimeoutException):
+        return f"no answer within {timeout:g} s ({type(exc).__name__})"
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return (f"what answers there does not speak HTTP/1.1 ({exc}); is this the Flight port? The REST port is "
+                "`sigmaflight serve --port` (default 8000), Flight's is --flight-port (default 8815)")
+    return f"{exc or type(exc).__name__} (is `sigmaflight serve` running there?)"
 
 
 def _flight_message(exc: Exception) -> str:
@@ -96,8 +109,19 @@ class Client:
         self.transport: Transport = transport
         self.host = host
         headers = {"authorization": f"Bearer {token}"} if token else {}
+        self.timeout = timeout
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
         self._flight: dict[str, TrajectoryClient] = {}
+
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One REST call; ApiError (NotFound, Unauthorized) for a refusal, ServerUnreachable when
+        nothing at `url` answers HTTP (httpx's transport errors never reach the caller)."""
+        try:
+            r = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise ServerUnreachable(self.url, _unreachable_reason(exc, self.timeout)) from exc
+        _raise_for(r)
+        return r
 
     def close(self) -> None:
         self._http.close()
@@ -117,8 +141,7 @@ class Client:
         if "return_" in request:
             request["return"] = request.pop("return_")
         headers = {"idempotency-key": idempotency_key} if idempotency_key else {}
-        r = self._http.post("/v1/rollouts", json=request, headers=headers)
-        _raise_for(r)
+        r = self._send("POST", "/v1/rollouts", json=request, headers=headers)
         return Ticket.model_validate(r.json())
 
     def branch(
@@ -145,15 +168,13 @@ class Client:
         return self.submit(idempotency_key=idempotency_key, **body)
 
     def status(self, rollout_id: str | Ticket) -> RolloutStatus:
-        r = self._http.get(f"/v1/rollouts/{_id(rollout_id)}")
-        _raise_for(r)
+        r = self._send("GET", f"/v1/rollouts/{_id(rollout_id)}")
         return RolloutStatus.model_validate(r.json())
 
     def rollouts(self, status: str | None = None, limit: int = 100) -> list[RolloutStatus]:
         """GET /v1/rollouts, newest first (optionally only one status)."""
         params: dict[str, Any] = {"limit": limit, **({"status": status} if status else {})}
-        r = self._http.get("/v1/rollouts", params=params)
-        _raise_for(r)
+        r = self._send("GET", "/v1/rollouts", params=params)
         return [RolloutStatus.model_validate(s) for s in r.json()["rollouts"]]
 
     def wait(
@@ -182,14 +203,12 @@ class Client:
 
     def cancel(self, rollout_id: str | Ticket) -> RolloutStatus:
         """DELETE: cancel a queued/running rollout, or release a finished one's result."""
-        r = self._http.delete(f"/v1/rollouts/{_id(rollout_id)}")
-        _raise_for(r)
+        r = self._send("DELETE", f"/v1/rollouts/{_id(rollout_id)}")
         return RolloutStatus.model_validate(r.json())
 
     def models(self) -> list[dict[str, Any]]:
         """GET /v1/models: id, family, dtype, device, digest, defaults, ... per model."""
-        r = self._http.get("/v1/models")
-        _raise_for(r)
+        r = self._send("GET", "/v1/models")
         return list(r.json()["models"])
 
     def push_weights(self, model_id: str, state_dict: Mapping[str, torch.Tensor]) -> str:
@@ -197,12 +216,12 @@ class Client:
         from safetensors.torch import save
 
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-        r = self._http.put(
+        r = self._send(
+            "PUT",
             f"/v1/models/{model_id}/weights",
             content=save(tensors),
             headers={"content-type": "application/octet-stream"},
         )
-        _raise_for(r)
         return str(r.json()["digest"])
 
     def push_lora(self, model_id: str, adapter: Mapping[str, torch.Tensor], lora_config: Any) -> dict[str, Any]:
@@ -215,20 +234,20 @@ class Client:
         config = lora_config.to_dict() if hasattr(lora_config, "to_dict") else dict(lora_config)
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter.items()}
         body = save(tensors, metadata={"lora_config": json.dumps(config, default=sorted)})
-        r = self._http.put(f"/v1/models/{model_id}/lora", content=body,
-                           headers={"content-type": "application/octet-stream"})
-        _raise_for(r)
+        r = self._send("PUT", f"/v1/models/{model_id}/lora", content=body,
+                       headers={"content-type": "application/octet-stream"})
         return dict(r.json())
 
     def delete_lora(self, model_id: str) -> dict[str, Any]:
         """DELETE the model's LoRA adapter (ApiError 404 "lora_not_loaded" when there is none)."""
-        r = self._http.delete(f"/v1/models/{model_id}/lora")
-        _raise_for(r)
+        r = self._send("DELETE", f"/v1/models/{model_id}/lora")
         return dict(r.json())
 
     # -- Flight --------------------------------------------------------------------------
     def flight(self, location: str) -> TrajectoryClient:
         """The (cached) data-plane client for one Flight location."""
+        from sigmaflight.dataplane.client import TrajectoryClient
+
         if location not in self._flight:
             self._flight[location] = TrajectoryClient(
                 location, token=self.token, transport=self.transport, host=self.host
@@ -283,6 +302,8 @@ class Client:
     def pull_outputs(self, ticket: str | Ticket) -> np.ndarray[Any, np.dtype[np.uint8]]:
         """The decoded outputs of a rollout asked with `return={"outputs": True}`: uint8
         [B, H, W, 3] images (image models) or [B, F, H, W, 3] video frames, row b = sample b."""
+        import numpy as np
+
         table = self.pull_stream(ticket, "outputs")
         column = "video" if "video" in table.column_names else "image"
         return np.asarray(table.column(column).combine_chunks().to_numpy_ndarray())
@@ -292,6 +313,8 @@ class Client:
         {stock `__call__` keyword: [B, ...] tensor in the dtype the transformer consumed}, row b =
         sample b. Pass it as `conditioning=` to `replay_log_probs` (no text encoders needed), or
         as keywords to the stock pipeline instead of prompts."""
+        from sigmaflight.dataplane.streams import KEY_COLUMNS, column_tensor
+
         table = self.pull_stream(ticket, "conditioning")
         return {c: column_tensor(table, c) for c in table.column_names if c not in KEY_COLUMNS}
 
@@ -300,6 +323,8 @@ class Client:
         sigmaflight.dataplane.errors): a refused token is Unauthorized; a rollout that ended other
         than succeeded is RolloutFailed (RolloutCancelled) from its REST status when there is one;
         an unknown ticket NotFound. The message is the server's, for people."""
+        from sigmaflight.dataplane.errors import error_info
+
         info = error_info(exc) or {}
         kind = info.get("type")
         if kind == "not_found" and info.get("ended"):  # a ticket gone because its rollout ended
@@ -330,6 +355,10 @@ def rollout_spec(traj: Trajectory) -> RolloutSpec:
     """The RolloutSpec the server ran, from the trajectory's `sigmaflight.rollout.request`
     (`RolloutSpec.from_json`); for a branch rollout with `branch_from` rebuilt from the trajectory
     (its x_k, schedule, prompt indices)."""
+    import torch
+
+    from sigmaflight.pipeline.spec import BranchStart, RolloutSpec
+
     req = traj.metadata["request"]
     parent = req.get("branch_from")
     if parent is None:
@@ -376,8 +405,17 @@ def replay_log_probs(
     off-policy step on purpose).
 
     `conditioning`: the rollout's "conditioning/v1" tensors (`Client.pull_conditioning`): the
-    prompts are not encoded, so `model`'s text encoders may be None."""
-    from sigmaflight.pipeline.replay import Replayer
+    prompts are not encoded, so `model`'s text encoders may be None.
+
+    It runs a diffusers model: diffusers must be installed (the trainer's own, or the `replay`
+    extra). Scoring transitions from velocities you computed needs only torch: `step_log_prob`."""
+    try:
+        from sigmaflight.pipeline.replay import Replayer
+    except ModuleNotFoundError as exc:
+        if exc.name != "diffusers":
+            raise
+        raise ModuleNotFoundError("replay_log_probs runs a diffusers model and diffusers is not installed: "
+                                  "pip install 'sigmaflight[replay]' (or your own diffusers)", name=exc.name) from exc
 
     if check_weights:
         _check_weights(model, traj, strict=strict)
@@ -395,7 +433,7 @@ def replay_log_probs(
 
 
 _digest_cache: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[list[tuple[Any, int]], str]]] = (
-    weakref.WeakKeyDictionary())
+    weakref.WeakKeyDictionary())  # postponed annotations: torch is not needed to import this module
 
 
 def _cached(module: torch.nn.Module, what: str, tensors: list[torch.Tensor], make: Callable[[], str]) -> str:
@@ -421,6 +459,8 @@ def current_components(model: Any) -> dict[str, str]:
     Cached per module on the identities and in-place version counters of its tensors, so a
     replay loop pays the hash only after the weights changed (an optimizer step, a load); under
     a LoRA only the factors are hashed again, the frozen base once."""
+    import torch
+
     from sigmaflight.pipeline.models import component_digest
 
     out: dict[str, str] = {}

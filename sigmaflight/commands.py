@@ -1,4 +1,4 @@
-"""Client subcommands of `sigmaflight`: submit, status, pull, inspect, plot.
+"""Client subcommands of `sigmaflight`: submit, status, list, cancel, pull, inspect, plot.
 
 Each talks to a running server through `sigmaflight.client.Client` (`--url`, default
 http://127.0.0.1:8000 or SIGMAFLIGHT_URL; `--token` or SIGMAFLIGHT_TOKEN), or reads an
@@ -12,8 +12,12 @@ import argparse
 import json
 import os
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Any
+
+from sigmaflight.wire import STATES, TERMINAL
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 FILE_SUFFIXES = frozenset({".arrow", ".arrows", ".ipc", ".feather"})
@@ -47,23 +51,102 @@ def _print_json(obj: Any) -> None:
 # ---- submit ---------------------------------------------------------------------------------
 
 
+class UsageError(Exception):
+    """Bad usage found after parsing (an unreadable --json file): one line on stderr, exit 2."""
+
+
+FLAG_NAMES: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("prompts",): ("--prompt", "-p"),
+    ("num_outputs_per_prompt",): ("--num-outputs-per-prompt", "-n"),
+    ("num_inference_steps",): ("--steps", "--num-inference-steps"),
+    ("sampler", "type"): ("--sampler",),
+    ("sampler", "noise_level"): ("--noise-level",),
+    ("sampler", "sde_steps"): ("--sde-steps",),
+    ("sampler", "log_prob"): ("--log-prob",),
+    ("return", "log_probs"): ("--log-probs",),
+    ("return", "latent_dtype"): ("--latent-dtype",),
+}
+"""Flags whose names are shorter than the field path; every other RolloutRequest field `a.b_c` is
+`--a-b-c` (e.g. return.outputs is --return-outputs, branch_from.step is --branch-from-step)."""
+
+METAVARS: dict[tuple[str, ...], str] = {("num_outputs_per_prompt",): "G", ("num_inference_steps",): "T", ("seed",): "S"}
+
+DEST = "request:"
+"""argparse dest prefix of a request flag: "request:sampler.noise_level"."""
+
+
+def _optional(annotation: Any) -> Any:
+    """`X` of `X | None`."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return args[0] if is_union and len(args) == 1 else annotation
+
+
+def request_fields(model: Any = None, prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """(wire path, pydantic FieldInfo) of every leaf field of RolloutRequest, nested models walked."""
+    from pydantic import BaseModel
+
+    from sigmaflight.wire import RolloutRequest
+
+    out = []
+    for name, field in (model or RolloutRequest).model_fields.items():
+        path = (*prefix, field.alias or name)
+        inner = _optional(field.annotation)
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            out += request_fields(inner, path)
+        else:
+            out.append((path, field))
+    return out
+
+
+def _add_request_flag(p: argparse.ArgumentParser, path: tuple[str, ...], field: Any) -> None:
+    """One flag for one wire field, its type, choices and help taken from the field."""
+    names = FLAG_NAMES.get(path, ("--" + "-".join(path).replace("_", "-"),))
+    where = ".".join(path)
+    help_ = f"{field.description} [{where}]" if field.description else f"RolloutRequest field {where}"
+    kind = _optional(field.annotation)
+    kw: dict[str, Any] = {"dest": DEST + where, "default": None, "help": help_}
+    if typing.get_origin(kind) is typing.Literal:
+        kw["choices"] = list(typing.get_args(kind))
+    elif kind is bool:
+        kw["action"] = argparse.BooleanOptionalAction
+    elif typing.get_origin(kind) is list and typing.get_args(kind) == (int,):
+        kw.update(type=_ints, metavar="I,J,...")
+    elif typing.get_origin(kind) is list:  # list[str]: the flag repeats
+        kw.update(action="append", metavar=path[-1].upper().rstrip("S"))
+    else:
+        kw.update(type=kind, metavar=METAVARS.get(path, path[-1].upper()))
+    p.add_argument(*names, **kw)
+
+
+def _request_file(path: str) -> dict[str, Any]:
+    """The --json FILE request: a JSON object, else UsageError naming the file and why."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--json {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        req = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--json {path}: not JSON ({exc})") from None
+    if not isinstance(req, dict):
+        raise UsageError(f"--json {path}: a RolloutRequest is a JSON object, this file holds a {type(req).__name__}")
+    return req
+
+
 def request_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The RolloutRequest body: --json FILE first, then every flag given on top of it."""
-    req: dict[str, Any] = json.loads(Path(args.json).read_text()) if args.json else {}
-    top = {"model": args.model, "negative_prompt": args.negative_prompt,
-           "num_outputs_per_prompt": args.num_outputs_per_prompt, "num_inference_steps": args.steps,
-           "guidance_scale": args.guidance_scale, "height": args.height, "width": args.width,
-           "num_frames": args.num_frames, "seed": args.seed}
-    if args.prompt:
-        req["prompts"] = list(args.prompt)
-    req.update({k: v for k, v in top.items() if v is not None})
-    sampler = {"type": args.sampler, "noise_level": args.noise_level, "sde_steps": args.sde_steps,
-               "log_prob": args.log_prob}
-    if any(v is not None for v in sampler.values()):
-        req["sampler"] = {**req.get("sampler", {}), **{k: v for k, v in sampler.items() if v is not None}}
-    ret = {"steps": args.return_steps, "log_probs": args.log_probs, "latent_dtype": args.latent_dtype}
-    if any(v is not None for v in ret.values()):
-        req["return"] = {**req.get("return", {}), **{k: v for k, v in ret.items() if v is not None}}
+    req: dict[str, Any] = _request_file(args.json) if args.json else {}
+    for dest, value in vars(args).items():
+        if not dest.startswith(DEST) or value is None:
+            continue
+        *parents, leaf = dest.removeprefix(DEST).split(".")
+        node = req
+        for key in parents:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise UsageError(f"--json {args.json}: {key} must be an object to take {'.'.join((*parents, leaf))}")
+        node[leaf] = list(value) if isinstance(value, list) else value
     return req
 
 
@@ -95,6 +178,33 @@ def run_status(args: argparse.Namespace) -> int:
         st = client.wait(args.id, timeout=args.timeout, raise_on_failure=False) if args.wait else client.status(args.id)
     _print_json(st.model_dump(mode="json", by_alias=True))
     return _exit_status(st.status)
+
+
+# ---- list / cancel --------------------------------------------------------------------------
+
+
+def run_list(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        listed = client.rollouts(status=args.status, limit=args.limit)
+    _print_json({"rollouts": [st.model_dump(mode="json", by_alias=True) for st in listed]})
+    return 0
+
+
+def run_cancel(args: argparse.Namespace) -> int:
+    """Cancel a queued or running rollout. A finished one is refused (exit 1) unless --release,
+    which frees its stored result (DELETE releases a finished rollout; it then reads "expired")."""
+    with _client(args) as client:
+        before = client.status(args.id)
+        if before.status in TERMINAL and not args.release:
+            print(f"sigmaflight cancel: rollout {before.id} already {before.status}: nothing to cancel "
+                  "(--release frees a finished rollout's stored result)", file=sys.stderr)
+            return 1
+        after = client.cancel(args.id)
+    _print_json(after.model_dump(mode="json", by_alias=True))
+    if before.status in TERMINAL or after.status == "expired":  # --release, or it finished meanwhile
+        print(f"sigmaflight cancel: rollout {after.id} had finished; released (its stored result is freed)",
+              file=sys.stderr)
+    return 0
 
 
 # ---- pull -----------------------------------------------------------------------------------
@@ -238,23 +348,8 @@ def add_client_commands(sub: Any) -> None:
                        "and print the 202 ticket as JSON.")
     _client_arguments(p)
     p.add_argument("--json", metavar="FILE", help="a RolloutRequest JSON file (the base the flags override)")
-    p.add_argument("--prompt", "-p", action="append", help="a prompt (repeat for several)")
-    p.add_argument("--model", help="model id (default: the server's)")
-    p.add_argument("--negative-prompt", help="negative prompt (classifier-free guidance; default: the model's)")
-    p.add_argument("--num-outputs-per-prompt", "-n", type=int, help="samples per prompt (a GRPO group)")
-    p.add_argument("--steps", type=int, help="num_inference_steps T")
-    p.add_argument("--guidance-scale", type=float, help="classifier-free guidance scale (default: the model's)")
-    p.add_argument("--height", type=int, help="image height in pixels (default: the model's)")
-    p.add_argument("--width", type=int, help="image width in pixels (default: the model's)")
-    p.add_argument("--num-frames", type=int, help="video models only")
-    p.add_argument("--seed", type=int, help="base seed; per-sample seeds derive from it deterministically (default: random)")
-    p.add_argument("--sampler", choices=["sde", "cps", "ode"], help="sampler.type")
-    p.add_argument("--noise-level", type=float, help="sampler.noise_level")
-    p.add_argument("--sde-steps", type=_ints, metavar="I,J,...", help="sampler.sde_steps: stochastic transitions")
-    p.add_argument("--log-prob", choices=["density", "no_const"], help="sampler.log_prob")
-    p.add_argument("--return-steps", type=_ints, metavar="I,J,...", help="return.steps: latents to stream")
-    p.add_argument("--log-probs", action=argparse.BooleanOptionalAction, default=None, help="return.log_probs")
-    p.add_argument("--latent-dtype", choices=["native", "float32", "float16", "bfloat16"], help="return.latent_dtype")
+    for path, field in request_fields():  # one flag per wire field, derived from sigmaflight.wire.RolloutRequest
+        _add_request_flag(p, path, field)
     p.add_argument("--idempotency-key", help="Idempotency-Key header")
     p.add_argument("--wait", action="store_true",
                    help="wait until the rollout has finished, print its final status and exit like `status --wait`")
@@ -268,6 +363,24 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("--wait", action="store_true", help="wait until the rollout has finished")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits [default %(default)s]")
     p.set_defaults(run=run_status)
+
+    p = sub.add_parser("list", help="List rollouts, newest first (JSON).", formatter_class=fmt,
+                       description="Print GET /v1/rollouts as JSON, newest first.")
+    _client_arguments(p)
+    p.add_argument("--status", choices=STATES, help="only rollouts with this status")
+    p.add_argument("--limit", type=int, default=100, help="at most this many [default %(default)s]")
+    p.set_defaults(run=run_list)
+
+    p = sub.add_parser("cancel", help="Cancel a queued or running rollout (--release: free a finished one).",
+                       formatter_class=fmt,
+                       description="Cancel a queued or running rollout and print its status. A rollout that has "
+                       "already finished is refused with exit 1, unless --release: then its stored result is "
+                       "freed (its status becomes expired).")
+    _client_arguments(p)
+    p.add_argument("id", metavar="ID", help="rollout id")
+    p.add_argument("--release", action="store_true",
+                   help="also release a finished rollout's result (trajectory and streams are deleted)")
+    p.set_defaults(run=run_cancel)
 
     p = sub.add_parser("pull", help="Pull a trajectory over Flight into an .arrow file.", formatter_class=fmt,
                        description="Stream a rollout over Arrow Flight into an Arrow IPC file, with a progress "
@@ -304,21 +417,23 @@ def add_client_commands(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run a client subcommand; API and data errors become one line on stderr and exit 1."""
-    import httpx
-
+    """Run a client subcommand; API and data errors become one line on stderr and exit 1, bad
+    usage exit 2, Ctrl-C exit 130 (an interrupted pull leaves no .partial file behind)."""
     from sigmaflight.errors import ApiError
 
     try:
         return int(args.run(args))
-    except httpx.TransportError as exc:  # connection refused, DNS, TLS: name the URL
-        print(f"sigmaflight {args.command}: cannot reach {args.url}: {exc}", file=sys.stderr)
-        return 1
+    except UsageError as exc:
+        print(f"sigmaflight {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"sigmaflight {args.command}: interrupted", file=sys.stderr)
+        return 130
     except (ApiError, TimeoutError, OSError, ValueError, KeyError) as exc:
         print(f"sigmaflight {args.command}: {exc}", file=sys.stderr)
         return 1
-    except Exception as exc:  # pyarrow.flight errors, httpx transport errors
-        if type(exc).__module__.startswith(("pyarrow", "httpx")):
+    except Exception as exc:  # pyarrow.flight errors
+        if type(exc).__module__.startswith("pyarrow"):
             print(f"sigmaflight {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
             return 1
         raise

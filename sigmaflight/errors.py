@@ -7,6 +7,9 @@ text (no "gRPC client debug context"), so `str(exc)` is fit to show a user:
   (the contract's error type), `.message`, `.details`.
 - `NotFound` (404 / unknown ticket) and `Unauthorized` (401 / Flight unauthenticated) are
   ApiErrors.
+- `ServerUnreachable`: no answer at the REST URL (connection refused, DNS, TLS, a time-out, or
+  something there that does not speak HTTP, such as the Flight port); an ApiError with
+  `.status` None and `.type` "unreachable".
 - `RolloutFailed`: the rollout ended failed or expired (`wait`, `pull`); `.rollout` is its last
   RolloutStatus when known. `RolloutCancelled` is the RolloutFailed of a cancelled rollout.
 """
@@ -18,7 +21,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sigmaflight.wire import RolloutStatus
 
-__all__ = ["ApiError", "NotFound", "RolloutCancelled", "RolloutFailed", "Unauthorized", "WeightsMismatch"]
+__all__ = [
+    "ApiError", "NotFound", "RolloutCancelled", "RolloutFailed", "ServerUnreachable", "Unauthorized",
+    "WeightsMismatch",
+]
 
 
 class ApiError(RuntimeError):
@@ -35,6 +41,19 @@ class NotFound(ApiError):
 
 class Unauthorized(ApiError):
     """Missing or wrong bearer token (HTTP 401, or Flight unauthenticated)."""
+
+
+class ServerUnreachable(ApiError):
+    """The REST URL gave no HTTP answer (refused, unresolvable, TLS failure, time-out, not HTTP).
+
+    Raised by `Client` in place of httpx's transport errors; the original is its `__cause__`."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(None, "unreachable", f"cannot reach {url}: {reason}")
+        self.url = url
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class RolloutFailed(ApiError):

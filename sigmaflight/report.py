@@ -4,7 +4,8 @@ Reads a "trajectory/v1" stream (an `.arrow` file, or a Flight ticket) with plain
 without the data plane's validation, so that a broken file is reported rather than refused:
 the schema, the schedule by absolute index (timestep, sigma, float32(timestep / 1000) and
 whether it equals the sigma that ran), per-step latent statistics, per-step log-prob
-summaries, and a list of flags.
+summaries, a list of flags (defects of the file: `inspect --strict` exits 1 on any) and a
+list of hints (true of a valid file, worth knowing: where t/1000 drifts from the sigma).
 """
 
 from __future__ import annotations
@@ -108,6 +109,10 @@ class Report:
     log_prob_matrix: dict[int, dict[int, float]] = field(default_factory=dict)
     """step -> sample -> log_prob (non-null values only), for plots."""
     flags: list[str] = field(default_factory=list)
+    """Defects: the file is inconsistent with trajectory/v1 or with itself."""
+    hints: list[str] = field(default_factory=list)
+    """Facts of a valid file a reader should know: float32(t / 1000) != sigma at i (the drift that is
+    why sigmaflight ships sigmas; a diffusers schedule has it at some steps)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -125,6 +130,7 @@ class Report:
             "latents": self.latents,
             "log_probs": self.log_probs,
             "flags": self.flags,
+            "hints": self.hints,
         }
 
 
@@ -158,8 +164,8 @@ def build_report(source: str, schema: pa.Schema, batches: Iterable[pa.RecordBatc
                "sde": (i in sde_steps) if i < t_count else None, "streamed": i in steps}
         rep.schedule.append(row)
         if t_over is not None and t_over != sigmas[i]:
-            flags.append(f"i={i}: float32(timesteps[{i}] / 1000) = {t_over!r} != sigma {sigmas[i]!r} "
-                         "(recomputing sigma from the timestep would be wrong here)")
+            rep.hints.append(f"i={i}: float32(timesteps[{i}] / 1000) = {t_over!r} != sigma {sigmas[i]!r}: "
+                             "recomputing sigma from the timestep would be wrong here; use the shipped sigmas")
         if i > 0 and not sigmas[i] < sigmas[i - 1]:
             flags.append(f"i={i}: sigma {sigmas[i]!r} does not decrease (sigma[{i - 1}] = {sigmas[i - 1]!r})")
 
@@ -266,4 +272,7 @@ def render_text(rep: Report) -> str:
         out.append(f"{r['step']:>6}{r['count']:>4}{_fmt(r['mean'])}{_fmt(r['std'])}{_fmt(r['min'])}{_fmt(r['max'])}")
     out += ["", f"flags ({len(rep.flags)})"]
     out += [f"  ! {f}" for f in rep.flags] or ["  none: consistent"]
+    if rep.hints:
+        out += ["", f"hints ({len(rep.hints)}; not defects: --strict ignores them)"]
+        out += [f"  - {h}" for h in rep.hints]
     return "\n".join(out) + "\n"

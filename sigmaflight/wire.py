@@ -6,11 +6,12 @@ converter, `to_spec`, turns a validated request into a `RolloutSpec`.
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
-from sigmaflight.pipeline.spec import RolloutSpec, SamplerSpec
+if TYPE_CHECKING:  # the engine's records hold torch tensors; a client reading a status needs no torch
+    from sigmaflight.pipeline.spec import RolloutSpec
 
 INT64_MAX = (1 << 63) - 1
 RolloutState = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired"]
@@ -65,12 +66,12 @@ class RolloutRequest(_Wire):
     prompts: list[str] | None = Field(
         None, min_length=1, description="Prompts; samples are prompt-major. Required, except for a branch (inherited)."
     )
-    negative_prompt: str | None = None
-    num_outputs_per_prompt: int = Field(1, ge=1)
+    negative_prompt: str | None = Field(None, description="Negative prompt for classifier-free guidance; default: the model's.")
+    num_outputs_per_prompt: int = Field(1, ge=1, description="Samples per prompt (a GRPO group); B = prompts x this.")
     num_inference_steps: int | None = Field(None, ge=1, description="T; default: the model's.")
     guidance_scale: float | None = Field(None, description="CFG scale; default: the model's.")
-    height: int | None = Field(None, ge=1)
-    width: int | None = Field(None, ge=1)
+    height: int | None = Field(None, ge=1, description="Image height in pixels; default: the model's.")
+    width: int | None = Field(None, ge=1, description="Image width in pixels; default: the model's.")
     num_frames: int | None = Field(None, ge=1, description="Video models only.")
     seed: int | None = Field(None, ge=0, le=INT64_MAX, description="Per-sample seeds are derived from it.")
     seeds: list[int] | None = Field(None, description="Exactly one per sample (0 <= seed < 2^63).")
@@ -102,6 +103,8 @@ class RolloutRequest(_Wire):
 
 def to_spec(request: RolloutRequest, *, model_id: str, default_steps: int, seed: int) -> RolloutSpec:
     """The one converter from wire to engine. `seed` is used when the request gave neither seed nor seeds."""
+    from sigmaflight.pipeline.spec import RolloutSpec, SamplerSpec
+
     r = request.return_
     return RolloutSpec(
         model=model_id,

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from sigmaflight.control.branches import Parent, StaleParent, branch_spec, check_inherited, find_parent
 from sigmaflight.control.http import metrics
+from sigmaflight.control.http.docs_page import docs_routes
 from sigmaflight.control.http.errors import EXCEPTION_HANDLERS, HttpError, invalid
 from sigmaflight.control.http.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from sigmaflight.control.http.openapi import openapi_document
@@ -83,6 +84,12 @@ MAX_IDEMPOTENCY_KEY = 255
 """Longest accepted Idempotency-Key, in characters (printable ASCII)."""
 
 QUERY_PARAMETERS = {"list_rollouts": ("status", "limit")}
+
+
+def limit_flag(setting: str) -> str:
+    """The `sigmaflight serve` flag of a Settings limit, for the refusal to name what raises it."""
+    assert setting in Settings.model_fields, setting
+    return "--" + setting.replace("_", "-")
 
 
 def require_json(request: Request) -> None:
@@ -184,15 +191,18 @@ async def create_rollout(request: Request) -> Response:
     if req.prompts is None and req.branch_from is None:
         raise invalid(["body", "prompts"], "Field required (only a branch_from request inherits its parent's)", "missing")
     if req.prompts is not None and len(req.prompts) > settings.max_prompts:
-        raise invalid(["body", "prompts"], f"{len(req.prompts)} prompts exceed the limit of {settings.max_prompts}")
+        raise invalid(["body", "prompts"], f"{len(req.prompts)} prompts exceed the limit of {settings.max_prompts} "
+                      f"({limit_flag('max_prompts')})")
     if req.num_samples > settings.max_samples:
         raise invalid(
             ["body", "num_outputs_per_prompt"],
-            f"{req.num_samples} samples (prompts x num_outputs_per_prompt) exceed the limit of {settings.max_samples}",
+            f"{req.num_samples} samples (prompts x num_outputs_per_prompt) exceed the limit of {settings.max_samples} "
+            f"({limit_flag('max_samples')})",
         )
     if req.num_inference_steps is not None and req.num_inference_steps > settings.max_steps:
         raise invalid(
-            ["body", "num_inference_steps"], f"{req.num_inference_steps} exceeds the limit of {settings.max_steps}"
+            ["body", "num_inference_steps"],
+            f"{req.num_inference_steps} exceeds the limit of {settings.max_steps} ({limit_flag('max_steps')})",
         )
     model_id = req.model or settings.model
     parent: Parent | None = None
@@ -221,7 +231,8 @@ async def create_rollout(request: Request) -> Response:
             413,
             "rollout_too_large",
             f"the trajectory would hold about {estimate} bytes of latents, over the limit of "
-            f"{settings.max_rollout_bytes}; request fewer samples, fewer return.steps or a smaller size",
+            f"{settings.max_rollout_bytes} ({limit_flag('max_rollout_bytes')}); request fewer samples, fewer "
+            "return.steps or a smaller size",
             {"estimated_bytes": estimate, "limit_bytes": settings.max_rollout_bytes},
         )
     canonical = req.model_dump(mode="json", by_alias=True)
@@ -252,7 +263,7 @@ async def _branch(service: Service, req: RolloutRequest, parent: Parent, model: 
         raise invalid(
             ["body", "num_outputs_per_prompt"],
             f"{spec.num_samples} samples (parent samples x num_outputs_per_prompt) exceed the limit of "
-            f"{service.settings.max_samples}",
+            f"{service.settings.max_samples} ({limit_flag('max_samples')})",
         )
     return spec
 
@@ -333,6 +344,7 @@ ROUTES = [
     Route("/readyz", readyz, methods=["GET"], name="readyz"),
     Route("/metrics", get_metrics, methods=["GET"], name="metrics"),
     Route("/openapi.json", get_openapi, methods=["GET"], name="openapi"),
+    *docs_routes(),  # GET /docs: Swagger UI from the packaged copy
 ]
 
 
@@ -363,7 +375,8 @@ def create_app(settings: Settings, service: Service | None = None) -> Starlette:
             Middleware(
                 BodyLimitMiddleware,
                 max_bytes=settings.max_body_bytes,
-                path_limits=[("PUT", WEIGHTS_PATH_REGEX, settings.max_weights_bytes)],
+                path_limits=[("PUT", WEIGHTS_PATH_REGEX, settings.max_weights_bytes, limit_flag("max_weights_bytes"))],
+                flag=limit_flag("max_body_bytes"),
                 timeout_s=settings.body_timeout_s,
             ),
         ],

@@ -56,8 +56,8 @@ def _as_http(exc: Exception) -> HttpError:
     if isinstance(exc, RolloutInputError):
         return invalid(["body", *exc.loc], exc.reason)
     if isinstance(exc, QueueFull):
-        return HttpError(429, "queue_full", f"the queue holds {exc.args[0]} rollouts already; retry later",
-                         headers={"Retry-After": "1"})
+        return HttpError(429, "queue_full", f"the queue holds {exc.args[0]} rollouts already (--queue-size); "
+                         "retry later", headers={"Retry-After": "1"})
     if isinstance(exc, IdempotencyConflict):
         return HttpError(409, "idempotency_conflict", "Idempotency-Key was already used with a different request body")
     if isinstance(exc, NotAccepting):

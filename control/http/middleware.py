@@ -98,8 +98,9 @@ class BodyLimitMiddleware:
     """Bounds what a request body may hold: its size and how long it takes to arrive.
 
     Size: over `max_bytes`, 413, by Content-Length up front or while streaming. `path_limits`:
-    (method, path regex, limit) triples that give matching routes their own limit (the weights
-    upload gets --max-weights-bytes); the first match wins.
+    (method, path regex, limit, flag) that give matching routes their own limit (the weights
+    upload gets --max-weights-bytes); the first match wins. The 413 message names the flag that
+    raises the limit (`flag`: --max-body-bytes for the rest).
 
     Time: with `timeout_s`, the whole body must have arrived `timeout_s` seconds after the request's
     headers did (uvicorn itself has no body read timeout: a client trickling one byte a
@@ -108,25 +109,26 @@ class BodyLimitMiddleware:
     """
 
     def __init__(
-        self, app: ASGIApp, max_bytes: int, path_limits: Sequence[tuple[str, str, int]] = (),
-        timeout_s: float | None = None,
+        self, app: ASGIApp, max_bytes: int, path_limits: Sequence[tuple[str, str, int, str]] = (),
+        flag: str = "--max-body-bytes", timeout_s: float | None = None,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        self.path_limits = [(m, re.compile(p), n) for m, p, n in path_limits]
+        self.flag = flag
+        self.path_limits = [(m, re.compile(p), n, f) for m, p, n, f in path_limits]
         self.timeout_s = timeout_s
 
-    def _limit(self, scope: Scope) -> int:
-        for method, pattern, limit in self.path_limits:
+    def _limit(self, scope: Scope) -> tuple[int, str]:
+        for method, pattern, limit, flag in self.path_limits:
             if scope["method"] == method and pattern.fullmatch(scope["path"]):
-                return limit
-        return self.max_bytes
+                return limit, flag
+        return self.max_bytes, self.flag
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        max_bytes = self._limit(scope)
+        max_bytes, flag = self._limit(scope)
         for k, v in scope["headers"]:
             if k == b"content-length":
                 try:
@@ -135,7 +137,7 @@ class BodyLimitMiddleware:
                     await send_error(send, 400, "bad_request", "Content-Length is not a number")
                     return
                 if declared > max_bytes:
-                    await send_error(send, 413, "body_too_large", self._message(declared, max_bytes))
+                    await send_error(send, 413, "body_too_large", self._message(declared, max_bytes, flag))
                     return
         seen = 0
         started = False
@@ -175,7 +177,7 @@ class BodyLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except TooLarge:
             if not started:
-                await send_error(send, 413, "body_too_large", self._message(seen, max_bytes))
+                await send_error(send, 413, "body_too_large", self._message(seen, max_bytes, flag))
         except TooSlow:
             log.info("request body too slow; answered 408",
                      extra={"method": scope["method"], "path": scope["path"], "bytes": seen,
@@ -186,5 +188,5 @@ class BodyLimitMiddleware:
                                  f"({seen} bytes came); send it faster or raise --body-timeout-s",
                                  [(b"connection", b"close")])
 
-    def _message(self, size: int, limit: int) -> str:
-        return f"request body of {size} bytes or more exceeds the limit of {limit} bytes"
+    def _message(self, size: int, limit: int, flag: str) -> str:
+        return f"request body of {size} bytes or more exceeds the limit of {limit} bytes ({flag})"

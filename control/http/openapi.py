@@ -163,6 +163,10 @@ def openapi_document(*, auth: bool = False) -> dict[str, Any]:
                                   "responses": {"200": {"description": "OpenAPI 3.1 document.",
                                                         "content": {"application/json": {"schema": {"type": "object"}}}},
                                                 **_errors(*secured)}}},
+        "/docs": {"get": {"operationId": "docs", "summary": "Interactive API page (Swagger UI, served locally).",
+                          "responses": {"200": {"description": "HTML page.",
+                                                "content": {"text/html": {"schema": {"type": "string"}}}},
+                                        **_errors(*secured)}}},
     }
     doc: dict[str, Any] = {
         "openapi": "3.1.0",

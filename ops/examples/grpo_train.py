@@ -12,8 +12,11 @@ to the server first, so both run the same policy. Each iteration:
      rollout on any other weights is refused: no off-policy batch reaches the update);
   2. pull the trajectory (torch tensors), the images (`Client.pull_outputs`, uint8 [B, H, W, 3])
      and the conditioning (`Client.pull_conditioning`: prompt embeddings, per sample);
-  3. reward: DDPO's JPEG compressibility as Flow-GRPO computes it: each image saved as JPEG at
-     quality 95, size in kB (bytes / 1000), reward = -size_kB / 500;
+  3. reward (--reward): "jpeg", DDPO's JPEG compressibility as Flow-GRPO computes it (each image saved
+     as JPEG at quality 95, size in kB = bytes / 1000, reward = -size_kB / 500); or "brightness" /
+     "darkness", the images' mean pixel value / 255 (or its negative): the tiny built-in model's
+     images barely differ in JPEG size, so its JPEG curve hardly moves, while brightness moves in a
+     few iterations, up or down as asked;
   4. advantages normalised within each prompt's group;
   5. recompute log p(x_{i+1} | x_i) of every stochastic transition with the trainer's
      peft-wrapped transformer (`replay_log_probs`, grad=True): on-policy the ratio
@@ -23,8 +26,10 @@ to the server first, so both run the same policy. Each iteration:
   7. push the adapter (`peft.get_peft_model_state_dict` -> safetensors with the LoraConfig as
      JSON under the header metadata key `lora_config`: `Client.push_lora`); its digest is the
      next iteration's `expected_digest`.
-At the end it prints the reward curve (mean reward per iteration). The trainer holds no text
-encoders: its replay runs the transformer on the server's conditioning stream.
+At the end it prints the reward curve (mean reward per iteration) and, with --eval-seed, the reward
+of one fixed-seed rollout before the first update and after the last (the same noise both times, so
+the difference is the policy's). The trainer holds no text encoders: its replay runs the
+transformer on the server's conditioning stream.
 """
 
 from __future__ import annotations
@@ -79,6 +84,19 @@ def jpeg_compressibility(images: np.ndarray) -> torch.Tensor:
     return -torch.tensor(sizes, dtype=torch.float32) / 500
 
 
+def mean_brightness(images: np.ndarray) -> torch.Tensor:
+    """[B] mean pixel value / 255 of each uint8 [H, W, 3] image (all pixels and channels)."""
+    return torch.from_numpy(images.reshape(len(images), -1).astype(np.float64).mean(axis=1) / 255).float()
+
+
+REWARDS: dict[str, Any] = {
+    "jpeg": jpeg_compressibility,
+    "brightness": mean_brightness,
+    "darkness": lambda images: -mean_brightness(images),
+}
+"""--reward: name -> images uint8 [B, H, W, 3] -> rewards float32 [B]."""
+
+
 def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
     """[B] (r - mean) / (std + 1e-4) within each prompt's group of `group` consecutive samples."""
     r = rewards.view(-1, group)  # [P, G]
@@ -126,13 +144,31 @@ def train(
     clip: float = 1e-2,
     inner_steps: int = 2,
     seed: int = 0,
+    reward: str = "jpeg",
+    eval_seed: int | None = None,
+    evaluations: list[float] | None = None,
     log: Any = print,
 ) -> list[IterationStats]:
+    """The loop; returns one IterationStats per iteration. With `eval_seed` it also logs the mean reward
+    of a rollout with that seed before the first update and after the last, and appends both to
+    `evaluations` when given."""
+    score = REWARDS[reward]
     model, transformer, config = lora_trainer(rank, seed)
     optimizer = torch.optim.Adam([p for p in transformer.parameters() if p.requires_grad], lr=lr)
     history: list[IterationStats] = []
     with Client(url, token=token) as client:
         digest = client.push_lora(MODEL, get_peft_model_state_dict(transformer), config)["digest"]
+
+        def evaluate(expected: str) -> float:
+            """Mean reward of one rollout with the fixed `eval_seed` on the current adapter."""
+            assert eval_seed is not None
+            ticket = client.submit(model=MODEL, prompts=list(prompts), num_outputs_per_prompt=group,
+                                   num_inference_steps=steps, seed=eval_seed, expected_digest=expected,
+                                   sampler={"type": "sde", "noise_level": 0.7}, return_={"outputs": True})
+            client.wait(ticket, timeout=120)
+            return float(score(client.pull_outputs(ticket)).mean())
+
+        before = evaluate(digest) if eval_seed is not None else None
         for it in range(iterations):
             t0 = time.perf_counter()
             ticket = client.submit(
@@ -145,7 +181,7 @@ def train(
             assert traj.metadata["model"]["digest"] == digest, "trajectory was not produced by the pushed adapter"
             images = client.pull_outputs(ticket)  # uint8 [B, H, W, 3]
             cond = client.pull_conditioning(ticket)  # the tensors the server's transformer consumed
-            rewards = jpeg_compressibility(images)  # [B]
+            rewards = score(images)  # [B]
             adv = group_advantages(rewards, group)  # [B]
             sde = list(traj.sde_steps)  # absolute transition indices
             logp_old = traj.log_probs[:, sde]  # [B, S], recorded by the server
@@ -181,7 +217,13 @@ def train(
                 f"clipped {stats.clip_fraction:.0%}  digest {digest[:12]} -> {new_digest[:12]}  ({stats.seconds:.1f} s)"
             )
             digest = new_digest
-        log("reward curve: " + "  ".join(f"{h.iteration}:{h.reward_mean:+.6f}" for h in history))
+        log(f"reward curve ({reward}): " + "  ".join(f"{h.iteration}:{h.reward_mean:+.6f}" for h in history))
+        if before is not None:
+            after = evaluate(digest)
+            log(f"eval reward ({reward}, seed {eval_seed}): before {before:+.6f}  after {after:+.6f}  "
+                f"change {after - before:+.6f}")
+            if evaluations is not None:
+                evaluations += [before, after]
         # The next trajectory runs on the last pushed adapter.
         ticket = client.submit(model=MODEL, prompts=list(prompts[:1]), num_inference_steps=steps, seed=seed,
                                expected_digest=digest)
@@ -203,10 +245,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inner-steps", type=int, default=2, help="optimizer steps per batch")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip", type=float, default=1e-2)
+    p.add_argument("--reward", choices=sorted(REWARDS), default="jpeg",
+                   help="jpeg: Flow-GRPO's JPEG compressibility; brightness / darkness: mean pixel value "
+                   "(or its negative), which the tiny built-in model can move")
+    p.add_argument("--eval-seed", type=int, default=None,
+                   help="also print the reward of one rollout with this seed before and after training")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     history = train(args.url, token=args.token, iterations=args.iterations, group=args.group, steps=args.steps,
-                    rank=args.rank, inner_steps=args.inner_steps, lr=args.lr, clip=args.clip)
+                    rank=args.rank, inner_steps=args.inner_steps, lr=args.lr, clip=args.clip, reward=args.reward,
+                    eval_seed=args.eval_seed)
     print(f"{len(history)} iterations in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return 0 if all(h.ratio_on_policy_is_one for h in history) else 1
 

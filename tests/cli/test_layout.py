@@ -7,6 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from sigmaflight import Client
+from tests.servers import ServerProcess
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SERVER_ONLY = ("starlette", "uvicorn", "ray", "pydantic_settings")
@@ -43,3 +48,53 @@ def test_the_probe_sees_server_modules():
     """The check above can fail: importing the server shows up in the same probe."""
     mods = _server_modules(_modules_after("import sigmaflight.control.http.app"))
     assert "starlette" in mods and "sigmaflight.control.jobs.journal" in mods and "sqlite3" in mods
+
+
+# ---- issue 21: the users' side loads no model stack until it needs one -----------------------
+
+MODEL_STACK = ("torch", "diffusers", "transformers")
+
+
+def _model_stack(mods: list[str]) -> list[str]:
+    return sorted({m.split(".")[0] for m in mods} & set(MODEL_STACK))
+
+
+def _cli_modules(*argv: str) -> tuple[int, list[str]]:
+    """(exit status, modules loaded) of `sigmaflight ARGV` run in a fresh interpreter."""
+    probe = (f"import json, sys\nfrom sigmaflight.cli import main\ntry:\n    rc = main({list(argv)!r})\n"
+             "except SystemExit as e:\n    rc = e.code\nprint()\nprint(json.dumps([rc, sorted(sys.modules)]))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         check=True)
+    rc, mods = json.loads(out.stdout.strip().splitlines()[-1])
+    return rc, mods
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess() as s:
+        yield s
+
+
+def test_import_sigmaflight_loads_no_model_stack():
+    assert _model_stack(_modules_after("import sigmaflight")) == []
+    assert _model_stack(_modules_after("from sigmaflight import Client, ApiError, ServerUnreachable")) == []
+
+
+def test_the_probe_sees_the_model_stack():
+    """The names that need torch or diffusers load them when they are used, and the probe sees it."""
+    assert _model_stack(_modules_after("from sigmaflight import Trajectory")) == ["torch"]
+    assert "diffusers" in _model_stack(_modules_after("from sigmaflight import Replayer"))
+
+
+def test_help_and_the_rest_commands_load_no_model_stack(server):
+    url = server.rest_url
+    rc, mods = _cli_modules("--help")
+    assert rc == 0 and _model_stack(mods) == [] and "httpx" not in mods
+    rc, mods = _cli_modules("submit", "--url", url, "-p", "a", "--steps", "1", "--seed", "1", "--wait")
+    assert rc == 0 and _model_stack(mods) == []
+    with Client(url) as c:
+        rollout = c.rollouts(limit=1)[0].id
+    for argv in (("status", rollout), ("list",), ("cancel", rollout)):
+        rc, mods = _cli_modules(*argv, "--url", url)
+        assert rc in (0, 1) and "sigmaflight.commands" in mods, argv
+        assert _model_stack(mods) == [], argv

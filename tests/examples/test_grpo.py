@@ -46,9 +46,43 @@ def test_grpo_lora_loop_is_on_policy_before_each_update_and_moves_the_digest():
         assert h.reward_mean < 0 and h.reward_std > 0  # -size_kB / 500, and the group differs
     assert history[1].digest == history[0].new_digest  # expected_digest followed the push
     assert history[0].ratio_min != 1.0 or history[0].ratio_max != 1.0  # the second inner step is off-policy
-    assert "on-policy ratio == 1: True" in lines[0] and lines[-2].startswith("reward curve: 0:")
+    assert "on-policy ratio == 1: True" in lines[0] and lines[-2].startswith("reward curve (jpeg): 0:")
     assert lines[-1].endswith("(the last pushed weights)")
     assert seconds < 60, f"2 iterations took {seconds:.1f} s"
+
+
+BRIGHTNESS_RUN = {"iterations": 3, "group": 16, "lr": 3e-2, "clip": 0.2, "inner_steps": 2, "eval_seed": 1234}
+"""docs/trainers.md's `--reward brightness` command, as keywords."""
+
+
+@pytest.mark.timeout(300)
+def test_a_reward_the_tiny_model_can_move_rises_for_both_signs():
+    """Issue 21 item 12: the JPEG curve of the tiny model barely moves; brightness rises when rewarded,
+    and falls when darkness is: the eval reward (one fixed-seed rollout, before and after) goes up both times."""
+    grpo = _load_example()
+    changes = {}
+    with ServerProcess() as server:
+        for reward in ("brightness", "darkness"):
+            lines: list[str] = []
+            evaluations: list[float] = []
+            history = grpo.train(server.rest_url, reward=reward, evaluations=evaluations, log=lines.append,
+                                 **BRIGHTNESS_RUN)
+            assert all(h.ratio_on_policy_is_one for h in history) and len(history) == 3
+            assert lines[-3].startswith(f"reward curve ({reward}): 0:")
+            assert lines[-2].startswith(f"eval reward ({reward}, seed 1234): before ")
+            before, after = evaluations
+            changes[reward] = after - before
+            assert after > before, (reward, evaluations, lines)
+    # The two runs start from the same adapter and seed: the same image brightness, opposite signs.
+    assert changes["brightness"] > 0 and changes["darkness"] > 0
+
+
+def test_mean_brightness_is_the_mean_pixel_value():
+    grpo = _load_example()
+    images = np.stack([np.zeros((4, 4, 3), np.uint8), np.full((4, 4, 3), 255, np.uint8),
+                       np.arange(48, dtype=np.uint8).reshape(4, 4, 3)])
+    assert torch.allclose(grpo.mean_brightness(images), torch.tensor([0.0, 1.0, 23.5 / 255]))
+    assert torch.equal(grpo.REWARDS["darkness"](images), -grpo.mean_brightness(images))
 
 
 def test_jpeg_compressibility_is_flow_grpos():

@@ -26,7 +26,8 @@ def secured(tmp_path_factory):
 
 
 ROUTES = [("GET", "/v1/rollouts"), ("POST", "/v1/rollouts"), ("GET", "/v1/rollouts/x"), ("DELETE", "/v1/rollouts/x"),
-          ("GET", "/v1/models"), ("GET", "/readyz"), ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/nope")]
+          ("GET", "/v1/models"), ("GET", "/readyz"), ("GET", "/metrics"), ("GET", "/openapi.json"), ("GET", "/docs"),
+          ("GET", "/docs/static/swagger-ui-bundle.js"), ("GET", "/nope")]
 
 
 @pytest.mark.parametrize(("method", "path"), ROUTES)

@@ -1,0 +1,50 @@
+"""GET /docs: Swagger UI on /openapi.json, served from the packaged copy (swagger-ui-bundle-v2).
+
+No CDN: the page loads Swagger UI's own script and stylesheet from /docs/static/, files that the
+`swagger_ui_bundle` package ships, and turns off Swagger UI's online validator badge (which would
+fetch an image from validator.swagger.io). With --token-file the page and its assets need the
+bearer header like every route but /healthz.
+"""
+
+from __future__ import annotations
+
+import html
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+from swagger_ui_bundle import swagger_ui_path
+
+ASSETS = "/docs/static"
+"""Where the packaged Swagger UI files are served."""
+
+PAGE = """<!doctype html>
+<html lang="en">
+<head>
+  <meta charset="utf-8">
+  <title>sigmaflight API</title>
+  <link rel="stylesheet" href="{assets}/swagger-ui.css">
+  <link rel="icon" type="image/png" href="{assets}/favicon-32x32.png">
+</head>
+<body>
+  <div id="swagger-ui"></div>
+  <script src="{assets}/swagger-ui-bundle.js"></script>
+  <script>
+    window.ui = SwaggerUIBundle({{url: "{spec}", dom_id: "#swagger-ui", validatorUrl: null, deepLinking: true}});
+  </script>
+</body>
+</html>
+"""
+
+
+async def docs(request: Request) -> Response:
+    root = html.escape(request.scope.get("root_path", ""))
+    return HTMLResponse(PAGE.format(assets=root + ASSETS, spec=root + "/openapi.json"))
+
+
+def docs_routes() -> list[BaseRoute]:
+    return [
+        Route("/docs", docs, methods=["GET"], name="docs"),
+        Mount(ASSETS, app=StaticFiles(directory=swagger_ui_path), name="docs_static"),
+    ]
