@@ -42,9 +42,11 @@ BEFORE = {
     "--ttl-s TTL_S": "Seconds a finished result is kept before it expires. [env SIGMAFLIGHT_TTL_S; default 3600.0]",
     "--data-dir DATA_DIR": "Directory for durable trajectories and job records; survives restarts. None = memory "
     "only. [env SIGMAFLIGHT_DATA_DIR; default none]",
-    "--shm-dir SHM_DIR": "Directory in shared memory (e.g. /dev/shm/sigmaflight) for finished trajectories as Arrow "
-    "IPC files: served memory-mapped, read directly by trainers on this host (with --backend ray, each worker uses "
-    "DIR/worker-N on its own node). None = off. [env SIGMAFLIGHT_SHM_DIR; default none]",
+    # issue 20 moved the files into a private DIR/sigmaflight-<uid>/, and the help says so
+    "--shm-dir SHM_DIR": "Directory in shared memory (e.g. /dev/shm) for finished trajectories as Arrow IPC files, "
+    "kept in the private DIR/sigmaflight-<uid>/: served memory-mapped, read directly by trainers on this host (with "
+    "--backend ray, each worker uses DIR/worker-N/sigmaflight-<uid>/ on its own node). None = off. "
+    "[env SIGMAFLIGHT_SHM_DIR; default none]",
     "--store-budget-bytes STORE_BUDGET_BYTES": "Bytes of trajectories held in memory; beyond it they spill to "
     "--data-dir. [env SIGMAFLIGHT_STORE_BUDGET_BYTES; default 4294967296]",
     "--token-file TOKEN_FILE": "File of bearer tokens, one a line (# comments, blank lines ignored). "
