@@ -32,7 +32,8 @@ import pyarrow as pa
 import torch
 from pyarrow import flight
 
-from sigmaflight.dataplane.client import Trajectory, TrajectoryClient, Transport
+from sigmaflight.dataplane.auth import bearer_header
+from sigmaflight.dataplane.client import Trajectory, TrajectoryClient, Transport, check_transport
 from sigmaflight.dataplane.streams import KEY_COLUMNS, column_tensor
 from sigmaflight.errors import (
     ApiError,
@@ -89,14 +90,11 @@ class Client:
         """``transport`` and ``host`` go to each TrajectoryClient: ``"auto"`` reads a finished
         rollout's shared-memory file (a server with --shm-dir on this host) instead of a
         stream; ``"flight"`` always streams. ``host``: this host's id (default: computed)."""
-        if transport not in ("auto", "flight"):
-            raise ValueError(f"transport must be 'auto' or 'flight', got {transport!r}")
         self.url = url.rstrip("/")
         self.token = token
-        self.transport: Transport = transport
+        self.transport: Transport = check_transport(transport)
         self.host = host
-        headers = {"authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._http = httpx.Client(base_url=self.url, headers=bearer_header(token), timeout=timeout)
         self._flight: dict[str, TrajectoryClient] = {}
 
     def close(self) -> None:

@@ -1,0 +1,243 @@
+"""A rollout as torch tensors, aligned by absolute step index: ``Trajectory`` and ``Transition``.
+
+``Trajectory.from_batches`` assembles "trajectory/v1" record batches (from a Flight stream, a
+table or a memory-mapped file) into one ``[B, K, *latent_shape]`` tensor with one copy;
+``iter_step_tensors`` groups batches by step without assembling the whole rollout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import torch
+from sigmaflight.dataplane.codec import StepTensors, batch_to_tensors
+from sigmaflight.dataplane.files import read_trajectory
+from sigmaflight.dataplane.record import TrajectoryHeader
+from sigmaflight.dataplane.samehost import FileSource, empty_hugepages
+from sigmaflight.dataplane.schema import header_from_schema, schema_metadata
+
+
+@dataclass(frozen=True)
+class Transition:
+    """Transition i: x_i -> x_{i+1} (aligned by absolute index)."""
+
+    i: int
+    x: torch.Tensor
+    """[B, *latent_shape]: x_i."""
+    x_next: torch.Tensor
+    """[B, *latent_shape]: x_{i+1}."""
+    sigma: float
+    sigma_next: float
+    log_prob: torch.Tensor
+    """float32 [B], NaN where null."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.i, self.x, self.x_next, self.sigma, self.sigma_next, self.log_prob))
+
+
+class Trajectory:
+    """A whole rollout as torch tensors, aligned by ABSOLUTE step index.
+
+    ``latents[:, k]`` is x_{steps[k]}; use ``latent(i)`` to look up by absolute index.
+    sigmas / timesteps are the full schedule (never filtered by a step selection).
+    """
+
+    def __init__(
+        self,
+        header: TrajectoryHeader,
+        latents: torch.Tensor,
+        log_probs: torch.Tensor,
+        metadata: dict[str, Any],
+        schema: pa.Schema,
+    ) -> None:
+        self.header = header
+        self.latents = latents  # [B, K, *latent_shape]
+        self.log_probs = log_probs  # [B, T] float32, NaN where null
+        self.steps = torch.tensor(header.steps, dtype=torch.int64)  # [K]
+        self.sigmas = header.sigmas  # [T+1] float32
+        self.timesteps = header.timesteps  # [T] float32
+        self.seeds = torch.tensor(header.seeds, dtype=torch.int64)  # [B]
+        self.prompt_index = torch.tensor(header.prompt_indices(), dtype=torch.int64)  # [B] (a branch: the parent's)
+        self.parent_sample = (None if header.parent_sample is None  # [B]: branch rollouts only
+                              else torch.tensor(header.parent_sample, dtype=torch.int64))
+        self.sde_steps = tuple(header.sde_steps)
+        self.metadata = metadata  # the sigmaflight.rollout object
+        self.schema = schema
+        self._pos = {s: k for k, s in enumerate(header.steps)}
+
+    @property
+    def rollout_id(self) -> str:
+        return self.header.rollout_id
+
+    @property
+    def num_steps(self) -> int:
+        """T."""
+        return self.header.num_steps
+
+    @property
+    def num_samples(self) -> int:
+        """B."""
+        return self.header.num_samples
+
+    def __repr__(self) -> str:
+        return (
+            f"Trajectory(id={self.rollout_id!r}, B={self.num_samples}, T={self.num_steps}, "
+            f"steps={list(self.header.steps)}, latents={list(self.latents.shape)} {self.latents.dtype})"
+        )
+
+    def has_step(self, i: int) -> bool:
+        return i in self._pos
+
+    def latent(self, i: int) -> torch.Tensor:
+        """x_i for every sample, [B, *latent_shape], by absolute step index."""
+        if i not in self._pos:
+            raise KeyError(f"step {i} is not in this trajectory (steps {list(self.header.steps)})")
+        return self.latents[:, self._pos[i]]
+
+    def transitions(self, steps: Iterable[int] | None = None) -> Iterator[Transition]:
+        """Transitions i (x_i -> x_{i+1}) where both latents are present, ascending."""
+        wanted = range(self.num_steps) if steps is None else sorted(set(steps))
+        for i in wanted:
+            if 0 <= i < self.num_steps and i in self._pos and i + 1 in self._pos:
+                yield Transition(
+                    i=i,
+                    x=self.latent(i),
+                    x_next=self.latent(i + 1),
+                    sigma=float(self.sigmas[i]),
+                    sigma_next=float(self.sigmas[i + 1]),
+                    log_prob=self.log_probs[:, i],
+                )
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def from_batches(
+        cls,
+        schema: pa.Schema,
+        batches: Iterable[pa.RecordBatch],
+        *,
+        source: FileSource | None = None,
+        out: torch.Tensor | None = None,
+    ) -> Trajectory:
+        """Assemble (one copy per latent into one aligned, writable tensor). With ``source``
+        (the batches' memory-mapped file), latents are read from the file straight into the
+        tensor (preadv: the kernel copies, no page faults on the mapping). ``out``: a
+        contiguous CPU tensor [B, K, *latent_shape] of the rollout's dtype to fill instead of
+        a fresh one (a warm buffer reused across pulls costs no page faults)."""
+        header = header_from_schema(schema)
+        b, t = header.num_samples, header.num_steps
+        pos = {s: k for k, s in enumerate(header.steps)}
+        shape = (b, len(header.steps), *header.latent_shape)
+        if out is not None:
+            if tuple(out.shape) != shape or out.dtype != header.latent_dtype:
+                raise ValueError(
+                    f"out must be {header.latent_dtype} {list(shape)} for rollout {header.rollout_id}, "
+                    f"got {out.dtype} {list(out.shape)}"
+                )
+            if out.device.type != "cpu" or not out.is_contiguous():
+                raise ValueError("out must be a contiguous CPU tensor")
+        latents = out if out is not None else empty_hugepages(shape, header.latent_dtype)
+        log_probs = torch.full((b, t), float("nan"), dtype=torch.float32)
+        seen = torch.zeros((b, len(header.steps)), dtype=torch.bool)
+        with source.reads() if source is not None else contextlib.nullcontext() as reads:
+            pending: list[tuple[Future[bool], torch.Tensor, torch.Tensor]] = []  # read, dest, fallback
+            for batch in batches:
+                st = batch_to_tensors(batch, dtype=header.latent_dtype)
+                k = pos.get(st.step)
+                if k is None:
+                    raise ValueError(f"stream holds step {st.step}, not listed in sigmaflight.steps")
+                idx = _rows(st.sample)
+                if reads is not None and isinstance(idx, slice):  # the kernel copies, on the pool
+                    dest = latents[idx, k]
+                    pending.append((reads.submit(batch, dest), dest, st.latent))
+                else:
+                    latents[idx, k] = st.latent
+                seen[idx, k] = True
+                if st.step < t:
+                    log_probs[idx, st.step] = st.log_prob
+            for done, dest, fallback in pending:
+                if not done.result():
+                    dest.copy_(fallback)
+        if not bool(seen.all()):
+            missing = sorted({header.steps[int(k)] for k in torch.nonzero(~seen)[:, 1]})
+            raise ValueError(f"trajectory {header.rollout_id} is incomplete: steps {missing} missing")
+        return cls(header, latents, log_probs, dict(schema_metadata(schema).get("sigmaflight.rollout", {})), schema)
+
+    @classmethod
+    def from_reader(cls, reader: pa.RecordBatchReader | flight.FlightStreamReader) -> Trajectory:
+        if isinstance(reader, flight.FlightStreamReader):
+            return cls.from_batches(reader.schema, flight_batches(reader))
+        return cls.from_batches(reader.schema, reader)
+
+    @classmethod
+    def from_table(cls, table: pa.Table) -> Trajectory:
+        return cls.from_batches(table.schema, table.to_batches())
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Trajectory:
+        schema, batches, _ = read_trajectory(path)
+        return cls.from_batches(schema, batches)
+
+
+def _rows(sample: torch.Tensor) -> slice | torch.Tensor:
+    """A slice when the batch holds a contiguous run of samples (always, as the server writes
+    them): a strided copy instead of an index_put."""
+    n = len(sample)
+    if n and int(sample[-1]) - int(sample[0]) == n - 1 and bool((sample[1:] > sample[:-1]).all()):
+        return slice(int(sample[0]), int(sample[0]) + n)
+    return sample
+
+
+def flight_batches(reader: flight.FlightStreamReader) -> Iterator[pa.RecordBatch]:
+    while True:
+        try:
+            chunk = reader.read_chunk()
+        except StopIteration:
+            return
+        yield chunk.data
+
+
+def iter_step_tensors(
+    schema: pa.Schema, batches: Iterable[pa.RecordBatch], *, copy: bool = False
+) -> Iterator[StepTensors]:
+    """Group batches by step: one StepTensors with all B samples per step. A step in one
+    batch is a zero-copy view (unless ``copy``); a split step is concatenated (one copy)."""
+    dtype = header_from_schema(schema).latent_dtype
+    pending: list[StepTensors] = []
+    for batch in batches:
+        st = batch_to_tensors(batch, copy=copy, dtype=dtype)
+        if pending and pending[0].step != st.step:
+            yield _merge(pending)
+            pending = []
+        pending.append(st)
+    if pending:
+        yield _merge(pending)
+
+
+def _merge(parts: Sequence[StepTensors]) -> StepTensors:
+    if len(parts) == 1:
+        return parts[0]
+    p = parts[0]
+    return StepTensors(
+        step=p.step,
+        sample=torch.cat([q.sample for q in parts]),
+        prompt_index=torch.cat([q.prompt_index for q in parts]),
+        seed=torch.cat([q.seed for q in parts]),
+        latent=torch.cat([q.latent for q in parts]),
+        log_prob=torch.cat([q.log_prob for q in parts]),
+        sigma=p.sigma,
+        sigma_next=p.sigma_next,
+        timestep=p.timestep,
+        sde=p.sde,
+    )
+
+
+def pull_file(path: str | Path) -> Trajectory:
+    """A ``.arrow`` trajectory file as a Trajectory (memory-mapped read, one copy)."""
+    return Trajectory.from_file(path)
