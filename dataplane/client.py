@@ -34,10 +34,13 @@ import torch
 from sigmaflight.dataplane.auth import bearer_header
 from sigmaflight.dataplane.codec import StepTensors, batch_to_tensors
 from sigmaflight.dataplane.samehost import (
+    FileChanged,
     LocalFile,
+    Offered,
     Transport,
     check_transport,
     empty_hugepages,
+    offered_file,
     open_local_file,
 )
 from sigmaflight.dataplane.schema import header_from_schema
@@ -52,6 +55,9 @@ from sigmaflight.dataplane.trajectory import (
 )
 
 log = logging.getLogger(__name__)
+_UNKNOWN = object()
+_OFFERED_MAX = 1024
+"""Tickets whose offered file a client remembers (oldest forgotten first)."""
 
 
 class TrajectoryClient:
@@ -78,6 +84,8 @@ class TrajectoryClient:
         headers = [(k.encode(), v.encode()) for k, v in bearer_header(token).items()]
         self._options = flight.FlightCallOptions(headers=headers)
         self._location = location
+        self._offered: dict[str, Offered | None | object] = {}
+        """ticket or id -> the file its finished rollout offers (None: none for this client)."""
         self._token = token
         self._tls_root_certs = tls_root_certs
 
@@ -129,6 +137,7 @@ class TrajectoryClient:
         return bool(self._action("cancel", rollout_id).get("cancelled"))
 
     def release(self, rollout_id: str) -> bool:
+        self._offered.pop(rollout_id, None)
         return bool(self._action("release", rollout_id).get("released"))
 
     # -- pulls -----------------------------------------------------------------------------
@@ -143,34 +152,70 @@ class TrajectoryClient:
         return self.reader(ticket_or_id).schema
 
     def local_file(self, ticket_or_id: str | bytes | flight.Ticket) -> LocalFile | None:
-        """The rollout's shared-memory file (schema, memory-mapped batches) when this client
-        may read it directly, else None (and the debug log says why)."""
+        """The rollout's shared-memory file (schema, memory-mapped batches, the open file) when
+        this client may read it directly, else None (and the debug log says why).
+
+        What a finished rollout's FlightInfo says of its file is kept per ticket (or id), so a
+        later pull of it asks the server nothing; when the file is gone or holds something
+        else, the next pull asks again."""
         if self.transport == "flight":
             return None
-        key = ticket_or_id.ticket if isinstance(ticket_or_id, flight.Ticket) else ticket_or_id
-        name = key.decode("utf-8", errors="replace") if isinstance(key, bytes) else key
-        try:
-            fi = self.flight_info(name)
-        except flight.FlightError as e:
-            log.debug("%s: no FlightInfo (%s); streaming over gRPC", name[:80], str(e).splitlines()[0][:200])
+        name = _name(ticket_or_id)
+        offered = self._offered.get(name, _UNKNOWN)
+        if offered is _UNKNOWN:
+            try:
+                fi = self.flight_info(name)
+            except flight.FlightError as e:
+                log.debug("%s: no FlightInfo (%s); streaming over gRPC", name[:80], str(e).splitlines()[0][:200])
+                return None
+            offered = offered_file(fi)
+            if offered is None:
+                log.debug("%s: no file location (not finished, or the server has no --shm-dir)", name[:80])
+            elif offered.host != self.host:
+                log.debug("%s: file %s is on host %s, not this host %s; streaming over gRPC", name[:80],
+                          offered.path, offered.host, self.host)
+                offered = None
+            if fi.total_records >= 0:  # finished: what it offers stays so until it is released
+                self._offered[name] = offered
+                while len(self._offered) > _OFFERED_MAX:
+                    self._offered.pop(next(iter(self._offered)))
+        if offered is None:
             return None
-        return open_local_file(fi, self.host, name)
+        assert isinstance(offered, Offered)
+        local = open_local_file(offered, name)
+        if local is None:
+            self._offered.pop(name, None)
+        return local
 
-    def pull(self, ticket_or_id: str | bytes | flight.Ticket, *, out: torch.Tensor | None = None) -> Trajectory:
+    def pull(
+        self, ticket_or_id: str | bytes | flight.Ticket, *, out: torch.Tensor | None = None, verify: bool = False
+    ) -> Trajectory:
         """The whole rollout; waits for a running (or queued) one to finish, streaming as it goes.
 
         ``out``: fill this contiguous CPU tensor [B, K, *latent_shape] (the rollout's dtype)
         instead of allocating one; ``traj.latents`` is then ``out``. Reusing one warm buffer
-        across pulls avoids the page faults of fresh memory (what dominates a same-host pull)."""
+        across pulls avoids the page faults of fresh memory (what dominates a same-host pull).
+
+        ``verify``: when the rollout is read from its same-host file, check every batch against
+        the checksum the file carries, over the bytes read (CorruptTrajectoryFile naming the
+        batch if one differs). Without it a same-host read trusts the file; over gRPC the
+        server checks a file before it serves it."""
         local = self.local_file(ticket_or_id)
         if local is not None:
-            return Trajectory.from_batches(local.schema, local.batches, source=local.source, out=out)
+            with local.source:
+                try:
+                    return Trajectory.from_batches(local.schema, local.batches, source=local.source, out=out,
+                                                   verify=verify)
+                except FileChanged as e:
+                    log.debug("%s; streaming over gRPC", e)
+                    self._offered.pop(_name(ticket_or_id), None)
         reader = self.reader(ticket_or_id)
         return Trajectory.from_batches(reader.schema, flight_batches(reader), out=out)
 
     def _batches(self, ticket_or_id: str | bytes | flight.Ticket) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
         local = self.local_file(ticket_or_id)
         if local is not None:
+            local.source.close()  # views need only the mapping
             return local.schema, iter(local.batches)
         reader = self.reader(ticket_or_id)
         return reader.schema, flight_batches(reader)
@@ -223,6 +268,12 @@ class TrajectoryClient:
         finally:
             for c in extra:
                 c.close()
+
+
+def _name(ticket_or_id: str | bytes | flight.Ticket) -> str:
+    """The ticket or rollout id as text (for the offered-file memory and the debug log)."""
+    key = ticket_or_id.ticket if isinstance(ticket_or_id, flight.Ticket) else ticket_or_id
+    return key.decode("utf-8", errors="replace") if isinstance(key, bytes) else key
 
 
 def _round_robin(

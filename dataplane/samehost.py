@@ -2,9 +2,15 @@
 
 A finished rollout kept in ``--shm-dir`` is one Arrow IPC file; its FlightInfo endpoint lists
 ``file://<path>?host=<host id>`` after the grpc location. A client on the same host (same host
-id) maps the file (zero-copy views for ``iter_chunks`` / ``iter_steps``) and ``pull`` copies the
-latents out of it with ``preadv`` (the kernel copies; no page faults on the mapping) into a
-tensor whose pages were asked to be huge (``empty_hugepages``).
+id) opens the file once (``files.open_regular``: O_NONBLOCK | O_NOFOLLOW, S_ISREG checked on the
+descriptor), maps that descriptor (zero-copy views for ``iter_chunks`` / ``iter_steps``) and
+checks that it holds the endpoint's trajectory (its ticket in the footer, the same schema);
+``pull`` then reads the latents from the same descriptor with a few ``preadv`` calls straight
+into the ``[B, K, ...]`` tensor (the kernel copies; no page faults on the mapping).
+
+What a same-host read does not detect (docs/dataplane.md): bytes changed in place after the
+server wrote them (unless ``verify=True``), and a file truncated between the map and a read of
+the mapping (SIGBUS, as for any memory-mapped reader; ``preadv`` itself sees a short read).
 """
 
 from __future__ import annotations
@@ -14,16 +20,18 @@ import ctypes.util
 import logging
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
+import crc32c
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 import torch
 from sigmaflight.dataplane.durable import FOOTER_TICKET
-from sigmaflight.dataplane.files import map_trajectory
+from sigmaflight.dataplane.files import KEY_CRC, CorruptTrajectoryFile, map_ipc, open_regular
 from sigmaflight.dataplane.shm import parse_file_location
 
 log = logging.getLogger("sigmaflight.dataplane.client")  # one logger for the client's "why not the file" lines
@@ -42,6 +50,20 @@ _MADV_HUGEPAGE = 14
 _HUGE = 2 << 20
 
 
+def _load_libc() -> ctypes.CDLL | None:
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        lib.preadv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong]
+        lib.preadv.restype = ctypes.c_ssize_t
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+_libc = _load_libc()
+
+
 def empty_hugepages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.empty, with the kernel asked for transparent huge pages before the first touch.
 
@@ -58,106 +80,162 @@ def empty_hugepages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
-def _load_libc() -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return lib
-    except (OSError, AttributeError):
-        return None
+class FileChanged(OSError):
+    """A read of a checked file came up short (it was truncated meanwhile): read it over gRPC."""
 
 
-_libc = _load_libc()
+class Offered(NamedTuple):
+    """The file a finished rollout's FlightInfo endpoint offers, and what it must hold."""
 
-
-class LocalFile(NamedTuple):
+    path: Path
+    host: str
+    ticket: bytes
+    """The endpoint's ticket: the file's footer must carry it."""
     schema: pa.Schema
-    batches: list[pa.RecordBatch]
-    """Memory-mapped: zero-copy views for iter_chunks / iter_steps."""
-    source: FileSource
-    """The same file, for pull's one copy (preadv)."""
+
+
+def offered_file(fi: flight.FlightInfo) -> Offered | None:
+    """The ``file://`` location of ``fi``'s first endpoint, or None when it lists none."""
+    ep = fi.endpoints[0]
+    for loc in ep.locations:
+        found = parse_file_location(loc.uri.decode())
+        if found is not None:
+            return Offered(found[0], found[1], ep.ticket.ticket, fi.schema)
+    return None
+
+
+_IOV_MAX = 1024
+"""Most iovecs one preadv takes (Linux UIO_MAXIOV)."""
+GAP_READ_MAX = 16 << 10
+"""File bytes between two latent runs that one preadv reads into a scratch buffer rather than
+starting another call: the other columns of the next batch and its message header (a few KiB
+per batch); a ``velocity`` column in between starts a new call."""
+THREADS_MIN_BYTES = 8 << 20
+"""From this many bytes a read is split over threads (the CPUs this process may use, at most
+8), below it one thread reads: see ``ops/bench_transport.py --paths read-threads``."""
 
 
 class FileSource:
-    """A memory-mapped trajectory file, read with preadv into tensors (one copy by the kernel).
+    """A checked trajectory file, open on one descriptor, that ``read_rows`` reads with preadv.
 
-    Reads run on a small thread pool (preadv releases the GIL): on this 2-core box one thread
-    copies out of tmpfs at about 4.4 GB/s into a warm buffer and two at about 11 GB/s; into
-    fresh (huge-page) memory, where the kernel also zeroes each page, 3.4 against 7.6 GB/s
-    (/tmp micro-benchmarks, 1 GiB, 2026-12-01; the figures of record are ops/bench_transport.py's)."""
+    The descriptor is the one ``open_regular`` checked and the mapping was made from: it stays
+    the same file whatever is renamed onto the name. Closed by ``close()`` (or when dropped)."""
 
-    _IOV_MAX = 1024
-
-    def __init__(self, path: Path, base_address: int, size: int) -> None:
+    def __init__(self, fd: int, path: Path, base_address: int, size: int, crcs: tuple[int, ...] | None) -> None:
+        self.fd = fd
         self.path = path
-        self._base = base_address
-        self._size = size
+        self.base_address = base_address
+        self.size = size
+        self.crcs = crcs
+        self._closed = weakref.finalize(self, os.close, fd)
 
-    def read_latents(self, batch: pa.RecordBatch, dest: torch.Tensor) -> bool:
-        """Copy the batch's latent rows into ``dest`` [rows, *shape] (each row contiguous).
-        False (nothing trusted) if the batch is not in this file or a read comes up short."""
-        with self.reads() as reads:
-            return reads.submit(batch, dest).result()
+    def close(self) -> None:
+        self._closed()
 
-    def reads(self) -> _Reads:
-        """Parallel `read_latents` on one descriptor: ``with src.reads() as r: r.submit(b, d)``."""
-        return _Reads(self)
-
-    def read(self, fd: int, batch: pa.RecordBatch, dest: torch.Tensor) -> bool:
-        storage = batch.column("latent").storage
-        values = storage.values
-        n = int(np.prod(dest.shape[1:]))
-        row = n * dest.element_size()
-        off = values.buffers()[1].address - self._base + (values.offset + storage.offset * n) * dest.element_size()
-        if len(dest) != len(storage) or off < 0 or off + row * len(dest) > self._size:
-            return False
-        views = [dest[j].view(-1).view(torch.uint8).numpy().data for j in range(len(dest))]  # views, never copies
-        for a in range(0, len(views), self._IOV_MAX):
-            chunk = views[a : a + self._IOV_MAX]
-            if os.preadv(fd, chunk, off + a * row) != row * len(chunk):
-                return False
-        return True
-
-
-class _Reads:
-    """An open descriptor and the reads submitted on it; leaving waits for every read (even on
-    an error) before the descriptor is closed, so no read can land on a reused fd number."""
-
-    def __init__(self, source: FileSource) -> None:
-        self._source = source
-        self._futures: list[Future[bool]] = []
-        try:
-            self._fd: int | None = os.open(source.path, os.O_RDONLY)
-        except OSError as e:  # deleted or replaced since it was mapped: copy from the mapping
-            log.debug("cannot reopen %s (%s); copying from the mapped file", source.path, e)
-            self._fd = None
-
-    def submit(self, batch: pa.RecordBatch, dest: torch.Tensor) -> Future[bool]:
-        done: Future[bool]
-        if self._fd is None:
-            done = Future()
-            done.set_result(False)
-        else:
-            done = _reader_pool().submit(self._read, self._fd, batch, dest)
-        self._futures.append(done)
-        return done
-
-    def _read(self, fd: int, batch: pa.RecordBatch, dest: torch.Tensor) -> bool:
-        try:
-            return self._source.read(fd, batch, dest)
-        except OSError as e:
-            log.debug("reading %s failed (%s); copying from the mapped file", self._source.path, e)
-            return False
-
-    def __enter__(self) -> _Reads:
+    def __enter__(self) -> FileSource:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def read_rows(self, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any], row_bytes: int) -> None:
+        """Copy ``row_bytes`` from file offset ``src[r]`` to address ``dst[r]``, for every r.
+
+        Rows adjacent in the file and in memory merge into one iovec; small gaps between them
+        are read into a scratch buffer, so a whole trajectory file is one preadv (or a handful:
+        IOV_MAX, a wide gap); from THREADS_MIN_BYTES the calls are spread over threads.
+        Raises FileChanged when the file no longer holds those bytes (a short read)."""
+        if len(src) == 0:
+            return
+        order = np.argsort(src, kind="stable")
+        src, dst = src[order], dst[order]
+        if int(src[0]) < 0 or int(src[-1]) + row_bytes > self.size or bool((np.diff(src) < row_bytes).any()):
+            raise ValueError(f"{self.path}: latent rows outside the file or overlapping")
+        scratch = np.empty(GAP_READ_MAX, np.uint8)
+        iov, offsets, pieces = _plan(src, dst, row_bytes, scratch.ctypes.data)
+        total = int(iov[:, 1].sum())
+        groups = _spread(pieces, iov, total)
+        if len(groups) == 1:
+            _read_pieces(self, iov, offsets, groups[0])
+            return
+        futures = [_reader_pool().submit(_read_pieces, self, iov, offsets, g) for g in groups[1:]]
         try:
-            wait(self._futures)
+            _read_pieces(self, iov, offsets, groups[0])
         finally:
-            if self._fd is not None:
-                os.close(self._fd)
+            errors = [f.exception() for f in futures]  # every read has returned before the caller closes fd
+        for e in errors:
+            if e is not None:
+                raise e
+
+
+def _plan(
+    src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any], row_bytes: int, scratch: int
+) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], list[tuple[int, int]]]:
+    """The iovecs ([n, 2] uint64: address, length), each one's file offset, and the pieces
+    (iovec ranges [a, b), each one preadv: contiguous in the file, at most IOV_MAX long)."""
+    n = len(src)
+    new = np.ones(n, dtype=bool)
+    new[1:] = (src[1:] != src[:-1] + row_bytes) | (dst[1:] != dst[:-1] + row_bytes)
+    starts = np.flatnonzero(new)
+    lens = np.diff(np.append(starts, n)).astype(np.int64) * row_bytes
+    seg_off, seg_dst = src[starts].astype(np.int64), dst[starts].astype(np.uint64)
+    gap = seg_off[1:] - (seg_off[:-1] + lens[:-1])
+    fill = (gap > 0) & (gap <= GAP_READ_MAX)
+    at = np.arange(len(starts)) + np.concatenate([[0], np.cumsum(fill)])  # each segment's iovec
+    iov = np.empty((len(starts) + int(fill.sum()), 2), dtype=np.uint64)
+    offsets = np.empty(len(iov), dtype=np.int64)
+    iov[at, 0], iov[at, 1], offsets[at] = seg_dst, lens, seg_off
+    after = np.flatnonzero(fill)
+    iov[at[after] + 1, 0], iov[at[after] + 1, 1] = scratch, gap[after]
+    offsets[at[after] + 1] = seg_off[after] + lens[after]
+    cuts = [0, *(int(at[j + 1]) for j in np.flatnonzero(gap > GAP_READ_MAX)), len(iov)]
+    pieces = [(a, min(a + _IOV_MAX, b)) for lo, b in zip(cuts, cuts[1:], strict=False) for a in range(lo, b, _IOV_MAX)]
+    return iov, offsets, pieces
+
+
+def _spread(pieces: list[tuple[int, int]], iov: np.ndarray[Any, Any], total: int) -> list[list[tuple[int, int]]]:
+    """Pieces in groups of about equal bytes, one group per thread (one group below
+    THREADS_MIN_BYTES); a long piece is cut at iovec boundaries to balance them."""
+    threads = min(_read_threads(), max(1, total // (THREADS_MIN_BYTES // 2))) if total >= THREADS_MIN_BYTES else 1
+    if threads == 1:
+        return [pieces]
+    ends = np.cumsum(iov[:, 1].astype(np.int64))
+    cut = set(np.searchsorted(ends, [total * k // threads for k in range(1, threads)], side="right").tolist())
+    groups: list[list[tuple[int, int]]] = [[] for _ in range(threads)]
+    for a, b in pieces:
+        inner = sorted(c for c in cut if a < c < b)
+        for lo, hi in zip([a, *inner], [*inner, b], strict=True):
+            start = int(ends[lo - 1]) if lo else 0
+            groups[min(threads - 1, start * threads // total)].append((lo, hi))
+    return [g for g in groups if g]
+
+
+def _read_pieces(
+    source: FileSource, iov: np.ndarray[Any, Any], offsets: np.ndarray[Any, Any], pieces: list[tuple[int, int]]
+) -> None:
+    """One preadv per piece (ctypes drops the GIL); a short read resumes where it stopped."""
+    if _libc is None:
+        raise FileChanged(f"{source.path}: no preadv on this platform")
+    base = iov.ctypes.data
+    for a, b in pieces:
+        off = int(offsets[a])
+        while a < b:
+            want = int(iov[a:b, 1].sum())
+            got = _libc.preadv(source.fd, ctypes.c_void_p(base + a * 16), b - a, off)
+            if got < 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"preadv of {source.path}: {os.strerror(err)}")
+            if got == want:
+                break
+            if got == 0:
+                raise FileChanged(f"{source.path}: ends before offset {off} (truncated since it was checked)")
+            off += got
+            done = np.cumsum(iov[a:b, 1].astype(np.int64))
+            k = int(np.searchsorted(done, got, side="right"))  # first iovec not read whole
+            used = got - (int(done[k - 1]) if k else 0)
+            a += k
+            iov[a, 0] += np.uint64(used)
+            iov[a, 1] -= np.uint64(used)
 
 
 def _read_threads() -> int:
@@ -182,25 +260,58 @@ def _reader_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def open_local_file(fi: flight.FlightInfo, host: str, name: str) -> LocalFile | None:
-    """The file of ``fi``'s first endpoint when it names this ``host`` and holds that endpoint's
-    trajectory (its ticket in the footer, the same schema); else None, the debug log saying why.
-    ``name``: what the caller asked for (for the log)."""
-    ep = fi.endpoints[0]
-    files = [f for f in (parse_file_location(loc.uri.decode()) for loc in ep.locations) if f is not None]
-    if not files:
-        log.debug("%s: no file location (not finished, or the server has no --shm-dir)", name[:80])
-        return None
-    path, file_host = files[0]
-    if file_host != host:
-        log.debug("%s: file %s is on host %s, not this host %s; streaming over gRPC", name[:80], path, file_host, host)
+class LocalFile(NamedTuple):
+    schema: pa.Schema
+    batches: list[pa.RecordBatch]
+    """Memory-mapped: zero-copy views for iter_chunks / iter_steps."""
+    source: FileSource
+    """The same file on its checked descriptor, for pull's one copy (preadv); close it when done."""
+
+
+def open_local_file(offered: Offered, name: str) -> LocalFile | None:
+    """The offered file when it opens as a regular file and holds the endpoint's trajectory
+    (its ticket in the footer, the same schema and metadata); else None, the debug log saying
+    why. The host id is the caller's check. ``name``: what the caller asked for (for the log)."""
+    try:
+        fd, _ = open_regular(offered.path)
+    except (OSError, ValueError) as e:
+        log.debug("%s: cannot read %s (%s); streaming over gRPC", name[:80], offered.path, e)
         return None
     try:
-        m = map_trajectory(path, validate=False)
+        m = map_ipc(offered.path, fd=fd)
     except (OSError, ValueError) as e:
-        log.debug("%s: cannot read %s (%s); streaming over gRPC", name[:80], path, e)
+        os.close(fd)
+        log.debug("%s: cannot read %s (%s); streaming over gRPC", name[:80], offered.path, e)
         return None
-    if m.footer.get(FOOTER_TICKET, "").encode() != ep.ticket.ticket or not m.schema.equals(fi.schema):
-        log.debug("%s: %s holds another trajectory; streaming over gRPC", name[:80], path)
+    if m.footer.get(FOOTER_TICKET, "").encode() != offered.ticket or not m.schema.equals(
+        offered.schema, check_metadata=True
+    ):
+        os.close(fd)
+        log.debug("%s: %s holds another trajectory; streaming over gRPC", name[:80], offered.path)
         return None
-    return LocalFile(m.schema, m.batches, FileSource(path, m.base_address, m.size))
+    return LocalFile(m.schema, m.batches, FileSource(fd, offered.path, m.base_address, m.size, m.crcs))
+
+
+def verify_read(source: FileSource, batches: list[pa.RecordBatch], latent_rows: list[list[memoryview]]) -> None:
+    """Check each batch against the checksum the file carries for it, over the bytes a pull
+    delivered: the latent rows as read into the tensor (``latent_rows[i]``: batch i's rows in
+    order), every other buffer as mapped. Raises CorruptTrajectoryFile naming the batch."""
+    if source.crcs is None or len(source.crcs) != len(batches):
+        raise CorruptTrajectoryFile(f"{source.path}: the file carries no {KEY_CRC} checksums to verify against")
+    for i, (batch, want) in enumerate(zip(batches, source.crcs, strict=True)):
+        crc = 0
+        latent = batch.column("latent").storage.values.buffers()[1]
+        for col in batch.columns:
+            for buf in col.buffers():
+                if buf is None or not buf.size:
+                    continue
+                if buf.address == latent.address and buf.size == sum(r.nbytes for r in latent_rows[i]):
+                    for row in latent_rows[i]:
+                        crc = crc32c.crc32c(row, value=crc)
+                else:
+                    crc = crc32c.crc32c(memoryview(buf), value=crc)
+        if crc != want:
+            raise CorruptTrajectoryFile(
+                f"{source.path}: checksum mismatch in batch {i} (crc32c {crc:08x}, written {want:08x}): "
+                "the file changed after the server wrote it (pull(verify=True))"
+            )
