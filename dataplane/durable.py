@@ -57,7 +57,8 @@ def read_entry(path: Path, *, validate: bool = True) -> Entry:
     if not is_minted(ticket):
         raise CorruptTrajectoryFile(f"{path}: no ticket in the file footer")
     e = Entry.finished(header, schema, ticket, batches, path.stat().st_mtime)
-    e.replace_batches(batches, in_memory=False, source=path, source_size=m.size, crcs=m.crcs)
+    e.replace_batches(batches, in_memory=False, source=path, source_size=m.size, crcs=m.crcs, stamp=m.stamp,
+                      verified=m.verified)
     return e
 
 
@@ -73,7 +74,8 @@ def serve_from_durable(e: Entry) -> bool:
         raise CorruptTrajectoryFile(f"{e.path}: checksums differ from the ones written")
     streams = {name: (map_stream(path, FORMATS[name])[0], path) for name, path in e.stream_paths.items()}
     # same boundaries as written: live readers keep their index
-    e.replace_batches(m.batches, in_memory=False, source=e.path, source_size=m.size, crcs=m.crcs or e.crcs)
+    e.replace_batches(m.batches, in_memory=False, source=e.path, source_size=m.size, crcs=m.crcs or e.crcs,
+                      stamp=m.stamp, verified=m.verified)
     e.map_streams(streams)
     shm, e.shm_path = e.shm_path, None
     if shm is not None:

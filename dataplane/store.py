@@ -26,7 +26,7 @@ from sigmaflight.dataplane.budget import MemoryBudget, malloc_trim, trim_if_larg
 from sigmaflight.dataplane.codec import DEFAULT_MAX_BATCH_BYTES
 from sigmaflight.dataplane.durable import DurableDir, serve_from_durable
 from sigmaflight.dataplane.entry import EndedState, Entry, EntryInfo, RolloutEnded, State, StopCheck
-from sigmaflight.dataplane.files import CorruptTrajectoryFile, verify_batches
+from sigmaflight.dataplane.files import CorruptTrajectoryFile, FileStamp, verify_batches
 from sigmaflight.dataplane.record import TrajectoryHeader
 from sigmaflight.dataplane.schema import trajectory_schema
 from sigmaflight.dataplane.shm import ShmDir
@@ -204,34 +204,49 @@ class ResultStore:
 
     # -- served files: checked before each stream -----------------------------------------
     def check_served(self, entry: Entry) -> None:
-        """Before serving a finished entry from its memory-mapped file: the file still has
-        the size it was mapped with (a truncated map would fault) and every batch its
-        checksum. Otherwise the entry ends as failed naming why, the jobs layer hears of it
+        """Before serving a finished entry from its memory-mapped file: verified (every batch
+        against its checksum) once per mapping, afterwards only ``os.stat`` of the file compared
+        with the stamp taken when it was last verified; any move of its inode, size, mtime or
+        ctime (a write in place, a truncation, a touch) verifies it again. While the name holds
+        another file (or none), the mapping is verified before every stream. A truncated or
+        changed file ends the entry as failed naming why, the jobs layer hears of it
         (``on_unavailable``) and RolloutEnded is raised."""
         with entry.cond:
-            source, size, crcs, batches = entry.source, entry.source_size, entry.crcs, list(entry.batches)
-            state = entry.state
+            source, size, crcs, held = entry.source, entry.source_size, entry.crcs, entry.batches
+            mapped, verified, state = entry.source_stamp, entry.verified_stamp, entry.state
         if source is None or state != "succeeded":
             return
         try:
             try:
-                now = os.stat(source).st_size
+                now: FileStamp | None = FileStamp.of(os.stat(source))
             except FileNotFoundError:  # renamed or unlinked: the map keeps the pages it had
-                now = size
-            if now != size:
-                raise CorruptTrajectoryFile(f"{source}: file truncated or changed size ({now} bytes, mapped {size})")
-            verify_batches(source, batches, crcs)
+                now = None
+            if now is not None and now == verified:
+                return  # the mapped file, unchanged since its batches matched their checksums
+            ours = now is not None and (mapped is None or now.same_inode(mapped))
+            if ours and now is not None and now.size != size:
+                raise CorruptTrajectoryFile(
+                    f"{source}: file truncated or changed size ({now.size} bytes, mapped {size})")
+            verify_batches(source, list(held), crcs)
         except (CorruptTrajectoryFile, OSError) as exc:
             reason = f"trajectory file unusable: {exc}"
             self.mark_unavailable(entry, reason)
             raise RolloutEnded(entry.rollout_id, "failed", reason) from None
+        if ours:
+            with entry.cond:
+                if entry.batches is held:  # not re-mapped meanwhile
+                    entry.verified_stamp = now
 
     def mark_unavailable(self, entry: Entry, reason: str) -> None:
-        """End a finished entry whose file cannot be served (kept, as failed, for its reason)."""
+        """End a finished entry whose file cannot be served (kept, as failed, for its reason).
+        Its shared-memory file goes: same-host readers that remember it must not read it."""
         with self._lock:
             if entry.in_memory:
                 self.budget.add(-entry.num_bytes)
+        shm, entry.shm_path = entry.shm_path, None
         entry.end("failed", reason)
+        if shm is not None:
+            shm.unlink(missing_ok=True)
         self._report_unavailable(entry, reason)
 
     def _report_unavailable(self, entry: Entry, reason: str) -> None:
