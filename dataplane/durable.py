@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -146,10 +145,10 @@ class DurableDir:
             e.map_streams({name: (table, p)})
             log.info("serving stream %s of %s again from %s", name, rollout_id, p)
 
-    def scan(self, ttl_s: float | None) -> list[Entry]:
+    def scan(self) -> list[Entry]:
         """The finished trajectories a previous store left: half-written files are removed,
-        corrupt ones renamed ``.corrupt`` (never served), expired ones deleted."""
-        now = time.time()
+        corrupt ones renamed ``.corrupt`` (never served). Their age is the jobs layer's to judge
+        (its reaper releases what expired)."""
         found = []
         for p in sorted(self.trajectory_dir.iterdir()):
             if p.name.endswith(TEMP_SUFFIX):
@@ -164,10 +163,6 @@ class DurableDir:
                 bad = p.with_name(p.name + ".corrupt")
                 log.error("discarding corrupt trajectory file (moved to %s, never served): %s", bad.name, exc)
                 os.replace(p, bad)
-                continue
-            if ttl_s is not None and (e.finished_at or 0.0) + ttl_s < now:
-                log.info("trajectory %s expired while the server was down; deleting %s", e.rollout_id, p)
-                p.unlink(missing_ok=True)
                 continue
             e.path = p
             found.append(e)

@@ -9,7 +9,8 @@
   (dataplane/budget.py).
 - With ``shm_dir``, each finished trajectory is one shared-memory file that the store
   serves memory-mapped and same-host clients read directly (dataplane/shm.py).
-- TTL: finished entries older than ``ttl_s`` are dropped (lazily and by ``expire_now``).
+- No TTL of its own: a finished entry stays until it is released (the jobs layer's reaper
+  releases what expired, control/jobs/manager.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import logging
 import os
 import re
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -76,7 +76,6 @@ class ResultStore:
         *,
         memory_budget_bytes: int,
         data_dir: Path | None = None,
-        ttl_s: float | None = None,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         fsync: bool = True,
         shm_dir: Path | None = None,
@@ -91,7 +90,6 @@ class ResultStore:
         attribute of the same name (the jobs layer marks the rollout)."""
         self.on_unavailable = on_unavailable
         self.data_dir = Path(data_dir) if data_dir is not None else None
-        self.ttl_s = ttl_s
         self.max_batch_bytes = int(max_batch_bytes)
         self._fsync = fsync
         self._lock = threading.RLock()
@@ -105,7 +103,7 @@ class ResultStore:
         self.durable = DurableDir(self.data_dir, fsync=fsync) if self.data_dir is not None else None
         if self.durable is not None:
             with self._lock:
-                for e in self.durable.scan(ttl_s):
+                for e in self.durable.scan():
                     self._entries[e.rollout_id] = e
                     self._tickets.bind(e.rollout_id, e.ticket)
                 self.durable.attach_streams(list(self._entries.values()))
@@ -140,7 +138,6 @@ class ResultStore:
         """Register a live rollout; its ticket works at once (streams follow it live)."""
         _check_id(header.rollout_id)
         schema = trajectory_schema(header)
-        self.expire_now()
         with self._lock:
             if self._closed:
                 raise RuntimeError("store is closed")
@@ -169,7 +166,6 @@ class ResultStore:
         entry.succeed()
         with self._lock:
             self._live.pop(entry.rollout_id, None)
-        self.expire_now()
         self._spill()
 
     def failed(self, entry: Entry, freed: int) -> None:
@@ -287,7 +283,6 @@ class ResultStore:
 
         Waits while it names a rollout that is reserved but not started yet, until the store
         closes or ``should_stop()`` names a reason (a cancelled call, a stopping server)."""
-        self.expire_now()
         key = ticket.decode("utf-8", errors="replace") if isinstance(ticket, bytes) else ticket
         shown = repr(key[:80]) + ("..." if len(key) > 80 else "")
         with self._lock:
@@ -315,7 +310,6 @@ class ResultStore:
 
     def find(self, ticket_or_id: str) -> Entry:
         """The entry a rollout id or a (whole-rollout) ticket names; never waits."""
-        self.expire_now()
         with self._lock:
             e = self._entries.get(ticket_or_id)
             if e is None:
@@ -324,7 +318,6 @@ class ResultStore:
         return e if e is not None else self.get(ticket_or_id)
 
     def get(self, rollout_id: str) -> Entry:
-        self.expire_now()
         with self._lock:
             e = self._entries.get(rollout_id)
             if e is None:
@@ -352,37 +345,21 @@ class ResultStore:
     def release(self, rollout_id: str) -> bool:
         """Drop a finished (or failed/cancelled) rollout and delete its file; False if
         unknown or still running (cancel it first)."""
-        return self._drop(rollout_id, "released")
-
-    def _drop(self, rollout_id: str, reason: str) -> bool:
         with self._lock:
             e = self._entries.get(rollout_id)
             if e is None or e.state == "running":
                 return False
             del self._entries[rollout_id]
-            self._tickets.forget(rollout_id, e.ticket, reason)
+            self._tickets.forget(rollout_id, e.ticket, "released")
             freed = (e.num_bytes if e.in_memory else 0) + e.extra_bytes
             self.budget.add(-freed)
         stream_files = list(e.stream_paths.values())
-        e.end(reason, f"rollout was {reason}")
+        e.end("released", "rollout was released")
         for path in (e.path, e.shm_path, *stream_files):
             if path is not None:
                 path.unlink(missing_ok=True)
         trim_if_large(freed)
         return True
-
-    def expire_now(self) -> list[str]:
-        """Drop finished entries older than ttl_s; returns their ids."""
-        if self.ttl_s is None:
-            return []
-        cutoff = time.time() - self.ttl_s
-        with self._lock:
-            old = [
-                rid
-                for rid, e in self._entries.items()
-                if e.state != "running" and e.finished_at is not None and e.finished_at < cutoff
-            ]
-        return [rid for rid in old if self._drop(rid, "expired")]
 
     def stats(self) -> dict[str, int]:
         """bytes_in_memory (what the budget counts, shm files included), bytes_on_disk (durable
