@@ -196,7 +196,7 @@ def _plan(
 def _spread(pieces: list[tuple[int, int]], iov: np.ndarray[Any, Any], total: int) -> list[list[tuple[int, int]]]:
     """Pieces in groups of about equal bytes, one group per thread (one group below
     THREADS_MIN_BYTES); a long piece is cut at iovec boundaries to balance them."""
-    threads = min(_read_threads(), max(1, total // (THREADS_MIN_BYTES // 2))) if total >= THREADS_MIN_BYTES else 1
+    threads = _read_threads() if total >= THREADS_MIN_BYTES else 1
     if threads == 1:
         return [pieces]
     ends = np.cumsum(iov[:, 1].astype(np.int64))
