@@ -177,7 +177,8 @@ class MappedTrajectory(NamedTuple):
 
 
 _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-_PROC_FD = Path("/proc/self/fd")
+_PROC_FD = "/proc/self/fd"
+_HAVE_PROC_FD = os.path.isdir(_PROC_FD)
 
 
 def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
@@ -201,8 +202,8 @@ def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
 def _map_descriptor(fd: int, path: str | os.PathLike[str], st: os.stat_result) -> pa.MemoryMappedFile:
     """Map the file open at ``fd``: through /proc/self/fd (the same open file, never the name
     again), or where there is no /proc, by name with the inode checked to be the same."""
-    if _PROC_FD.is_dir():
-        return pa.memory_map(str(_PROC_FD / str(fd)), "r")
+    if _HAVE_PROC_FD:
+        return pa.memory_map(f"{_PROC_FD}/{fd}", "r")
     source = pa.memory_map(str(path), "r")
     if not FileStamp.of(os.fstat(source.fileno())).same_inode(FileStamp.of(st)):
         source.close()

@@ -282,12 +282,10 @@ class _Assembly:
                 and (sa == np.arange(self.b)[None, :]).all()):
             self._reorder()
         h = self.header
-        log_probs = torch.full((self.b, h.num_steps), float("nan"), dtype=torch.float32)
-        has = np.flatnonzero(self.steps < h.num_steps)  # no transition leaves x_T
-        if len(has):
-            lp = self.lp.reshape(self.k, self.b)[has].T  # [B, steps with a transition]
-            log_probs[:, torch.from_numpy(self.steps[has])] = torch.from_numpy(np.ascontiguousarray(lp))
-        return cls(h, self.latents, log_probs, dict(h.rollout), self.schema)
+        log_probs = np.full((self.b, h.num_steps), np.nan, np.float32)  # [B, T]
+        has = self.steps < h.num_steps  # no transition leaves x_T
+        log_probs[:, self.steps[has]] = self.lp.reshape(self.k, self.b)[has].T
+        return cls(h, self.latents, torch.from_numpy(log_probs), dict(h.rollout), self.schema)
 
     def _reorder(self) -> None:
         """Rows that came in another order than step-major: each moved from the place its

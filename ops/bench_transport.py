@@ -16,6 +16,8 @@ separately for both):
                 ratios as medians of the per-round ratios
   read-threads  in this process: pull(out=) from the same-host file with one thread against
                 samehost's threads (THREADS_MIN_BYTES forced), interleaved: where threads pay
+  doget-file    in this process: a --shm-dir (file-backed) rollout: the store's check before each
+                do_get (ResultStore.check_served) and a whole do_get().read_all(), medians
   memcpy        copy the payload into a warm (pre-faulted) torch tensor: the limit (no server)
   shm-pull      sigmaflight with --shm-dir (a temp dir in /dev/shm) + TrajectoryClient.pull:
                 reads the file, one copy into a fresh aligned tensor
@@ -486,6 +488,35 @@ def read_threads(size: int, repeats: int) -> dict[str, float]:
             "paired": statistics.median(a / b for a, b in zip(times["1"], times["n"], strict=True))}
 
 
+def doget_file(size: int, repeats: int) -> dict[str, float]:
+    """What a do_get of a file-backed trajectory pays for the store's check of its file, and
+    the whole do_get, in this process (plain pyarrow client)."""
+    import tempfile
+
+    import pyarrow.flight as flight
+    from sigmaflight.dataplane.server import FlightDataServer
+
+    shm = Path(tempfile.mkdtemp(prefix="sf-bench-", dir="/dev/shm"))
+    store = _filled_store(make_latents(size), 8 * MiB, shm)
+    try:
+        entry = store.get("bench")
+        checks, pulls = [], []
+        with FlightDataServer(store) as srv, flight.FlightClient(srv.locations[0]) as c:
+            ticket = flight.Ticket(store.ticket_for("bench").encode())
+            c.do_get(ticket).read_all()  # the first serve (verifies a freshly adopted file)
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                store.check_served(entry)
+                checks.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                c.do_get(ticket).read_all()
+                pulls.append(time.perf_counter() - t0)
+    finally:
+        store.close()
+        shutil.rmtree(shm)
+    return {"check_ms": statistics.median(checks) * 1e3, "doget_ms": statistics.median(pulls) * 1e3}
+
+
 def empty_hugepages_like(store: Any) -> Any:
     """A warm [B, K, *shape] float32 buffer for the store's rollout "bench"."""
     import torch
@@ -716,6 +747,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{d['bare_us']:.0f} us; a pull takes {d['pull_ms']:.3f} ms (bare {d['bare_pull_ms']:.3f} ms), so "
                       f"the difference bounds the ratio at {1 / (1 + extra_us / 1e3 / d['pull_ms']):.3f}x; measured "
                       f"{d['bare_pull_ms'] / d['pull_ms']:.3f}x (medians, pulls in turn in one process)", flush=True)
+                continue
+            if path == "doget-file":
+                d = doget_file(size, max(a.repeats, 2))
+                print(f"  doget-file check before a do_get of a file-backed rollout {d['check_ms']:.3f} ms; whole "
+                      f"do_get().read_all() {d['doget_ms']:.1f} ms ({size / d['doget_ms'] / 1e6:.2f} GB/s) (medians)",
+                      flush=True)
                 continue
             if path == "read-threads":
                 d = read_threads(size, max(a.repeats, 2))
