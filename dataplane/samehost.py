@@ -15,6 +15,7 @@ the mapping (SIGBUS, as for any memory-mapped reader; ``preadv`` itself sees a s
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import logging
@@ -200,13 +201,12 @@ def _spread(pieces: list[tuple[int, int]], iov: np.ndarray[Any, Any], total: int
     if threads == 1:
         return [pieces]
     ends = np.cumsum(iov[:, 1].astype(np.int64))
-    cut = set(np.searchsorted(ends, [total * k // threads for k in range(1, threads)], side="right").tolist())
-    groups: list[list[tuple[int, int]]] = [[] for _ in range(threads)]
+    cuts = sorted(set(np.searchsorted(ends, [total * k // threads for k in range(1, threads)], side="right").tolist()))
+    groups: list[list[tuple[int, int]]] = [[] for _ in range(len(cuts) + 1)]
     for a, b in pieces:
-        inner = sorted(c for c in cut if a < c < b)
+        inner = [c for c in cuts if a < c < b]
         for lo, hi in zip([a, *inner], [*inner, b], strict=True):
-            start = int(ends[lo - 1]) if lo else 0
-            groups[min(threads - 1, start * threads // total)].append((lo, hi))
+            groups[bisect.bisect_right(cuts, lo)].append((lo, hi))  # the group of the cut it starts at
     return [g for g in groups if g]
 
 

@@ -10,6 +10,7 @@ import re
 import stat
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
@@ -258,3 +259,17 @@ def test_pull_closes_its_descriptor_and_reads_the_checked_file_even_once_its_nam
             again = Trajectory.from_batches(local.schema, local.batches, source=local.source)
         assert torch.equal(again.latents, got.latents)
         assert srv.metrics()["streams_served"] == 0
+
+
+def test_a_large_read_is_spread_over_the_threads_in_equal_parts_and_a_small_one_is_not():
+    # a seen bug: the pieces after the cut all landed in the first group, so two threads read in turn
+    from sigmaflight.dataplane import samehost
+
+    iov = np.zeros((301, 2), np.uint64)
+    iov[:, 1] = 1 << 20  # 301 rows of 1 MiB, one preadv piece (an odd count: the cut is not at half)
+    groups = samehost._spread([(0, 301)], iov, 301 << 20)
+    n = samehost._read_threads()
+    assert len(groups) == n
+    sizes = [sum(int(iov[a:b, 1].sum()) for a, b in g) for g in groups]
+    assert sum(sizes) == 301 << 20 and max(sizes) - min(sizes) <= 1 << 20
+    assert samehost._spread([(0, 3)], iov[:3], 3 << 20) == [[(0, 3)]]  # under THREADS_MIN_BYTES
