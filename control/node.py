@@ -131,7 +131,6 @@ class Node:
         self.store = ResultStore(
             memory_budget_bytes=config.store_budget_bytes,
             data_dir=Path(config.data_dir) if config.data_dir is not None else None,
-            ttl_s=None,
             shm_dir=Path(config.shm_dir) if config.shm_dir is not None else None,
             shm_private=bool(config.tokens),
         )

@@ -1,7 +1,8 @@
 """Bearer tokens, shared by both planes: parse the header (RFC 6750) and compare in constant time.
 
 The REST middleware (control/) and the Flight middleware (dataplane/server.py) both call
-these, so the two planes accept exactly the same headers.
+these, so the two planes accept exactly the same headers; the clients (dataplane/client.py,
+sigmaflight/client.py) send the one ``bearer_header`` makes.
 """
 
 from __future__ import annotations
@@ -9,7 +10,13 @@ from __future__ import annotations
 import hmac
 from collections.abc import Collection
 
-__all__ = ["TokenSet", "bearer_token"]
+__all__ = ["TokenSet", "bearer_header", "bearer_token"]
+
+
+def bearer_header(token: str | None) -> dict[str, str]:
+    """The header a client sends with ``token``: ``{"authorization": "Bearer <token>"}``, or
+    ``{}`` without one (a server without tokens)."""
+    return {"authorization": f"Bearer {token}"} if token else {}
 
 
 def bearer_token(header: str | bytes | None) -> bytes | None:

@@ -13,396 +13,50 @@ running rollout, ``transport="flight"``) goes over gRPC; the debug log says why.
             ...
         for st in c.iter_steps(ticket):               # one step at a time, flat memory
             st.step, st.latent                        # [B, *latent_shape]
+
+The pieces live by concept: ``Trajectory`` / ``Transition`` and their assembly in
+dataplane/trajectory.py, the same-host file read in dataplane/samehost.py; this module is
+the Flight client and re-exports the public names.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
 import json
 import logging
-import os
 import queue
 import threading
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from collections.abc import Iterator
+from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 import torch
+from sigmaflight.dataplane.auth import bearer_header
 from sigmaflight.dataplane.codec import StepTensors, batch_to_tensors
-from sigmaflight.dataplane.durable import FOOTER_TICKET
-from sigmaflight.dataplane.files import map_trajectory, read_trajectory
-from sigmaflight.dataplane.record import TrajectoryHeader
-from sigmaflight.dataplane.schema import header_from_schema, schema_metadata
+from sigmaflight.dataplane.samehost import (
+    FileChanged,
+    LocalFile,
+    Offered,
+    empty_hugepages,
+    offered_file,
+    open_local_file,
+)
+from sigmaflight.dataplane.schema import header_from_schema
 from sigmaflight.dataplane.server import DESCRIPTOR_ROOT
-from sigmaflight.dataplane.shm import host_id, parse_file_location
+from sigmaflight.dataplane.shm import host_id
+from sigmaflight.dataplane.trajectory import (
+    Trajectory,
+    Transition,
+    flight_batches,
+    iter_step_tensors,
+    pull_file,
+)
+from sigmaflight.dataplane.transport import Transport, check_transport
 
 log = logging.getLogger(__name__)
-Transport = Literal["auto", "flight"]
-
-
-@dataclass(frozen=True)
-class Transition:
-    """Transition i: x_i -> x_{i+1} (aligned by absolute index)."""
-
-    i: int
-    x: torch.Tensor
-    """[B, *latent_shape]: x_i."""
-    x_next: torch.Tensor
-    """[B, *latent_shape]: x_{i+1}."""
-    sigma: float
-    sigma_next: float
-    log_prob: torch.Tensor
-    """float32 [B], NaN where null."""
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter((self.i, self.x, self.x_next, self.sigma, self.sigma_next, self.log_prob))
-
-
-class Trajectory:
-    """A whole rollout as torch tensors, aligned by ABSOLUTE step index.
-
-    ``latents[:, k]`` is x_{steps[k]}; use ``latent(i)`` to look up by absolute index.
-    sigmas / timesteps are the full schedule (never filtered by a step selection).
-    """
-
-    def __init__(
-        self,
-        header: TrajectoryHeader,
-        latents: torch.Tensor,
-        log_probs: torch.Tensor,
-        metadata: dict[str, Any],
-        schema: pa.Schema,
-    ) -> None:
-        self.header = header
-        self.latents = latents  # [B, K, *latent_shape]
-        self.log_probs = log_probs  # [B, T] float32, NaN where null
-        self.steps = torch.tensor(header.steps, dtype=torch.int64)  # [K]
-        self.sigmas = header.sigmas  # [T+1] float32
-        self.timesteps = header.timesteps  # [T] float32
-        self.seeds = torch.tensor(header.seeds, dtype=torch.int64)  # [B]
-        self.prompt_index = torch.tensor(header.prompt_indices(), dtype=torch.int64)  # [B] (a branch: the parent's)
-        self.parent_sample = (None if header.parent_sample is None  # [B]: branch rollouts only
-                              else torch.tensor(header.parent_sample, dtype=torch.int64))
-        self.sde_steps = tuple(header.sde_steps)
-        self.metadata = metadata  # the sigmaflight.rollout object
-        self.schema = schema
-        self._pos = {s: k for k, s in enumerate(header.steps)}
-
-    @property
-    def rollout_id(self) -> str:
-        return self.header.rollout_id
-
-    @property
-    def num_steps(self) -> int:
-        """T."""
-        return self.header.num_steps
-
-    @property
-    def num_samples(self) -> int:
-        """B."""
-        return self.header.num_samples
-
-    def __repr__(self) -> str:
-        return (
-            f"Trajectory(id={self.rollout_id!r}, B={self.num_samples}, T={self.num_steps}, "
-            f"steps={list(self.header.steps)}, latents={list(self.latents.shape)} {self.latents.dtype})"
-        )
-
-    def has_step(self, i: int) -> bool:
-        return i in self._pos
-
-    def latent(self, i: int) -> torch.Tensor:
-        """x_i for every sample, [B, *latent_shape], by absolute step index."""
-        if i not in self._pos:
-            raise KeyError(f"step {i} is not in this trajectory (steps {list(self.header.steps)})")
-        return self.latents[:, self._pos[i]]
-
-    def transitions(self, steps: Iterable[int] | None = None) -> Iterator[Transition]:
-        """Transitions i (x_i -> x_{i+1}) where both latents are present, ascending."""
-        wanted = range(self.num_steps) if steps is None else sorted(set(steps))
-        for i in wanted:
-            if 0 <= i < self.num_steps and i in self._pos and i + 1 in self._pos:
-                yield Transition(
-                    i=i,
-                    x=self.latent(i),
-                    x_next=self.latent(i + 1),
-                    sigma=float(self.sigmas[i]),
-                    sigma_next=float(self.sigmas[i + 1]),
-                    log_prob=self.log_probs[:, i],
-                )
-
-    # -- construction ------------------------------------------------------------------
-    @classmethod
-    def from_batches(
-        cls,
-        schema: pa.Schema,
-        batches: Iterable[pa.RecordBatch],
-        *,
-        source: FileSource | None = None,
-        out: torch.Tensor | None = None,
-    ) -> Trajectory:
-        """Assemble (one copy per latent into one aligned, writable tensor). With ``source``
-        (the batches' memory-mapped file), latents are read from the file straight into the
-        tensor (preadv: the kernel copies, no page faults on the mapping). ``out``: a
-        contiguous CPU tensor [B, K, *latent_shape] of the rollout's dtype to fill instead of
-        a fresh one (a warm buffer reused across pulls costs no page faults)."""
-        header = header_from_schema(schema)
-        b, t = header.num_samples, header.num_steps
-        pos = {s: k for k, s in enumerate(header.steps)}
-        shape = (b, len(header.steps), *header.latent_shape)
-        if out is not None:
-            if tuple(out.shape) != shape or out.dtype != header.latent_dtype:
-                raise ValueError(
-                    f"out must be {header.latent_dtype} {list(shape)} for rollout {header.rollout_id}, "
-                    f"got {out.dtype} {list(out.shape)}"
-                )
-            if out.device.type != "cpu" or not out.is_contiguous():
-                raise ValueError("out must be a contiguous CPU tensor")
-        latents = out if out is not None else empty_hugepages(shape, header.latent_dtype)
-        log_probs = torch.full((b, t), float("nan"), dtype=torch.float32)
-        seen = torch.zeros((b, len(header.steps)), dtype=torch.bool)
-        with source.reads() if source is not None else contextlib.nullcontext() as reads:
-            pending: list[tuple[Future[bool], torch.Tensor, torch.Tensor]] = []  # read, dest, fallback
-            for batch in batches:
-                st = batch_to_tensors(batch, dtype=header.latent_dtype)
-                k = pos.get(st.step)
-                if k is None:
-                    raise ValueError(f"stream holds step {st.step}, not listed in sigmaflight.steps")
-                idx = _rows(st.sample)
-                if reads is not None and isinstance(idx, slice):  # the kernel copies, on the pool
-                    dest = latents[idx, k]
-                    pending.append((reads.submit(batch, dest), dest, st.latent))
-                else:
-                    latents[idx, k] = st.latent
-                seen[idx, k] = True
-                if st.step < t:
-                    log_probs[idx, st.step] = st.log_prob
-            for done, dest, fallback in pending:
-                if not done.result():
-                    dest.copy_(fallback)
-        if not bool(seen.all()):
-            missing = sorted({header.steps[int(k)] for k in torch.nonzero(~seen)[:, 1]})
-            raise ValueError(f"trajectory {header.rollout_id} is incomplete: steps {missing} missing")
-        return cls(header, latents, log_probs, dict(schema_metadata(schema).get("sigmaflight.rollout", {})), schema)
-
-    @classmethod
-    def from_reader(cls, reader: pa.RecordBatchReader | flight.FlightStreamReader) -> Trajectory:
-        if isinstance(reader, flight.FlightStreamReader):
-            return cls.from_batches(reader.schema, _flight_batches(reader))
-        return cls.from_batches(reader.schema, reader)
-
-    @classmethod
-    def from_table(cls, table: pa.Table) -> Trajectory:
-        return cls.from_batches(table.schema, table.to_batches())
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> Trajectory:
-        schema, batches, _ = read_trajectory(path)
-        return cls.from_batches(schema, batches)
-
-
-_MADV_HUGEPAGE = 14
-_HUGE = 2 << 20
-
-
-def empty_hugepages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.empty, with the kernel asked for transparent huge pages before the first touch.
-
-    A fresh multi-GiB tensor costs more in 4 KiB page faults than the copy into it (measured
-    here: 0.9 GB/s into fresh memory against 3.3 GB/s with huge pages, 5 GB/s into warm
-    memory); MADV_HUGEPAGE makes it one fault per 2 MiB. Linux only; elsewhere a no-op."""
-    t = torch.empty(shape, dtype=dtype)
-    nbytes = t.numel() * t.element_size()
-    if nbytes >= 4 * _HUGE and _libc is not None:
-        lo = -(-t.data_ptr() // _HUGE) * _HUGE
-        hi = (t.data_ptr() + nbytes) // _HUGE * _HUGE
-        if hi > lo:
-            _libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_HUGEPAGE)
-    return t
-
-
-def _load_libc() -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return lib
-    except (OSError, AttributeError):
-        return None
-
-
-_libc = _load_libc()
-
-
-class LocalFile(NamedTuple):
-    schema: pa.Schema
-    batches: list[pa.RecordBatch]
-    """Memory-mapped: zero-copy views for iter_chunks / iter_steps."""
-    source: FileSource
-    """The same file, for pull's one copy (preadv)."""
-
-
-class FileSource:
-    """A memory-mapped trajectory file, read with preadv into tensors (one copy by the kernel).
-
-    Reads run on a small thread pool (preadv releases the GIL): on this 2-core box one thread
-    copies out of tmpfs at about 4.4 GB/s into a warm buffer and two at about 11 GB/s; into
-    fresh (huge-page) memory, where the kernel also zeroes each page, 3.4 against 7.6 GB/s
-    (/tmp micro-benchmarks, 1 GiB, 2026-12-01; the figures of record are ops/bench_transport.py's)."""
-
-    _IOV_MAX = 1024
-
-    def __init__(self, path: Path, base_address: int, size: int) -> None:
-        self.path = path
-        self._base = base_address
-        self._size = size
-
-    def read_latents(self, batch: pa.RecordBatch, dest: torch.Tensor) -> bool:
-        """Copy the batch's latent rows into ``dest`` [rows, *shape] (each row contiguous).
-        False (nothing trusted) if the batch is not in this file or a read comes up short."""
-        with self.reads() as reads:
-            return reads.submit(batch, dest).result()
-
-    def reads(self) -> _Reads:
-        """Parallel `read_latents` on one descriptor: ``with src.reads() as r: r.submit(b, d)``."""
-        return _Reads(self)
-
-    def read(self, fd: int, batch: pa.RecordBatch, dest: torch.Tensor) -> bool:
-        storage = batch.column("latent").storage
-        values = storage.values
-        n = int(np.prod(dest.shape[1:]))
-        row = n * dest.element_size()
-        off = values.buffers()[1].address - self._base + (values.offset + storage.offset * n) * dest.element_size()
-        if len(dest) != len(storage) or off < 0 or off + row * len(dest) > self._size:
-            return False
-        views = [dest[j].view(-1).view(torch.uint8).numpy().data for j in range(len(dest))]  # views, never copies
-        for a in range(0, len(views), self._IOV_MAX):
-            chunk = views[a : a + self._IOV_MAX]
-            if os.preadv(fd, chunk, off + a * row) != row * len(chunk):
-                return False
-        return True
-
-
-class _Reads:
-    """An open descriptor and the reads submitted on it; leaving waits for every read (even on
-    an error) before the descriptor is closed, so no read can land on a reused fd number."""
-
-    def __init__(self, source: FileSource) -> None:
-        self._source = source
-        self._futures: list[Future[bool]] = []
-        try:
-            self._fd: int | None = os.open(source.path, os.O_RDONLY)
-        except OSError as e:  # deleted or replaced since it was mapped: copy from the mapping
-            log.debug("cannot reopen %s (%s); copying from the mapped file", source.path, e)
-            self._fd = None
-
-    def submit(self, batch: pa.RecordBatch, dest: torch.Tensor) -> Future[bool]:
-        done: Future[bool]
-        if self._fd is None:
-            done = Future()
-            done.set_result(False)
-        else:
-            done = _reader_pool().submit(self._read, self._fd, batch, dest)
-        self._futures.append(done)
-        return done
-
-    def _read(self, fd: int, batch: pa.RecordBatch, dest: torch.Tensor) -> bool:
-        try:
-            return self._source.read(fd, batch, dest)
-        except OSError as e:
-            log.debug("reading %s failed (%s); copying from the mapped file", self._source.path, e)
-            return False
-
-    def __enter__(self) -> _Reads:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            wait(self._futures)
-        finally:
-            if self._fd is not None:
-                os.close(self._fd)
-
-
-def _read_threads() -> int:
-    """Threads for pull's file reads: the CPUs this process may use, at most 8 (memory
-    bandwidth, not CPU, is the limit past a few)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(8, cpus))
-
-
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _reader_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(_read_threads(), thread_name_prefix="sigmaflight-read")
-        return _pool
-
-
-def _rows(sample: torch.Tensor) -> slice | torch.Tensor:
-    """A slice when the batch holds a contiguous run of samples (always, as the server writes
-    them): a strided copy instead of an index_put."""
-    n = len(sample)
-    if n and int(sample[-1]) - int(sample[0]) == n - 1 and bool((sample[1:] > sample[:-1]).all()):
-        return slice(int(sample[0]), int(sample[0]) + n)
-    return sample
-
-
-def _flight_batches(reader: flight.FlightStreamReader) -> Iterator[pa.RecordBatch]:
-    while True:
-        try:
-            chunk = reader.read_chunk()
-        except StopIteration:
-            return
-        yield chunk.data
-
-
-def iter_step_tensors(
-    schema: pa.Schema, batches: Iterable[pa.RecordBatch], *, copy: bool = False
-) -> Iterator[StepTensors]:
-    """Group batches by step: one StepTensors with all B samples per step. A step in one
-    batch is a zero-copy view (unless ``copy``); a split step is concatenated (one copy)."""
-    dtype = header_from_schema(schema).latent_dtype
-    pending: list[StepTensors] = []
-    for batch in batches:
-        st = batch_to_tensors(batch, copy=copy, dtype=dtype)
-        if pending and pending[0].step != st.step:
-            yield _merge(pending)
-            pending = []
-        pending.append(st)
-    if pending:
-        yield _merge(pending)
-
-
-def _merge(parts: Sequence[StepTensors]) -> StepTensors:
-    if len(parts) == 1:
-        return parts[0]
-    p = parts[0]
-    return StepTensors(
-        step=p.step,
-        sample=torch.cat([q.sample for q in parts]),
-        prompt_index=torch.cat([q.prompt_index for q in parts]),
-        seed=torch.cat([q.seed for q in parts]),
-        latent=torch.cat([q.latent for q in parts]),
-        log_prob=torch.cat([q.log_prob for q in parts]),
-        sigma=p.sigma,
-        sigma_next=p.sigma_next,
-        timestep=p.timestep,
-        sde=p.sde,
-    )
+_UNKNOWN = object()
+_OFFERED_MAX = 1024
+"""Tickets whose offered file a client remembers (oldest forgotten first)."""
 
 
 class TrajectoryClient:
@@ -421,16 +75,16 @@ class TrajectoryClient:
         """``transport="flight"`` always streams over gRPC; ``"auto"`` reads a finished
         rollout's shared-memory file when its location names this host (``host``: this
         host's id, default ``sigmaflight.dataplane.shm.host_id()``) and the file can be opened."""
-        if transport not in ("auto", "flight"):
-            raise ValueError(f"transport must be 'auto' or 'flight', got {transport!r}")
-        self.transport = transport
+        self.transport = check_transport(transport)
         self.host = host if host is not None else host_id()
         self._client = flight.FlightClient(
             location, tls_root_certs=tls_root_certs, generic_options=generic_options or None
         )
-        headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+        headers = [(k.encode(), v.encode()) for k, v in bearer_header(token).items()]
         self._options = flight.FlightCallOptions(headers=headers)
         self._location = location
+        self._offered: dict[str, Offered | None | object] = {}
+        """ticket or id -> the file its finished rollout offers (None: none for this client)."""
         self._token = token
         self._tls_root_certs = tls_root_certs
 
@@ -482,6 +136,7 @@ class TrajectoryClient:
         return bool(self._action("cancel", rollout_id).get("cancelled"))
 
     def release(self, rollout_id: str) -> bool:
+        self._offered.pop(rollout_id, None)
         return bool(self._action("release", rollout_id).get("released"))
 
     # -- pulls -----------------------------------------------------------------------------
@@ -490,60 +145,79 @@ class TrajectoryClient:
         return self._client.do_get(self._ticket(ticket_or_id), self._options)
 
     def iter_batches(self, ticket_or_id: str | bytes | flight.Ticket) -> Iterator[pa.RecordBatch]:
-        return _flight_batches(self.reader(ticket_or_id))
+        return flight_batches(self.reader(ticket_or_id))
 
     def schema(self, ticket_or_id: str | bytes | flight.Ticket) -> pa.Schema:
         return self.reader(ticket_or_id).schema
 
     def local_file(self, ticket_or_id: str | bytes | flight.Ticket) -> LocalFile | None:
-        """The rollout's shared-memory file (schema, memory-mapped batches) when this client
-        may read it directly, else None (and the debug log says why)."""
+        """The rollout's shared-memory file (schema, memory-mapped batches, the open file) when
+        this client may read it directly, else None (and the debug log says why).
+
+        What a finished rollout's FlightInfo says of its file is kept per ticket (or id), so a
+        later pull of it asks the server nothing; when the file is gone or holds something
+        else, the next pull asks again."""
         if self.transport == "flight":
             return None
-        key = ticket_or_id.ticket if isinstance(ticket_or_id, flight.Ticket) else ticket_or_id
-        name = key.decode("utf-8", errors="replace") if isinstance(key, bytes) else key
-        try:
-            fi = self.flight_info(name)
-        except flight.FlightError as e:
-            log.debug("%s: no FlightInfo (%s); streaming over gRPC", name[:80], str(e).splitlines()[0][:200])
+        name = _name(ticket_or_id)
+        offered = self._offered.get(name, _UNKNOWN)
+        if offered is _UNKNOWN:
+            try:
+                fi = self.flight_info(name)
+            except flight.FlightError as e:
+                log.debug("%s: no FlightInfo (%s); streaming over gRPC", name[:80], str(e).splitlines()[0][:200])
+                return None
+            offered = offered_file(fi)
+            if offered is None:
+                log.debug("%s: no file location (not finished, or the server has no --shm-dir)", name[:80])
+            elif offered.host != self.host:
+                log.debug("%s: file %s is on host %s, not this host %s; streaming over gRPC", name[:80],
+                          offered.path, offered.host, self.host)
+                offered = None
+            if fi.total_records >= 0:  # finished: what it offers stays so until it is released
+                self._offered[name] = offered
+                while len(self._offered) > _OFFERED_MAX:
+                    self._offered.pop(next(iter(self._offered)))
+        if offered is None:
             return None
-        ep = fi.endpoints[0]
-        files = [f for f in (parse_file_location(loc.uri.decode()) for loc in ep.locations) if f is not None]
-        if not files:
-            log.debug("%s: no file location (not finished, or the server has no --shm-dir)", name[:80])
-            return None
-        path, host = files[0]
-        if host != self.host:
-            log.debug("%s: file %s is on host %s, not this host %s; streaming over gRPC", name[:80], path, host, self.host)
-            return None
-        try:
-            m = map_trajectory(path, validate=False)
-        except (OSError, ValueError) as e:
-            log.debug("%s: cannot read %s (%s); streaming over gRPC", name[:80], path, e)
-            return None
-        if m.footer.get(FOOTER_TICKET, "").encode() != ep.ticket.ticket or not m.schema.equals(fi.schema):
-            log.debug("%s: %s holds another trajectory; streaming over gRPC", name[:80], path)
-            return None
-        return LocalFile(m.schema, m.batches, FileSource(path, m.base_address, m.size))
+        assert isinstance(offered, Offered)
+        local = open_local_file(offered, name)
+        if local is None:
+            self._offered.pop(name, None)
+        return local
 
-    def pull(self, ticket_or_id: str | bytes | flight.Ticket, *, out: torch.Tensor | None = None) -> Trajectory:
+    def pull(
+        self, ticket_or_id: str | bytes | flight.Ticket, *, out: torch.Tensor | None = None, verify: bool = False
+    ) -> Trajectory:
         """The whole rollout; waits for a running (or queued) one to finish, streaming as it goes.
 
         ``out``: fill this contiguous CPU tensor [B, K, *latent_shape] (the rollout's dtype)
         instead of allocating one; ``traj.latents`` is then ``out``. Reusing one warm buffer
-        across pulls avoids the page faults of fresh memory (what dominates a same-host pull)."""
+        across pulls avoids the page faults of fresh memory (what dominates a same-host pull).
+
+        ``verify``: when the rollout is read from its same-host file, check every batch against
+        the checksum the file carries, over the bytes read (CorruptTrajectoryFile naming the
+        batch if one differs). Without it a same-host read trusts the file; over gRPC the
+        server checks a file before it serves it."""
         local = self.local_file(ticket_or_id)
         if local is not None:
-            return Trajectory.from_batches(local.schema, local.batches, source=local.source, out=out)
+            with local.source:
+                try:
+                    return Trajectory.from_batches(local.schema, local.batches, source=local.source, out=out,
+                                                   verify=verify)
+                except FileChanged as e:
+                    log.debug("%s; streaming over gRPC", e)
+                    self._offered.pop(_name(ticket_or_id), None)
         reader = self.reader(ticket_or_id)
-        return Trajectory.from_batches(reader.schema, _flight_batches(reader), out=out)
+        return Trajectory.from_batches(reader.schema, flight_batches(reader), out=out)
 
     def _batches(self, ticket_or_id: str | bytes | flight.Ticket) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
         local = self.local_file(ticket_or_id)
         if local is not None:
+            local.source.close()  # views need only the mapping
             return local.schema, iter(local.batches)
         reader = self.reader(ticket_or_id)
-        return reader.schema, _flight_batches(reader)
+        return reader.schema, flight_batches(reader)
 
     def iter_steps(self, ticket_or_id: str | bytes | flight.Ticket, *, copy: bool = False) -> Iterator[StepTensors]:
         """One StepTensors per step, as the stream delivers it (memory stays flat).
@@ -593,6 +267,12 @@ class TrajectoryClient:
         finally:
             for c in extra:
                 c.close()
+
+
+def _name(ticket_or_id: str | bytes | flight.Ticket) -> str:
+    """The ticket or rollout id as text (for the offered-file memory and the debug log)."""
+    key = ticket_or_id.ticket if isinstance(ticket_or_id, flight.Ticket) else ticket_or_id
+    return key.decode("utf-8", errors="replace") if isinstance(key, bytes) else key
 
 
 def _round_robin(
@@ -668,7 +348,7 @@ def _pump(
         if stop.is_set():
             reader.cancel()
             return
-        for b in _flight_batches(reader):
+        for b in flight_batches(reader):
             if not _put(q, b, stop):
                 return
         _put(q, _DONE, stop)
@@ -677,9 +357,7 @@ def _pump(
             _put(q, e, stop)
 
 
-def pull_file(path: str | Path) -> Trajectory:
-    """A ``.arrow`` trajectory file as a Trajectory (memory-mapped read, one copy)."""
-    return Trajectory.from_file(path)
-
-
-__all__ = ["StepTensors", "Trajectory", "TrajectoryClient", "Transition", "Transport", "iter_step_tensors", "pull_file"]
+__all__ = [
+    "StepTensors", "Trajectory", "TrajectoryClient", "Transition", "Transport", "check_transport", "empty_hugepages",
+    "iter_step_tensors", "pull_file",
+]

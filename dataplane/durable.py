@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -60,7 +59,8 @@ def read_entry(path: Path, *, validate: bool = True) -> Entry:
     if not is_minted(ticket):
         raise CorruptTrajectoryFile(f"{path}: no ticket in the file footer")
     e = Entry.finished(header, schema, ticket, batches, path.stat().st_mtime)
-    e.replace_batches(batches, in_memory=False, source=path, source_size=m.size, crcs=m.crcs)
+    e.replace_batches(batches, in_memory=False, source=path, source_size=m.size, crcs=m.crcs, stamp=m.stamp,
+                      verified=m.verified)
     return e
 
 
@@ -76,7 +76,8 @@ def serve_from_durable(e: Entry) -> bool:
         raise CorruptTrajectoryFile(f"{e.path}: checksums differ from the ones written")
     streams = {name: (map_stream(path, FORMATS[name])[0], path) for name, path in e.stream_paths.items()}
     # same boundaries as written: live readers keep their index
-    e.replace_batches(m.batches, in_memory=False, source=e.path, source_size=m.size, crcs=m.crcs or e.crcs)
+    e.replace_batches(m.batches, in_memory=False, source=e.path, source_size=m.size, crcs=m.crcs or e.crcs,
+                      stamp=m.stamp, verified=m.verified)
     e.map_streams(streams)
     shm, e.shm_path = e.shm_path, None
     if shm is not None:
@@ -147,10 +148,10 @@ class DurableDir:
             e.map_streams({name: (table, p)})
             log.info("serving stream %s of %s again from %s", name, rollout_id, p)
 
-    def scan(self, ttl_s: float | None) -> list[Entry]:
+    def scan(self) -> list[Entry]:
         """The finished trajectories a previous store left: half-written files are removed,
-        corrupt ones renamed ``.corrupt`` (never served), expired ones deleted."""
-        now = time.time()
+        corrupt ones renamed ``.corrupt`` (never served). Their age is the jobs layer's to judge
+        (its reaper releases what expired)."""
         found = []
         for p in sorted(self.trajectory_dir.iterdir()):
             if p.name.endswith(TEMP_SUFFIX):
@@ -165,10 +166,6 @@ class DurableDir:
                 bad = p.with_name(p.name + ".corrupt")
                 log.error("discarding corrupt trajectory file (moved to %s, never served): %s", bad.name, exc)
                 os.replace(p, bad)
-                continue
-            if ttl_s is not None and (e.finished_at or 0.0) + ttl_s < now:
-                log.info("trajectory %s expired while the server was down; deleting %s", e.rollout_id, p)
-                p.unlink(missing_ok=True)
                 continue
             e.path = p
             found.append(e)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal, NamedTuple
 
 import pyarrow as pa
+from sigmaflight.dataplane.files import FileStamp
 from sigmaflight.dataplane.record import TrajectoryHeader
 from sigmaflight.dataplane.streams import StreamNotFound, requested_streams
 
@@ -77,6 +78,11 @@ class Entry:
         self.source: Path | None = None
         """The file the batches are memory-mapped from (None: heap), and its size when mapped."""
         self.source_size = 0
+        self.source_stamp: FileStamp | None = None
+        """The mapped inode as it was when mapped (None: not known)."""
+        self.verified_stamp: FileStamp | None = None
+        """``os.stat`` of ``source`` when the mapped batches last matched their checksums (taken
+        before that check), while the name still held the mapped inode; None: not verified yet."""
         self.crcs: tuple[int, ...] | None = None
         """Checksum of each batch as written (dataplane/files.batch_crc); None if unknown."""
         self._served: dict[tuple[int, int], tuple[pa.Table, int]] = {}
@@ -187,16 +193,21 @@ class Entry:
         source: Path | None = None,
         source_size: int = 0,
         crcs: tuple[int, ...] | None = None,
+        stamp: FileStamp | None = None,
+        verified: bool = False,
     ) -> None:
         """Serve the same batches from elsewhere (a memory-mapped file ``source`` of
-        ``source_size`` bytes). Boundaries must be the ones written, so that live readers keep
-        their index."""
+        ``source_size`` bytes; ``stamp``: the mapped inode when mapped; ``verified``: its batches
+        were checked against their checksums after that). Boundaries must be the ones written,
+        so that live readers keep their index."""
         with self.cond:
             self.batches = batches
             self._served = {}
             self.in_memory = in_memory
             self.source = source
             self.source_size = source_size
+            self.source_stamp = stamp
+            self.verified_stamp = stamp if verified else None
             if crcs is not None:
                 self.crcs = crcs
 

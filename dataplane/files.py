@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import NamedTuple
@@ -202,6 +203,25 @@ class CorruptTrajectoryFile(ValueError):
     """The file is not a complete, valid "trajectory/v1" Arrow IPC file."""
 
 
+class FileStamp(NamedTuple):
+    """What ``os.stat`` says of a file that a cheap check compares: which inode, its size and
+    when its contents or inode last changed (any write, truncation, chmod or new link moves
+    ``ctime_ns``)."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> FileStamp:
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def same_inode(self, other: FileStamp) -> bool:
+        return (self.dev, self.ino) == (other.dev, other.ino)
+
+
 class MappedTrajectory(NamedTuple):
     schema: pa.Schema
     batches: list[pa.RecordBatch]
@@ -212,37 +232,91 @@ class MappedTrajectory(NamedTuple):
     size: int
     crcs: tuple[int, ...] | None = None
     """Each batch's checksum as written; None for a file without them."""
+    stamp: FileStamp | None = None
+    """The mapped inode as it was when opened (before any check of its contents)."""
+    verified: bool = False
+    """Whether every batch was checked against its checksum after ``stamp`` was taken."""
+
+
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_PROC_FD = "/proc/self/fd"
+_HAVE_PROC_FD = os.path.isdir(_PROC_FD)
+
+
+def open_regular(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
+    """A descriptor of the regular file at ``path`` and its ``fstat``: opened once with
+    O_NONBLOCK and O_NOFOLLOW (a FIFO or a device at the name never blocks the open, a symlink
+    there is refused), then checked S_ISREG on that descriptor. Read and map through it, not
+    through the name again: what was checked is what is read. Raises OSError (the open) or
+    CorruptTrajectoryFile (not a regular file)."""
+    fd = os.open(path, _OPEN_FLAGS)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "a device"
+            raise CorruptTrajectoryFile(f"{path}: not a regular file ({kind})")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def _map_descriptor(fd: int, path: str | os.PathLike[str], st: os.stat_result) -> pa.MemoryMappedFile:
+    """Map the file open at ``fd``: through /proc/self/fd (the same open file, never the name
+    again), or where there is no /proc, by name with the inode checked to be the same."""
+    if _HAVE_PROC_FD:
+        return pa.memory_map(f"{_PROC_FD}/{fd}", "r")
+    source = pa.memory_map(str(path), "r")
+    if not FileStamp.of(os.fstat(source.fileno())).same_inode(FileStamp.of(st)):
+        source.close()
+        raise CorruptTrajectoryFile(f"{path}: replaced while it was being opened")
+    return source
 
 
 def _map_ipc(
-    path: str | os.PathLike[str],
-) -> tuple[pa.Schema, list[pa.RecordBatch], list[int | None], dict[str, str], pa.Buffer]:
-    """Memory-map an Arrow IPC file: schema, batches pointing into the map, each batch's
-    checksum as written (None where absent), footer metadata, and the whole map."""
+    path: str | os.PathLike[str], fd: int | None = None
+) -> tuple[pa.Schema, list[pa.RecordBatch], list[int | None], dict[str, str], pa.Buffer, FileStamp]:
+    """Memory-map an Arrow IPC file (opened with ``open_regular``, or the descriptor ``fd`` a
+    caller opened so): schema, batches pointing into the map, each batch's checksum as written
+    (None where absent), footer metadata, the whole map and the mapped inode's stamp."""
     try:
-        source = pa.memory_map(str(path), "r")
-        whole = source.read_buffer()  # zero-copy: the map itself
-        source.seek(0)
-        reader = pa.ipc.open_file(source)
-        schema = reader.schema
-        batches: list[pa.RecordBatch] = []
-        crc_list: list[int | None] = []
-        for i in range(reader.num_record_batches):
-            b, meta = reader.get_batch_with_custom_metadata(i)
-            batches.append(b)
-            raw = (meta or {}).get(KEY_CRC.encode()) if meta is not None else None
-            crc_list.append(int(raw) if raw is not None else None)
-        footer = {k.decode(): v.decode() for k, v in (reader.metadata or {}).items()}
+        own = fd is None
+        if fd is None:
+            fd, st = open_regular(path)
+        else:
+            st = os.fstat(fd)
+        try:
+            source = _map_descriptor(fd, path, st)
+        finally:
+            if own:
+                os.close(fd)  # the map keeps the file
+        try:
+            whole = source.read_buffer()  # zero-copy: the map itself
+            source.seek(0)
+            reader = pa.ipc.open_file(source)
+            schema = reader.schema
+            batches: list[pa.RecordBatch] = []
+            crc_list: list[int | None] = []
+            for i in range(reader.num_record_batches):
+                b, meta = reader.get_batch_with_custom_metadata(i)
+                batches.append(b)
+                raw = (meta or {}).get(KEY_CRC.encode()) if meta is not None else None
+                crc_list.append(int(raw) if raw is not None else None)
+            footer = {k.decode(): v.decode() for k, v in (reader.metadata or {}).items()}
+        finally:
+            source.close()  # its descriptor, now: the buffers keep the mapping itself
+    except CorruptTrajectoryFile:
+        raise
     except (pa.ArrowException, OSError, ValueError) as e:
         raise CorruptTrajectoryFile(f"{path}: unreadable Arrow IPC file ({e})") from e
-    return schema, batches, crc_list, footer, whole
+    return schema, batches, crc_list, footer, whole, FileStamp.of(st)
 
 
 def map_stream(path: str | os.PathLike[str], fmt: str) -> tuple[pa.Table, dict[str, str]]:
     """An extra stream's file (written by ``write_trajectory``): its table, memory-mapped, and
     the footer metadata. Raises CorruptTrajectoryFile if it is unreadable, not of format
     ``fmt`` (e.g. "conditioning/v1"), fails validation or a batch's checksum differs."""
-    schema, batches, crc_list, footer, _ = _map_ipc(path)
+    schema, batches, crc_list, footer, _, _ = _map_ipc(path)
     got = (schema.metadata or {}).get(KEY_FORMAT.encode(), b"").decode(errors="replace")
     if got != json.dumps(fmt):
         raise CorruptTrajectoryFile(f"{path}: schema {KEY_FORMAT} is {got or 'missing'}, not {json.dumps(fmt)}")
@@ -257,17 +331,29 @@ def map_stream(path: str | os.PathLike[str], fmt: str) -> tuple[pa.Table, dict[s
     return pa.Table.from_batches(batches, schema=schema), footer
 
 
+def map_ipc(path: str | os.PathLike[str], *, fd: int | None = None) -> MappedTrajectory:
+    """Memory-map the Arrow IPC file at ``path`` (or the descriptor ``fd`` from
+    ``open_regular``, left open) without looking into its schema: batches pointing into the
+    map, the footer, each batch's checksum as written and the mapped inode's stamp. A same-host
+    client, which compares the schema with the one the server sent, needs no more. Raises
+    CorruptTrajectoryFile for anything that is not a complete IPC file."""
+    schema, batches, crc_list, footer, whole, stamp = _map_ipc(path, fd)
+    crcs = None if any(c is None for c in crc_list) else tuple(int(c) for c in crc_list if c is not None)
+    return MappedTrajectory(schema, batches, footer, whole.address, whole.size, crcs, stamp)
+
+
 def map_trajectory(
     path: str | os.PathLike[str], *, validate: bool = True, checksums: bool | None = None
 ) -> MappedTrajectory:
-    """Memory-map ``path``: schema, batches pointing into the map, footer metadata, and where
-    the map starts.
+    """Memory-map ``path``: schema, batches pointing into the map, footer metadata, where the
+    map starts and the mapped inode's stamp (taken before any check).
 
     Raises CorruptTrajectoryFile for a truncated file (no footer), a schema that is not
     "trajectory/v1", batches that fail validation, or (``checksums``, default: as
     ``validate``) a batch whose checksum differs from the one written with it.
     """
-    schema, batches, crc_list, footer, whole = _map_ipc(path)
+    m = map_ipc(path)
+    schema, batches = m.schema, m.batches
     if (schema.metadata or {}).get(KEY_FORMAT.encode()) is None:
         raise CorruptTrajectoryFile(f"{path}: schema has no {KEY_FORMAT} (not a {FORMAT} file)")
     try:
@@ -281,10 +367,10 @@ def map_trajectory(
     rows = sum(b.num_rows for b in batches)
     if header.num_samples and rows != expected:
         raise CorruptTrajectoryFile(f"{path}: {rows} rows, expected {expected} (B x steps)")
-    crcs = None if any(c is None for c in crc_list) else tuple(int(c) for c in crc_list if c is not None)
-    if validate if checksums is None else checksums:
-        verify_batches(path, batches, crcs)
-    return MappedTrajectory(schema, batches, footer, whole.address, whole.size, crcs)
+    verified = validate if checksums is None else checksums
+    if verified:
+        verify_batches(path, batches, m.crcs)
+    return m._replace(verified=verified)
 
 
 def read_trajectory(

@@ -184,7 +184,7 @@ class ShmDir:
             return
         e.shm_path = path
         # same boundaries: live readers keep their index
-        e.replace_batches(m.batches, in_memory=True, source=path, source_size=m.size, crcs=m.crcs)
+        e.replace_batches(m.batches, in_memory=True, source=path, source_size=m.size, crcs=m.crcs, stamp=m.stamp)
         trim_if_large(e.num_bytes)
 
     def restore(self, entries: list[Entry], budget: MemoryBudget) -> None:
@@ -209,7 +209,8 @@ class ShmDir:
                 path.unlink(missing_ok=True)
                 continue
             e.shm_path = path
-            e.replace_batches(m.batches, in_memory=True, source=path, source_size=m.size, crcs=m.crcs)
+            e.replace_batches(m.batches, in_memory=True, source=path, source_size=m.size, crcs=m.crcs, stamp=m.stamp,
+                              verified=m.verified)
             budget.add(e.num_bytes)
 
     def file_path(self, rollout_id: str) -> Path:

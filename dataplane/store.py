@@ -9,7 +9,8 @@
   (dataplane/budget.py).
 - With ``shm_dir``, each finished trajectory is one shared-memory file that the store
   serves memory-mapped and same-host clients read directly (dataplane/shm.py).
-- TTL: finished entries older than ``ttl_s`` are dropped (lazily and by ``expire_now``).
+- No TTL of its own: a finished entry stays until it is released (the jobs layer's reaper
+  releases what expired, control/jobs/manager.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import logging
 import os
 import re
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,7 +26,7 @@ from sigmaflight.dataplane.budget import MemoryBudget, malloc_trim, trim_if_larg
 from sigmaflight.dataplane.codec import DEFAULT_MAX_BATCH_BYTES
 from sigmaflight.dataplane.durable import DurableDir, serve_from_durable
 from sigmaflight.dataplane.entry import EndedState, Entry, EntryInfo, RolloutEnded, State, StopCheck
-from sigmaflight.dataplane.files import CorruptTrajectoryFile, verify_batches
+from sigmaflight.dataplane.files import CorruptTrajectoryFile, FileStamp, verify_batches
 from sigmaflight.dataplane.record import TrajectoryHeader
 from sigmaflight.dataplane.schema import trajectory_schema
 from sigmaflight.dataplane.shm import ShmDir
@@ -76,7 +76,6 @@ class ResultStore:
         *,
         memory_budget_bytes: int,
         data_dir: Path | None = None,
-        ttl_s: float | None = None,
         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
         fsync: bool = True,
         shm_dir: Path | None = None,
@@ -91,7 +90,6 @@ class ResultStore:
         attribute of the same name (the jobs layer marks the rollout)."""
         self.on_unavailable = on_unavailable
         self.data_dir = Path(data_dir) if data_dir is not None else None
-        self.ttl_s = ttl_s
         self.max_batch_bytes = int(max_batch_bytes)
         self._fsync = fsync
         self._lock = threading.RLock()
@@ -105,7 +103,7 @@ class ResultStore:
         self.durable = DurableDir(self.data_dir, fsync=fsync) if self.data_dir is not None else None
         if self.durable is not None:
             with self._lock:
-                for e in self.durable.scan(ttl_s):
+                for e in self.durable.scan():
                     self._entries[e.rollout_id] = e
                     self._tickets.bind(e.rollout_id, e.ticket)
                 self.durable.attach_streams(list(self._entries.values()))
@@ -140,7 +138,6 @@ class ResultStore:
         """Register a live rollout; its ticket works at once (streams follow it live)."""
         _check_id(header.rollout_id)
         schema = trajectory_schema(header)
-        self.expire_now()
         with self._lock:
             if self._closed:
                 raise RuntimeError("store is closed")
@@ -169,7 +166,6 @@ class ResultStore:
         entry.succeed()
         with self._lock:
             self._live.pop(entry.rollout_id, None)
-        self.expire_now()
         self._spill()
 
     def failed(self, entry: Entry, freed: int) -> None:
@@ -204,34 +200,49 @@ class ResultStore:
 
     # -- served files: checked before each stream -----------------------------------------
     def check_served(self, entry: Entry) -> None:
-        """Before serving a finished entry from its memory-mapped file: the file still has
-        the size it was mapped with (a truncated map would fault) and every batch its
-        checksum. Otherwise the entry ends as failed naming why, the jobs layer hears of it
+        """Before serving a finished entry from its memory-mapped file: verified (every batch
+        against its checksum) once per mapping, afterwards only ``os.stat`` of the file compared
+        with the stamp taken when it was last verified; any move of its inode, size, mtime or
+        ctime (a write in place, a truncation, a touch) verifies it again. While the name holds
+        another file (or none), the mapping is verified before every stream. A truncated or
+        changed file ends the entry as failed naming why, the jobs layer hears of it
         (``on_unavailable``) and RolloutEnded is raised."""
         with entry.cond:
-            source, size, crcs, batches = entry.source, entry.source_size, entry.crcs, list(entry.batches)
-            state = entry.state
+            source, size, crcs, held = entry.source, entry.source_size, entry.crcs, entry.batches
+            mapped, verified, state = entry.source_stamp, entry.verified_stamp, entry.state
         if source is None or state != "succeeded":
             return
         try:
             try:
-                now = os.stat(source).st_size
+                now: FileStamp | None = FileStamp.of(os.stat(source))
             except FileNotFoundError:  # renamed or unlinked: the map keeps the pages it had
-                now = size
-            if now != size:
-                raise CorruptTrajectoryFile(f"{source}: file truncated or changed size ({now} bytes, mapped {size})")
-            verify_batches(source, batches, crcs)
+                now = None
+            if now is not None and now == verified:
+                return  # the mapped file, unchanged since its batches matched their checksums
+            ours = now is not None and (mapped is None or now.same_inode(mapped))
+            if ours and now is not None and now.size != size:
+                raise CorruptTrajectoryFile(
+                    f"{source}: file truncated or changed size ({now.size} bytes, mapped {size})")
+            verify_batches(source, list(held), crcs)
         except (CorruptTrajectoryFile, OSError) as exc:
             reason = f"trajectory file unusable: {exc}"
             self.mark_unavailable(entry, reason)
             raise RolloutEnded(entry.rollout_id, "failed", reason) from None
+        if ours:
+            with entry.cond:
+                if entry.batches is held:  # not re-mapped meanwhile
+                    entry.verified_stamp = now
 
     def mark_unavailable(self, entry: Entry, reason: str) -> None:
-        """End a finished entry whose file cannot be served (kept, as failed, for its reason)."""
+        """End a finished entry whose file cannot be served (kept, as failed, for its reason).
+        Its shared-memory file goes: same-host readers that remember it must not read it."""
         with self._lock:
             if entry.in_memory:
                 self.budget.add(-entry.num_bytes)
+        shm, entry.shm_path = entry.shm_path, None
         entry.end("failed", reason)
+        if shm is not None:
+            shm.unlink(missing_ok=True)
         self._report_unavailable(entry, reason)
 
     def _report_unavailable(self, entry: Entry, reason: str) -> None:
@@ -272,7 +283,6 @@ class ResultStore:
 
         Waits while it names a rollout that is reserved but not started yet, until the store
         closes or ``should_stop()`` names a reason (a cancelled call, a stopping server)."""
-        self.expire_now()
         key = ticket.decode("utf-8", errors="replace") if isinstance(ticket, bytes) else ticket
         shown = repr(key[:80]) + ("..." if len(key) > 80 else "")
         with self._lock:
@@ -300,7 +310,6 @@ class ResultStore:
 
     def find(self, ticket_or_id: str) -> Entry:
         """The entry a rollout id or a (whole-rollout) ticket names; never waits."""
-        self.expire_now()
         with self._lock:
             e = self._entries.get(ticket_or_id)
             if e is None:
@@ -309,7 +318,6 @@ class ResultStore:
         return e if e is not None else self.get(ticket_or_id)
 
     def get(self, rollout_id: str) -> Entry:
-        self.expire_now()
         with self._lock:
             e = self._entries.get(rollout_id)
             if e is None:
@@ -337,37 +345,21 @@ class ResultStore:
     def release(self, rollout_id: str) -> bool:
         """Drop a finished (or failed/cancelled) rollout and delete its file; False if
         unknown or still running (cancel it first)."""
-        return self._drop(rollout_id, "released")
-
-    def _drop(self, rollout_id: str, reason: str) -> bool:
         with self._lock:
             e = self._entries.get(rollout_id)
             if e is None or e.state == "running":
                 return False
             del self._entries[rollout_id]
-            self._tickets.forget(rollout_id, e.ticket, reason)
+            self._tickets.forget(rollout_id, e.ticket, "released")
             freed = (e.num_bytes if e.in_memory else 0) + e.extra_bytes
             self.budget.add(-freed)
         stream_files = list(e.stream_paths.values())
-        e.end(reason, f"rollout was {reason}")
+        e.end("released", "rollout was released")
         for path in (e.path, e.shm_path, *stream_files):
             if path is not None:
                 path.unlink(missing_ok=True)
         trim_if_large(freed)
         return True
-
-    def expire_now(self) -> list[str]:
-        """Drop finished entries older than ttl_s; returns their ids."""
-        if self.ttl_s is None:
-            return []
-        cutoff = time.time() - self.ttl_s
-        with self._lock:
-            old = [
-                rid
-                for rid, e in self._entries.items()
-                if e.state != "running" and e.finished_at is not None and e.finished_at < cutoff
-            ]
-        return [rid for rid in old if self._drop(rid, "expired")]
 
     def stats(self) -> dict[str, int]:
         """bytes_in_memory (what the budget counts, shm files included), bytes_on_disk (durable

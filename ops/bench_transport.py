@@ -4,9 +4,20 @@
     .venv/bin/python ops/bench_transport.py --sizes 64M --repeats 5
     .venv/bin/python ops/bench_transport.py --paths memcpy,tcp,flight,bare,shm-pull,shm-chunks --sizes 1G
     .venv/bin/python ops/bench_transport.py --paths vs-bare --sizes 16M,25M,256M,1G --repeats 31
+    .venv/bin/python ops/bench_transport.py --paths pulls --sizes 1M,3M,13M,64M,256M --repeats 21
 
 Paths (each server and each client in its own subprocess, so peak RSS is measured
 separately for both):
+  pulls         what a trainer's pull costs, five ways interleaved in one client process against
+                one --shm-dir server (each round runs each way once, the order rotating):
+                memcpy into a fresh tensor (torch.empty + copy_, no server), bare
+                do_get(...).read_all() (plain pyarrow), pull over Flight (transport="flight"),
+                pull from the same-host file, pull(out=) into one warm buffer; medians, and the
+                ratios as medians of the per-round ratios
+  read-threads  in this process: pull(out=) from the same-host file with one thread against
+                samehost's threads (THREADS_MIN_BYTES forced), interleaved: where threads pay
+  doget-file    in this process: a --shm-dir (file-backed) rollout: the store's check before each
+                do_get (ResultStore.check_served) and a whole do_get().read_all(), medians
   memcpy        copy the payload into a warm (pre-faulted) torch tensor: the limit (no server)
   shm-pull      sigmaflight with --shm-dir (a temp dir in /dev/shm) + TrajectoryClient.pull:
                 reads the file, one copy into a fresh aligned tensor
@@ -114,14 +125,33 @@ def make_latents(size: int) -> Any:
 # -- servers (subprocess) --------------------------------------------------------------------
 
 
-def serve(kind: str, size: int, batch_bytes: int = 8 * MiB) -> None:
+def serve(kind: str, size: int, batch_bytes: int = 8 * MiB, sizes: list[int] | None = None) -> None:
     """Build the payload, print the port, serve until stdin closes, print RSS JSON."""
     import torch
 
-    lat = make_latents(size)
+    lat = make_latents(size) if kind != "pulls" else None
     rss = RssSampler()
     stop_serving: Any = None
-    if kind in ("flight", "shm", "bare"):
+    if kind == "pulls":  # one --shm-dir store holding rollout "bench-<bytes>" of each size
+        import tempfile
+
+        from sigmaflight.dataplane.server import FlightDataServer
+        from sigmaflight.dataplane.store import ResultStore
+
+        shm_dir = Path(tempfile.mkdtemp(prefix="sf-bench-", dir="/dev/shm"))
+        store = ResultStore(memory_budget_bytes=8 << 30, max_batch_bytes=batch_bytes, shm_dir=shm_dir)
+        for n in sizes or [size]:
+            _fill(store, f"bench-{n}", make_latents(n), log_probs=True)
+        srv: Any = FlightDataServer(store).start()
+        port = srv.port
+
+        def stop_pulls() -> None:
+            srv.stop()
+            store.close()
+            shutil.rmtree(shm_dir)
+
+        stop_serving = stop_pulls
+    elif kind in ("flight", "shm", "bare"):
         import tempfile
 
         from sigmaflight.dataplane.server import FlightDataServer
@@ -129,7 +159,7 @@ def serve(kind: str, size: int, batch_bytes: int = 8 * MiB) -> None:
         shm_dir = Path(tempfile.mkdtemp(prefix="sf-bench-", dir="/dev/shm")) if kind == "shm" else None
         store = _filled_store(lat, batch_bytes, shm_dir)
         del lat  # the store holds the data now (heap, or the shm file)
-        srv: Any = FlightDataServer(store) if kind != "bare" else _bare_server(store)
+        srv = FlightDataServer(store) if kind != "bare" else _bare_server(store)
         srv.start()
         port = srv.port
 
@@ -200,22 +230,30 @@ def serve(kind: str, size: int, batch_bytes: int = 8 * MiB) -> None:
 
 def _filled_store(lat: Any, batch_bytes: int, shm_dir: Path | None = None) -> Any:
     """A ResultStore holding the finished rollout "bench" of `lat` [K, B, C, H, W]."""
+    from sigmaflight.dataplane.store import ResultStore
+
+    store = ResultStore(memory_budget_bytes=4 << 30, max_batch_bytes=batch_bytes, shm_dir=shm_dir)
+    _fill(store, "bench", lat)
+    return store
+
+
+def _fill(store: Any, rollout_id: str, lat: Any, log_probs: bool = False) -> None:
+    """The finished rollout `rollout_id` of `lat` [K, B, C, H, W] (with log-probs on its
+    stochastic steps if asked, as a trainer's rollout has them)."""
     import torch
     from sigmaflight.dataplane.record import StepBatch, TrajectoryHeader
-    from sigmaflight.dataplane.store import ResultStore
 
     sig = torch.linspace(1, 0, K, dtype=torch.float32)
     header = TrajectoryHeader(
-        rollout_id="bench", sigmas=sig, timesteps=sig[:-1] * 1000, steps=tuple(range(K)),
+        rollout_id=rollout_id, sigmas=sig, timesteps=sig[:-1] * 1000, steps=tuple(range(K)),
         sde_steps=tuple(range(K - 1)), seeds=tuple(range(B)), num_outputs_per_prompt=1,
-        latent_shape=tuple(lat.shape[2:]), latent_dtype=torch.float32, log_probs=False, rollout={},
+        latent_shape=tuple(lat.shape[2:]), latent_dtype=torch.float32, log_probs=log_probs, rollout={},
     )
-    store = ResultStore(memory_budget_bytes=4 << 30, max_batch_bytes=batch_bytes, shm_dir=shm_dir)
     w = store.create(header)
     for k in range(K):
-        w.append(StepBatch(step=k, latent=lat[k], log_prob=None))
+        lp = -torch.arange(B, dtype=torch.float32) / (k + 1) if log_probs else None
+        w.append(StepBatch(step=k, latent=lat[k], log_prob=lp))
     w.finish()
-    return store
 
 
 def _bare_server(store: Any) -> Any:
@@ -243,7 +281,8 @@ def _bare_server(store: Any) -> Any:
 # -- clients (subprocess) --------------------------------------------------------------------
 
 
-def pull(kind: str, port: int, size: int, repeats: int, streams: int, warmup: int = 0, port2: int = 0) -> None:
+def pull(kind: str, port: int, size: int, repeats: int, streams: int, warmup: int = 0, port2: int = 0,
+         sizes: list[int] | None = None) -> None:
     """`warmup` extra pulls run first and are not timed (their memory still counts in RSS)."""
     import httpx
     import numpy as np
@@ -286,6 +325,14 @@ def pull(kind: str, port: int, size: int, repeats: int, streams: int, warmup: in
                 got = sum(st.latent.numel() * 4 for st in client.iter_chunks(ticket))
             times.append(time.perf_counter() - t0)
             assert got == nbytes, (got, nbytes)
+    elif kind == "pulls":
+        by_size: dict[int, dict[str, Any]] = {}
+        for n in sizes or [size]:
+            ways, base, peak = _pulls(port, n, repeats, warmup, rss)
+            by_size[n] = {"ways": ways, "bytes": int(make_latents_shape_numel(n) * 4), "rss_base": base,
+                          "rss_peak": peak}
+        print(json.dumps({"by_size": by_size}), flush=True)
+        return
     elif kind == "vs-bare":
         from sigmaflight.dataplane.client import TrajectoryClient
 
@@ -358,6 +405,125 @@ def pull(kind: str, port: int, size: int, repeats: int, streams: int, warmup: in
             del r, obj, lat
     peak = rss.stop()
     print(json.dumps({"times": times[warmup:], "bytes": nbytes, "rss_base": base, "rss_peak": peak}), flush=True)
+
+
+PULL_WAYS = ("memcpy-fresh", "read-all", "pull-flight", "pull-file", "pull-file-into")
+
+
+def _pulls(port: int, size: int, repeats: int, warmup: int, rss: RssSampler) -> tuple[dict[str, list[float]], int, int]:
+    """The five ways of `pulls` for rollout "bench-<size>", interleaved: round r runs them
+    starting at way r % 5. Returns each way's times and the RSS base and peak (MiB: bytes)."""
+    import pyarrow.flight as flight
+    import torch
+    from sigmaflight.dataplane.client import TrajectoryClient, empty_hugepages
+
+    same_host = TrajectoryClient(f"grpc+tcp://127.0.0.1:{port}")
+    grpc = TrajectoryClient(f"grpc+tcp://127.0.0.1:{port}", transport="flight")
+    plain = flight.FlightClient(f"grpc+tcp://127.0.0.1:{port}")
+    ticket = same_host.info(f"bench-{size}")["ticket"]
+    local = same_host.local_file(ticket)
+    assert local is not None, "the shm file is not readable here"
+    local.source.close()
+    src = make_latents(size)
+    shape = tuple(same_host.pull(ticket).latents.shape)
+    warm = empty_hugepages(shape, torch.float32).zero_()  # faulted in outside the clock
+    ways: dict[str, Any] = {
+        "memcpy-fresh": lambda: torch.empty_like(src).copy_(src),
+        "read-all": lambda: plain.do_get(flight.Ticket(ticket.encode())).read_all(),
+        "pull-flight": lambda: grpc.pull(ticket),
+        "pull-file": lambda: same_host.pull(ticket),
+        "pull-file-into": lambda: same_host.pull(ticket, out=warm),
+    }
+    times: dict[str, list[float]] = {w: [] for w in PULL_WAYS}
+    base = rss.reset()
+    for r in range(warmup + repeats):
+        for j in range(len(PULL_WAYS)):
+            way = PULL_WAYS[(r + j) % len(PULL_WAYS)]
+            t0 = time.perf_counter()
+            got = ways[way]()
+            dt = time.perf_counter() - t0
+            del got  # freed outside the clock, for every way alike
+            if r >= warmup:
+                times[way].append(dt)
+    peak = rss.peak
+    rss.reset()
+    return times, base, peak
+
+
+def read_threads(size: int, repeats: int) -> dict[str, float]:
+    """pull(out=) from the same-host file (the file read alone: open, map, preadv, assemble) with
+    one thread and with samehost's threads, interleaved in this process."""
+    import tempfile
+
+    from sigmaflight.dataplane import samehost
+    from sigmaflight.dataplane.files import map_ipc, open_regular
+    from sigmaflight.dataplane.trajectory import Trajectory
+
+    shm = Path(tempfile.mkdtemp(prefix="sf-bench-", dir="/dev/shm"))
+    store = _filled_store(make_latents(size), 8 * MiB, shm)
+    path = shm / "bench.arrow"
+
+    def pull_into(out: Any) -> None:
+        fd, _ = open_regular(path)
+        m = map_ipc(path, fd=fd)
+        with samehost.FileSource(fd, path, m.base_address, m.size, m.crcs) as source:
+            Trajectory.from_batches(m.schema, m.batches, source=source, out=out)
+
+    try:
+        out = empty_hugepages_like(store)
+        times: dict[str, list[float]] = {"1": [], "n": []}
+        keep = samehost.THREADS_MIN_BYTES
+        for r in range(repeats):
+            for mode in ("1", "n") if r % 2 else ("n", "1"):
+                samehost.THREADS_MIN_BYTES = 1 << 62 if mode == "1" else 0
+                t0 = time.perf_counter()
+                pull_into(out)
+                times[mode].append(time.perf_counter() - t0)
+        samehost.THREADS_MIN_BYTES = keep
+    finally:
+        store.close()
+        shutil.rmtree(shm)
+    return {"one_ms": statistics.median(times["1"]) * 1e3, "n_ms": statistics.median(times["n"]) * 1e3,
+            "threads": samehost._read_threads(),
+            "paired": statistics.median(a / b for a, b in zip(times["1"], times["n"], strict=True))}
+
+
+def doget_file(size: int, repeats: int) -> dict[str, float]:
+    """What a do_get of a file-backed trajectory pays for the store's check of its file, and
+    the whole do_get, in this process (plain pyarrow client)."""
+    import tempfile
+
+    import pyarrow.flight as flight
+    from sigmaflight.dataplane.server import FlightDataServer
+
+    shm = Path(tempfile.mkdtemp(prefix="sf-bench-", dir="/dev/shm"))
+    store = _filled_store(make_latents(size), 8 * MiB, shm)
+    try:
+        entry = store.get("bench")
+        checks, pulls = [], []
+        with FlightDataServer(store) as srv, flight.FlightClient(srv.locations[0]) as c:
+            ticket = flight.Ticket(store.ticket_for("bench").encode())
+            c.do_get(ticket).read_all()  # the first serve (verifies a freshly adopted file)
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                store.check_served(entry)
+                checks.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                c.do_get(ticket).read_all()
+                pulls.append(time.perf_counter() - t0)
+    finally:
+        store.close()
+        shutil.rmtree(shm)
+    return {"check_ms": statistics.median(checks) * 1e3, "doget_ms": statistics.median(pulls) * 1e3}
+
+
+def empty_hugepages_like(store: Any) -> Any:
+    """A warm [B, K, *shape] float32 buffer for the store's rollout "bench"."""
+    import torch
+    from sigmaflight.dataplane.client import empty_hugepages
+
+    h = store.get("bench").header
+    return empty_hugepages((h.num_samples, len(h.steps), *h.latent_shape), torch.float32).zero_()
 
 
 def doget_python(size: int, repeats: int) -> dict[str, float]:
@@ -435,6 +601,32 @@ def _stop_server(srv: subprocess.Popen[str]) -> dict[str, Any]:
     return dict(json.loads(line))
 
 
+def run_pulls(sizes: list[int], repeats: int, batch_bytes: int, warmup: int) -> dict[int, dict[str, Any]]:
+    """`pulls` at every size: one server process holding a rollout of each size, one client
+    process measuring the sizes in turn (each size's five ways interleaved)."""
+    listed = ",".join(str(n) for n in sizes)
+    me = [sys.executable, str(Path(__file__).resolve())]
+    srv = subprocess.Popen(
+        [*me, "--_serve", "pulls", "--_size", str(sizes[0]), "--_sizes", listed, "--batch-mib", str(batch_bytes / MiB)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    assert srv.stdout is not None
+    port = int(json.loads(srv.stdout.readline())["port"])
+    try:
+        cli = subprocess.run(
+            [*me, "--_pull", "pulls", "--_port", str(port), "--_size", str(sizes[0]), "--_sizes", listed,
+             "--repeats", str(repeats), "--warmup", str(warmup)],
+            capture_output=True, text=True, cwd=ROOT, timeout=3600,
+        )
+        if cli.returncode:
+            raise RuntimeError(f"pulls client failed:\n{cli.stderr[-3000:]}")
+        by_size = json.loads(cli.stdout.strip().splitlines()[-1])["by_size"]
+    finally:
+        server = _stop_server(srv)
+    return {int(n): {**r, "server_rss_mib": (server["rss_peak"] - server["rss_base"]) / MiB,
+                     "client_rss_mib": (r["rss_peak"] - r["rss_base"]) / MiB} for n, r in by_size.items()}
+
+
 def run_path(path: str, size: int, repeats: int, batch_bytes: int = 8 * MiB, warmup: int = 0) -> dict[str, Any]:
     """One path at one size: its own server subprocess(es) and one client subprocess."""
     kind = path if path in ("flight", "flight-steps") else "flight" if path.startswith("flight-") else path
@@ -482,7 +674,7 @@ def _report(rows: list[dict[str, Any]], size: int) -> None:
         if base is None:
             continue
         for r in mine:
-            if r["path"] != ref and "gbps" in r and r["path"] != "vs-bare":
+            if r["path"] != ref and "gbps" in r and r["path"] not in ("vs-bare", "pulls"):
                 print(f"  ratio {r['path']:10s} / {ref:6s} = {r['gbps'] / base['gbps']:.2f}x")
     for r in mine:
         if r["path"] == "vs-bare":
@@ -492,6 +684,22 @@ def _report(rows: list[dict[str, Any]], size: int) -> None:
                   f"{r['best_gbps'] / r['bare_best_gbps']:.3f}x best-of "
                   f"({r['best_gbps']:.2f} vs {r['bare_best_gbps']:.2f} GB/s), "
                   f"{r['gbps'] / r['bare_gbps']:.3f}x of the medians")
+
+
+def _report_pulls(r: dict[str, Any]) -> None:
+    """Each way's median (ms, GB/s) and the issue-22 ratios: per-round pairs, and of the medians."""
+    ways, nbytes = r["ways"], r["bytes"]
+    med = {w: statistics.median(ts) for w, ts in ways.items()}
+    for w in PULL_WAYS:
+        print(f"  {w:15s} {med[w] * 1e3:9.3f} ms  {nbytes / med[w] / 1e9:6.2f} GB/s (median of {len(ways[w])})",
+              flush=True)
+    for fast, slow in (("pull-flight", "read-all"), ("pull-file", "pull-flight"), ("pull-file", "memcpy-fresh"),
+                       ("pull-file-into", "memcpy-fresh")):
+        pairs = statistics.median(b / a for a, b in zip(ways[fast], ways[slow], strict=True))
+        print(f"  ratio {fast} / {slow} = {pairs:.2f}x (median of per-round ratios; {med[slow] / med[fast]:.2f}x "
+              "of the medians)", flush=True)
+    print(f"  client RSS +{r['client_rss_mib']:.0f} MiB over its start (peak while pulling this size); server RSS "
+          f"+{r['server_rss_mib']:.0f} MiB while serving (every size)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -510,18 +718,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--_size", type=int, help=argparse.SUPPRESS)
     p.add_argument("--_streams", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--_port2", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--_sizes", default="", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    listed = [int(n) for n in a._sizes.split(",") if n]
     if a._serve:
-        serve(a._serve, a._size, int(a.batch_mib * MiB))
+        serve(a._serve, a._size, int(a.batch_mib * MiB), listed)
         return 0
     if a._pull:
-        pull(a._pull, a._port, a._size, a.repeats, a._streams, a.warmup, a._port2)
+        pull(a._pull, a._port, a._size, a.repeats, a._streams, a.warmup, a._port2, listed)
         return 0
     json_max = parse_size(a.json_max)
     rows = []
-    for size in [parse_size(s) for s in a.sizes.split(",")]:
+    all_sizes = [parse_size(s) for s in a.sizes.split(",")]
+    pulls: dict[int, dict[str, Any]] | None = None
+    for size in all_sizes:
         c, h, w = layout(size)
-        print(f"# {size / MiB:.0f} MiB: B={B} x K={K} x [{c},{h},{w}] float32", flush=True)
+        actual = B * K * c * h * w * 4
+        print(f"# {size / MiB:.0f} MiB: B={B} x K={K} x [{c},{h},{w}] float32 ({actual / MiB:.2f} MiB of latents)",
+              flush=True)
         for path in a.paths.split(","):
             if path == "json" and size > json_max:
                 print(f"  {path:10s} skipped (size > --json-max {a.json_max})", flush=True)
@@ -533,6 +747,23 @@ def main(argv: list[str] | None = None) -> int:
                       f"{d['bare_us']:.0f} us; a pull takes {d['pull_ms']:.3f} ms (bare {d['bare_pull_ms']:.3f} ms), so "
                       f"the difference bounds the ratio at {1 / (1 + extra_us / 1e3 / d['pull_ms']):.3f}x; measured "
                       f"{d['bare_pull_ms'] / d['pull_ms']:.3f}x (medians, pulls in turn in one process)", flush=True)
+                continue
+            if path == "doget-file":
+                d = doget_file(size, max(a.repeats, 2))
+                print(f"  doget-file check before a do_get of a file-backed rollout {d['check_ms']:.3f} ms; whole "
+                      f"do_get().read_all() {d['doget_ms']:.1f} ms ({size / d['doget_ms'] / 1e6:.2f} GB/s) (medians)",
+                      flush=True)
+                continue
+            if path == "read-threads":
+                d = read_threads(size, max(a.repeats, 2))
+                print(f"  read-threads pull(out=) from the file: 1 thread {d['one_ms']:.3f} ms, {d['threads']} threads "
+                      f"{d['n_ms']:.3f} ms (medians); ratio 1 thread / {d['threads']} threads = {d['paired']:.2f}x "
+                      "(median of interleaved pairs; above 1: threads pay)", flush=True)
+                continue
+            if path == "pulls":
+                if pulls is None:
+                    pulls = run_pulls(all_sizes, a.repeats, int(a.batch_mib * MiB), a.warmup)
+                _report_pulls(pulls[size])
                 continue
             r = run_path(path, size, a.repeats, int(a.batch_mib * MiB), a.warmup)
             rows.append(r)

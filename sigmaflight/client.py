@@ -29,6 +29,8 @@ import httpx
 import pyarrow as pa
 from pyarrow import flight
 
+from sigmaflight.dataplane.auth import bearer_header
+from sigmaflight.dataplane.transport import Transport, check_transport
 from sigmaflight.errors import (
     ApiError,
     NotFound,
@@ -44,7 +46,7 @@ if TYPE_CHECKING:  # torch and the data plane's torch side load on first use: `s
     import numpy as np
     import torch
 
-    from sigmaflight.dataplane.client import Trajectory, TrajectoryClient, Transport
+    from sigmaflight.dataplane.client import Trajectory, TrajectoryClient
     from sigmaflight.pipeline.spec import RolloutSpec
 
 __all__ = [
@@ -102,15 +104,12 @@ class Client:
         """``transport`` and ``host`` go to each TrajectoryClient: ``"auto"`` reads a finished
         rollout's shared-memory file (a server with --shm-dir on this host) instead of a
         stream; ``"flight"`` always streams. ``host``: this host's id (default: computed)."""
-        if transport not in ("auto", "flight"):
-            raise ValueError(f"transport must be 'auto' or 'flight', got {transport!r}")
         self.url = url.rstrip("/")
         self.token = token
-        self.transport: Transport = transport
+        self.transport: Transport = check_transport(transport)
         self.host = host
-        headers = {"authorization": f"Bearer {token}"} if token else {}
         self.timeout = timeout
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+        self._http = httpx.Client(base_url=self.url, headers=bearer_header(token), timeout=timeout)
         self._flight: dict[str, TrajectoryClient] = {}
 
     def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -164,20 +163,23 @@ def test_running_rollout_cannot_be_released(store):
     assert store.release("live") is True
 
 
-def test_ttl_expiry(tmp_path):
-    with ResultStore(memory_budget_bytes=1 << 30, data_dir=tmp_path, ttl_s=0.2) as s:
-        fill(s, build_header("old"))
+def test_the_store_keeps_finished_rollouts_until_released_whatever_their_age(tmp_path):
+    """No TTL in the store (the jobs layer's reaper releases what expired): an old finished
+    rollout is served, and found again by the restart scan however old its file is."""
+    with ResultStore(memory_budget_bytes=1 << 30, data_dir=tmp_path) as s:
+        steps = fill(s, build_header("old"))
         ticket = s.ticket_for("old")
-        assert s.expire_now() == []
-        time.sleep(0.3)
-        with pytest.raises(TicketNotFound, match="expired"):
-            s.lookup_ticket(ticket)  # lazily expired
-        assert not (tmp_path / "trajectories" / "old.arrow").exists()
-    with ResultStore(memory_budget_bytes=1 << 30, data_dir=tmp_path / "x", ttl_s=0.2) as s:
-        fill(s, build_header("gone"))
-    time.sleep(0.3)
-    with ResultStore(memory_budget_bytes=1 << 30, data_dir=tmp_path / "x", ttl_s=0.2) as s:
-        assert s.ids() == []
+        s.get("old").finished_at = 0.0  # finished in 1970
+        assert s.lookup_ticket(ticket)[0].rollout_id == "old"
+    path = tmp_path / "trajectories" / "old.arrow"
+    os.utime(path, (0, 0))
+    with ResultStore(memory_budget_bytes=1 << 30, data_dir=tmp_path) as s:
+        assert s.ids() == ["old"] and s.ticket_for("old") == ticket
+        with FlightDataServer(s) as srv, TrajectoryClient(srv.locations[0]) as c:
+            assert torch.equal(c.pull(ticket).latent(2), steps[2].latent)
+        assert s.release("old") and not path.exists()
+        with pytest.raises(TicketNotFound, match="released"):
+            s.lookup_ticket(ticket)
 
 
 def test_writer_enforces_step_order_and_completeness(store):

@@ -21,3 +21,24 @@ def test_bench_transport_prints_the_same_host_and_do_get_ratios():
     text = out.stdout
     assert re.search(r"ratio shm-pull-into / memcpy = [\d.]+x", text), text
     assert re.search(r"doget-py .* sigmaflight \d+ us, bare \d+ us", text), text
+
+
+def test_bench_transport_prints_the_pull_ratios_at_every_trainer_size():
+    """Issue 22's table: the five ways at 1, 3, 13, 64 and 256 MiB in one run (one round each
+    here: the figures are the docs', this checks the run and its ratio lines)."""
+    sizes = ["1M", "3M", "13M", "64M", "256M"]
+    out = subprocess.run(
+        [sys.executable, "ops/bench_transport.py", "--paths", "pulls,read-threads", "--sizes", ",".join(sizes),
+         "--repeats", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    blocks = re.split(r"^# ", out.stdout, flags=re.M)[1:]
+    assert [b.split(":")[0] for b in blocks] == [s.replace("M", " MiB") for s in sizes], out.stdout
+    for block in blocks:
+        for way in ("memcpy-fresh", "read-all", "pull-flight", "pull-file", "pull-file-into"):
+            assert re.search(rf"^  {way} +[\d.]+ ms +[\d.]+ GB/s", block, re.M), block
+        for ratio in ("pull-flight / read-all", "pull-file / pull-flight", "pull-file / memcpy-fresh",
+                      "pull-file-into / memcpy-fresh"):
+            assert re.search(rf"ratio {ratio} = [\d.]+x", block), block
+        assert re.search(r"read-threads .* ratio 1 thread / \d+ threads = [\d.]+x", block), block

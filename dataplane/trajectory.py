@@ -1,0 +1,349 @@
+"""A rollout as torch tensors, aligned by absolute step index: ``Trajectory`` and ``Transition``.
+
+``Trajectory.from_batches`` assembles "trajectory/v1" record batches (from a Flight stream, a
+table or a memory-mapped file) into one ``[B, K, *latent_shape]`` tensor with one copy;
+``iter_step_tensors`` groups batches by step without assembling the whole rollout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+import torch
+from sigmaflight.dataplane.codec import StepTensors, batch_to_tensors
+from sigmaflight.dataplane.files import read_trajectory
+from sigmaflight.dataplane.record import TrajectoryHeader
+from sigmaflight.dataplane.samehost import FileSource, empty_hugepages, verify_read
+from sigmaflight.dataplane.schema import header_from_schema
+
+
+@dataclass(frozen=True)
+class Transition:
+    """Transition i: x_i -> x_{i+1} (aligned by absolute index)."""
+
+    i: int
+    x: torch.Tensor
+    """[B, *latent_shape]: x_i."""
+    x_next: torch.Tensor
+    """[B, *latent_shape]: x_{i+1}."""
+    sigma: float
+    sigma_next: float
+    log_prob: torch.Tensor
+    """float32 [B], NaN where null."""
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.i, self.x, self.x_next, self.sigma, self.sigma_next, self.log_prob))
+
+
+class Trajectory:
+    """A whole rollout as torch tensors, aligned by ABSOLUTE step index.
+
+    ``latents[:, k]`` is x_{steps[k]}; use ``latent(i)`` to look up by absolute index.
+    sigmas / timesteps are the full schedule (never filtered by a step selection).
+    """
+
+    def __init__(
+        self,
+        header: TrajectoryHeader,
+        latents: torch.Tensor,
+        log_probs: torch.Tensor,
+        metadata: dict[str, Any],
+        schema: pa.Schema,
+    ) -> None:
+        self.header = header
+        self.latents = latents  # [B, K, *latent_shape]
+        self.log_probs = log_probs  # [B, T] float32, NaN where null
+        self.steps = torch.tensor(header.steps, dtype=torch.int64)  # [K]
+        self.sigmas = header.sigmas  # [T+1] float32
+        self.timesteps = header.timesteps  # [T] float32
+        self.seeds = torch.tensor(header.seeds, dtype=torch.int64)  # [B]
+        self.prompt_index = torch.tensor(header.prompt_indices(), dtype=torch.int64)  # [B] (a branch: the parent's)
+        self.parent_sample = (None if header.parent_sample is None  # [B]: branch rollouts only
+                              else torch.tensor(header.parent_sample, dtype=torch.int64))
+        self.sde_steps = tuple(header.sde_steps)
+        self.metadata = metadata  # the sigmaflight.rollout object
+        self.schema = schema
+        self._pos = {s: k for k, s in enumerate(header.steps)}
+
+    @property
+    def rollout_id(self) -> str:
+        return self.header.rollout_id
+
+    @property
+    def num_steps(self) -> int:
+        """T."""
+        return self.header.num_steps
+
+    @property
+    def num_samples(self) -> int:
+        """B."""
+        return self.header.num_samples
+
+    def __repr__(self) -> str:
+        return (
+            f"Trajectory(id={self.rollout_id!r}, B={self.num_samples}, T={self.num_steps}, "
+            f"steps={list(self.header.steps)}, latents={list(self.latents.shape)} {self.latents.dtype})"
+        )
+
+    def has_step(self, i: int) -> bool:
+        return i in self._pos
+
+    def latent(self, i: int) -> torch.Tensor:
+        """x_i for every sample, [B, *latent_shape], by absolute step index."""
+        if i not in self._pos:
+            raise KeyError(f"step {i} is not in this trajectory (steps {list(self.header.steps)})")
+        return self.latents[:, self._pos[i]]
+
+    def transitions(self, steps: Iterable[int] | None = None) -> Iterator[Transition]:
+        """Transitions i (x_i -> x_{i+1}) where both latents are present, ascending."""
+        wanted = range(self.num_steps) if steps is None else sorted(set(steps))
+        for i in wanted:
+            if 0 <= i < self.num_steps and i in self._pos and i + 1 in self._pos:
+                yield Transition(
+                    i=i,
+                    x=self.latent(i),
+                    x_next=self.latent(i + 1),
+                    sigma=float(self.sigmas[i]),
+                    sigma_next=float(self.sigmas[i + 1]),
+                    log_prob=self.log_probs[:, i],
+                )
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def from_batches(
+        cls,
+        schema: pa.Schema,
+        batches: Iterable[pa.RecordBatch],
+        *,
+        source: FileSource | None = None,
+        out: torch.Tensor | None = None,
+        verify: bool = False,
+    ) -> Trajectory:
+        """Assemble (one copy per latent into one aligned, writable tensor).
+
+        Where every row goes is known from the metadata (steps, B): a step-major stream's row r
+        is x_{steps[r // B]} of sample r % B. A stream's batches are copied as they come; with
+        ``source`` (the batches' file, on its checked descriptor) the latents are read from the
+        file with a few preadv calls straight into the tensor (the kernel copies, no page faults
+        on the mapping) and ``verify`` checks each batch's checksum over the bytes read. The
+        order is checked afterwards with arithmetic over the step and sample columns; rows in
+        another order are moved into place, a missing, repeated or unknown step or sample is a
+        ValueError naming it. ``out``: a contiguous CPU tensor [B, K, *latent_shape] of the
+        rollout's dtype to fill instead of a fresh one (a warm buffer reused across pulls costs
+        no page faults)."""
+        asm = _Assembly(schema, out)
+        if source is None:
+            for batch in batches:
+                asm.put(batch)
+        else:
+            asm.read_file(batches if isinstance(batches, list) else list(batches), source, verify)
+        return asm.finish(cls)
+
+    @classmethod
+    def from_reader(cls, reader: pa.RecordBatchReader | flight.FlightStreamReader) -> Trajectory:
+        if isinstance(reader, flight.FlightStreamReader):
+            return cls.from_batches(reader.schema, flight_batches(reader))
+        return cls.from_batches(reader.schema, reader)
+
+    @classmethod
+    def from_table(cls, table: pa.Table) -> Trajectory:
+        return cls.from_batches(table.schema, table.to_batches())
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Trajectory:
+        schema, batches, _ = read_trajectory(path)
+        return cls.from_batches(schema, batches)
+
+
+class _Assembly:
+    """One pull's tensors, and where each row of a step-major stream lands, worked out once from
+    the metadata: row r is x_{steps[r // B]} of sample r % B, i.e. latents[r % B, r // B]."""
+
+    def __init__(self, schema: pa.Schema, out: torch.Tensor | None) -> None:
+        h = header_from_schema(schema)
+        self.schema, self.header = schema, h
+        self.b, self.k = h.num_samples, len(h.steps)
+        shape = (self.b, self.k, *h.latent_shape)
+        if out is not None:
+            if tuple(out.shape) != shape or out.dtype != h.latent_dtype:
+                raise ValueError(
+                    f"out must be {h.latent_dtype} {list(shape)} for rollout {h.rollout_id}, "
+                    f"got {out.dtype} {list(out.shape)}"
+                )
+            if out.device.type != "cpu" or not out.is_contiguous():
+                raise ValueError("out must be a contiguous CPU tensor")
+        self.latents = out if out is not None else empty_hugepages(shape, h.latent_dtype)
+        self.elems = int(np.prod(h.latent_shape))
+        self.itemsize = self.latents.element_size()
+        self.row_bytes = self.elems * self.itemsize
+        self.rows_total = self.b * self.k
+        flat = self.latents.view(-1).view(torch.uint8).numpy()
+        self.dest = flat.reshape(self.b, self.k, self.row_bytes)  # [B, K, row bytes]: the latents' bytes
+        self.steps = np.asarray(h.steps, dtype=np.int64)
+        names = schema.names
+        self.i_step, self.i_sample = names.index("step"), names.index("sample")
+        self.i_lp, self.i_lat = names.index("log_prob"), names.index("latent")
+        self.step = np.empty(self.rows_total, np.int32)  # each row's step and sample, in stream order
+        self.sample = np.empty(self.rows_total, np.int32)
+        self.lp = np.full(self.rows_total, np.nan, np.float32)
+        self.rows = 0
+
+    def _latent_offset(self, batch: pa.RecordBatch) -> tuple[pa.Buffer, int]:
+        """The buffer holding the batch's latent rows and the byte offset of its first row."""
+        storage = batch.column(self.i_lat).storage
+        values = storage.values
+        return values.buffers()[1], (values.offset + storage.offset * self.elems) * self.itemsize
+
+    def _take_columns(self, r0: int, part: pa.RecordBatch | pa.Table) -> None:
+        n = part.num_rows
+        step = part.column(self.i_step).to_numpy(zero_copy_only=False)
+        sample = part.column(self.i_sample).to_numpy(zero_copy_only=False)
+        if r0 + n > self.rows_total:  # a row twice, or a step not listed: say which
+            self._destinations(np.concatenate([self.step[:r0], step]), np.concatenate([self.sample[:r0], sample]))
+            raise ValueError(f"trajectory {self.header.rollout_id}: more rows than B x steps = {self.rows_total}")
+        self.step[r0 : r0 + n] = step
+        self.sample[r0 : r0 + n] = sample
+        lp = part.column(self.i_lp)
+        if lp.null_count != n:
+            self.lp[r0 : r0 + n] = lp.to_numpy(zero_copy_only=False)  # nulls -> NaN
+
+    def put(self, batch: pa.RecordBatch) -> None:
+        """The next batch of a stream: its latents copied to their rows, its columns noted."""
+        n, r0 = batch.num_rows, self.rows
+        if n == 0:
+            return
+        self._take_columns(r0, batch)
+        buf, off = self._latent_offset(batch)
+        src = np.frombuffer(buf, np.uint8, count=n * self.row_bytes, offset=off).reshape(n, self.row_bytes)
+        b, k, i = r0 % self.b, r0 // self.b, 0
+        while i < n:  # once, unless the batch runs past the end of a step
+            take = min(n - i, self.b - b)
+            self.dest[b : b + take, k] = src[i : i + take]
+            i, b, k = i + take, 0, k + 1
+        self.rows = r0 + n
+
+    def read_file(self, batches: list[pa.RecordBatch], source: FileSource, verify: bool) -> None:
+        """Every batch of a mapped file at once: the columns in one pass each, the latents by
+        preadv from ``source`` (file offset of each row -> address of its destination row)."""
+        self._take_columns(0, pa.Table.from_batches(batches, schema=self.schema))
+        counts = np.fromiter((b.num_rows for b in batches), np.int64, len(batches))
+        offsets = np.zeros(len(batches), np.int64)
+        for j, batch in enumerate(batches):  # the one step per batch: where its latents lie in the file
+            if len(batch):
+                buf, off = self._latent_offset(batch)
+                offsets[j] = buf.address - source.base_address + off
+        n = int(counts.sum())
+        r = np.arange(n, dtype=np.int64)
+        src = np.repeat(offsets - (np.cumsum(counts) - counts) * self.row_bytes, counts) + r * self.row_bytes
+        dst_row = (r % self.b) * self.k + r // self.b
+        source.read_rows(src, dst_row.astype(np.uint64) * np.uint64(self.row_bytes) + np.uint64(self.dest.ctypes.data),
+                         self.row_bytes)
+        self.rows = n
+        if verify:
+            flat = self.dest.reshape(self.rows_total, self.row_bytes)
+            ends = np.cumsum(counts)
+            rows = [[memoryview(flat[j]) for j in dst_row[e - c : e]] for c, e in zip(counts, ends, strict=True)]
+            verify_read(source, batches, rows)
+
+    def _destinations(self, step: np.ndarray[Any, Any], sample: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """Each row's index in [B x K] (sample * K + position of its step); ValueError naming an
+        unknown step or sample, a row present twice, or the steps missing."""
+        h, t = self.header, self.header.num_steps
+        pos = np.full(t + 1, -1, np.int64)  # absolute step -> its position k in sigmaflight.steps
+        pos[self.steps] = np.arange(self.k)
+        k = np.where((step >= 0) & (step <= t), pos[np.clip(step, 0, t)], -1)
+        if (k < 0).any():
+            raise ValueError(f"stream holds step {int(step[np.argmax(k < 0)])}, not listed in sigmaflight.steps")
+        bad = (sample < 0) | (sample >= self.b)
+        if bad.any():
+            raise ValueError(f"stream holds sample {int(sample[np.argmax(bad)])}, outside 0..{self.b - 1}")
+        where = sample.astype(np.int64) * self.k + k
+        seen = np.bincount(where, minlength=self.rows_total)
+        if (seen > 1).any():
+            j = int(np.argmax(seen > 1))
+            raise ValueError(f"trajectory {h.rollout_id}: step {h.steps[j % self.k]} of sample {j // self.k} "
+                             "appears more than once")
+        if (seen == 0).any():
+            missing = sorted({h.steps[int(j) % self.k] for j in np.flatnonzero(seen == 0)})
+            raise ValueError(f"trajectory {h.rollout_id} is incomplete: steps {missing} missing")
+        return where
+
+    def finish(self, cls: type[Trajectory]) -> Trajectory:
+        """Check the order with arithmetic (rows moved into place when a stream had another
+        order) and fill the log-probs from the column, all in one pass each."""
+        st, sa = self.step.reshape(self.k, self.b), self.sample.reshape(self.k, self.b)
+        if not (self.rows == self.rows_total and (st == self.steps[:, None]).all()
+                and (sa == np.arange(self.b)[None, :]).all()):
+            self._reorder()
+        h = self.header
+        log_probs = np.full((self.b, h.num_steps), np.nan, np.float32)  # [B, T]
+        has = self.steps < h.num_steps  # no transition leaves x_T
+        log_probs[:, self.steps[has]] = self.lp.reshape(self.k, self.b)[has].T
+        return cls(h, self.latents, torch.from_numpy(log_probs), dict(h.rollout), self.schema)
+
+    def _reorder(self) -> None:
+        """Rows that came in another order than step-major: each moved from the place its
+        position in the stream gave it to the one its step and sample name."""
+        n = self.rows
+        where = self._destinations(self.step[:n], self.sample[:n])
+        r = np.arange(n)
+        flat = self.dest.reshape(self.rows_total, self.row_bytes)
+        flat[where] = flat[(r % self.b) * self.k + r // self.b]  # fancy indexing reads a copy first
+        lp = np.empty(self.rows_total, np.float32)
+        lp[(where % self.k) * self.b + where // self.k] = self.lp[:n]
+        self.lp = lp
+
+
+def flight_batches(reader: flight.FlightStreamReader) -> Iterator[pa.RecordBatch]:
+    while True:
+        try:
+            chunk = reader.read_chunk()
+        except StopIteration:
+            return
+        yield chunk.data
+
+
+def iter_step_tensors(
+    schema: pa.Schema, batches: Iterable[pa.RecordBatch], *, copy: bool = False
+) -> Iterator[StepTensors]:
+    """Group batches by step: one StepTensors with all B samples per step. A step in one
+    batch is a zero-copy view (unless ``copy``); a split step is concatenated (one copy)."""
+    dtype = header_from_schema(schema).latent_dtype
+    pending: list[StepTensors] = []
+    for batch in batches:
+        st = batch_to_tensors(batch, copy=copy, dtype=dtype)
+        if pending and pending[0].step != st.step:
+            yield _merge(pending)
+            pending = []
+        pending.append(st)
+    if pending:
+        yield _merge(pending)
+
+
+def _merge(parts: Sequence[StepTensors]) -> StepTensors:
+    if len(parts) == 1:
+        return parts[0]
+    p = parts[0]
+    return StepTensors(
+        step=p.step,
+        sample=torch.cat([q.sample for q in parts]),
+        prompt_index=torch.cat([q.prompt_index for q in parts]),
+        seed=torch.cat([q.seed for q in parts]),
+        latent=torch.cat([q.latent for q in parts]),
+        log_prob=torch.cat([q.log_prob for q in parts]),
+        sigma=p.sigma,
+        sigma_next=p.sigma_next,
+        timestep=p.timestep,
+        sde=p.sde,
+    )
+
+
+def pull_file(path: str | Path) -> Trajectory:
+    """A ``.arrow`` trajectory file as a Trajectory (memory-mapped read, one copy)."""
+    return Trajectory.from_file(path)
