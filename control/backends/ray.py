@@ -301,50 +301,61 @@ class RayBackend:
         return None if slot is None else (slot.index, slot.generation)
 
     def run(self, batch: Sequence[RunContext]) -> None:
-        for ctx in batch:
-            self._run_one(ctx)
-
-    def _run_one(self, ctx: RunContext) -> None:
+        """The batch on the worker it was placed on (the manager batches only within one `group`), as
+        one model call there. While it runs: each member's progress, its cancel forwarded, and its
+        outcome settled as soon as the worker reports it (a cancelled member ends at once, the
+        others run on); every call to the worker bounded by call_timeout_s."""
+        if not batch:
+            return
         ray = self._ray
-        slot = self._slot_of(ctx.job_id)
-        done = 0
+        slot = self._slot_of(batch[0].job_id)
+        by_id = {ctx.job_id: ctx for ctx in batch}
+        done = dict.fromkeys(by_id, 0)
+        cancel_sent: set[str] = set()
 
-        def report(progress: Any) -> None:
-            nonlocal done
+        def report(job_id: str, progress: Any, outcome: Any) -> None:
+            ctx = by_id[job_id]
             if progress:
                 d, total = progress
-                for k in range(done + 1, d + 1):  # one call per step, as the local backend makes
+                for k in range(done[job_id] + 1, d + 1):  # one call per step, as the local backend makes
                     ctx.progress(k, total)
-                done = max(done, d)
+                done[job_id] = max(done[job_id], d)
+            if outcome is not None:
+                ctx.settle(outcome_from_json(outcome))
 
         try:
             if slot is None or not slot.alive:
                 raise WorkerDied(f"{slot.name if slot else 'its worker'} died before the rollout started")
-            ref = slot.handle.run.remote(ctx.job_id, ctx.spec.to_json(), ctx.spec.branch_from)
-            cancel_sent = False
+            ref = slot.handle.run_batch.remote(list(by_id), [c.spec.to_json() for c in batch],
+                                               [c.spec.branch_from for c in batch])
             while True:
                 ready, _ = ray.wait([ref], timeout=self._poll_s)
                 if ready:
                     out = ray.get(ref)
                     break
-                if ctx.should_stop() and not cancel_sent:
-                    slot.handle.cancel.remote(ctx.job_id, ctx.stop_reason)
-                    cancel_sent = True
-                report(self._call(slot, "progress", [ctx.job_id]).get(ctx.job_id))
+                for ctx in batch:
+                    if ctx.should_stop() and ctx.job_id not in cancel_sent:
+                        slot.handle.cancel.remote(ctx.job_id, ctx.stop_reason)
+                        cancel_sent.add(ctx.job_id)
+                live = [j for j, c in by_id.items() if c.outcome is None]
+                for job_id, state in self._call(slot, "poll", live).items():
+                    report(job_id, state["progress"], state["outcome"])
         except ray.exceptions.RayActorError as exc:
             assert slot is not None
             self._mark_dead(slot, exc)
-            ctx.settle(Outcome.failure(WorkerDied.error_type, f"{slot.name} died: {_cause(exc)}"))
+            for ctx in batch:
+                ctx.settle(Outcome.failure(WorkerDied.error_type, f"{slot.name} died: {_cause(exc)}"))
             return
         except WorkerDied as exc:
-            ctx.settle(Outcome.failure(WorkerDied.error_type, str(exc)))
+            for ctx in batch:
+                ctx.settle(Outcome.failure(WorkerDied.error_type, str(exc)))
             return
         finally:
             if slot is not None:
                 with self._lock:
-                    slot.load -= 1
-        report(out.get("progress"))
-        ctx.settle(outcome_from_json(out))
+                    slot.load -= len(batch)
+        for job_id, state in out.items():
+            report(job_id, state.get("progress"), state)
 
     def abandon(self, job_id: str, kind: str, message: str) -> None:
         with self._lock:

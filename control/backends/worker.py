@@ -12,6 +12,7 @@ Nothing here imports Ray: the class is testable (and usable) in-process.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -95,6 +96,7 @@ class RolloutWorker:
         self._running: dict[str, RunContext] = {}
         self._progress: dict[str, tuple[int, int]] = {}
         self._cancelled: dict[str, str | None] = {}  # cancelled before it ran: id -> stop reason
+        self._outcomes: dict[str, dict[str, Any]] = {}  # ended, not yet polled: id -> outcome JSON
         self._lost: list[tuple[str, str]] = []
         self.backend.on_result_lost(self._result_lost)
         log.info("worker %d ready at %s (pid %d)", config.index, self.flight.locations[0], os.getpid())
@@ -107,38 +109,53 @@ class RolloutWorker:
     def reserve(self, job_id: str) -> str:
         return self.backend.reserve(job_id)
 
-    def run(self, job_id: str, spec_json: dict[str, Any], branch_from: BranchStart | None = None) -> dict[str, Any]:
-        """Run one rollout to its end; its outcome as plain data (`outcome_from_json`).
+    def run_batch(self, job_ids: Sequence[str], spec_jsons: Sequence[dict[str, Any]],
+                  branches: Sequence[BranchStart | None]) -> dict[str, dict[str, Any]]:
+        """Run the rollouts `job_ids` as one batch (the node's LocalBackend: one model call) to their
+        ends; each one's outcome as plain data (`outcome_from_json`), by id. `poll` sees each outcome
+        as soon as that rollout ends, while the others run on.
 
-        The spec crosses the Ray boundary in its JSON form; a branch's BranchStart (its parent's
+        The specs cross the Ray boundary in their JSON form; a branch's BranchStart (its parent's
         x_k and schedule: tensors) travels beside it."""
-        spec = RolloutSpec.from_json(spec_json, branch_from=branch_from)
-        ctx = RunContext(job_id, spec, on_progress=lambda done, total: self._set_progress(job_id, done, total))
-        with self._lock:
-            self._running[job_id] = ctx
-            self._progress[job_id] = (0, spec.num_inference_steps)
-            cancelled = job_id in self._cancelled
-            reason = self._cancelled.pop(job_id, None)
-        try:
+        contexts, run = [], []
+        for job_id, spec_json, branch in zip(job_ids, spec_jsons, branches, strict=True):
+            spec = RolloutSpec.from_json(spec_json, branch_from=branch)
+            ctx = RunContext(job_id, spec, on_progress=functools.partial(self._set_progress, job_id),
+                             on_settle=functools.partial(self._set_outcome, job_id))
+            with self._lock:
+                self._running[job_id] = ctx
+                self._progress[job_id] = (0, spec.num_inference_steps)
+                cancelled = job_id in self._cancelled
+                reason = self._cancelled.pop(job_id, None)
+            contexts.append(ctx)
             if cancelled:  # cancelled through this worker's Flight server while queued
                 ctx.stop(reason)
                 outcome = Outcome.failure("shutdown", reason) if reason else Outcome.cancel()
                 self.backend.abandon(job_id, outcome.kind, outcome.message)
                 ctx.settle(outcome)
             else:
-                self.backend.run([ctx])
+                run.append(ctx)
+        try:
+            self.backend.run(run)
         finally:
             with self._lock:
-                self._running.pop(job_id, None)
-        outcome = ctx.outcome or Outcome.failure("internal_error", "the worker's backend returned without an outcome")
-        return {**outcome_to_json(outcome), "progress": self._progress.pop(job_id, None)}
+                for job_id in job_ids:
+                    self._running.pop(job_id, None)
+        missing = Outcome.failure("internal_error", "the worker's backend returned without an outcome")
+        return {ctx.job_id: {**outcome_to_json(ctx.outcome or missing), "progress": self._progress.pop(ctx.job_id, None)}
+                for ctx in contexts}
 
     def _set_progress(self, job_id: str, done: int, total: int) -> None:
         self._progress[job_id] = (done, total)
 
-    def progress(self, job_ids: Sequence[str]) -> dict[str, tuple[int, int]]:
-        """(steps_done, steps_total) of each running or just-finished rollout of `job_ids`."""
-        return {j: self._progress[j] for j in job_ids if j in self._progress}
+    def _set_outcome(self, job_id: str, outcome: Outcome) -> None:
+        self._outcomes[job_id] = outcome_to_json(outcome)
+
+    def poll(self, job_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """Of each running or just-finished rollout of `job_ids`: (steps_done, steps_total) and its
+        outcome once it has ended (None before)."""
+        return {j: {"progress": self._progress.get(j), "outcome": self._outcomes.pop(j, None)}
+                for j in job_ids if j in self._progress}
 
     def cancel(self, job_id: str, stop_reason: str | None = None) -> bool:
         """Stop a running rollout at its next step (or mark a reserved one); True if known here."""

@@ -245,3 +245,61 @@ def test_every_change_of_state_is_one_of_the_table():
     job.move(JobState.CANCELLED)
     with pytest.raises(InvalidTransition, match="cancelled -> running"):
         job.move(JobState.RUNNING)
+
+
+def _batch_of(store: ResultStore, job_id: str) -> dict:
+    entry = store.get(job_id)
+    return json.loads(entry.schema.metadata[b"sigmaflight.rollout"])["batch"]
+
+
+def test_a_worker_waiting_for_a_batch_takes_the_requests_that_arrive_meanwhile(registry):
+    """--batch-wait-ms: the first request waits (up to 5 s here) for compatible ones; the second,
+    submitted right after, joins it, and an incompatible one runs in a batch of its own."""
+    from sigmaflight.pipeline.batch import batch_key
+
+    model = registry.get("tiny-sd3")
+    jobs, store = manager(registry, max_batch_samples=2, batch_wait_s=5.0)
+    jobs.start()
+    try:
+        specs = [spec(seed=1), spec(seed=2), spec(seed=3, num_inference_steps=3)]
+        ids = [jobs.submit(s, batch_key=batch_key(model, s))[0].id for s in specs]
+        for job_id in ids:
+            assert wait(jobs, job_id, {"failed", "succeeded"}) == "succeeded"
+        first, second, third = (_batch_of(store, j) for j in ids)
+    finally:
+        jobs.stop()
+    assert first["id"] == second["id"] and first["requests"] == 2 and first["samples"] == 2  # full: no more wait
+    assert third["requests"] == 1 and third["id"] != first["id"]
+
+
+def test_one_member_turning_non_finite_fails_alone_through_the_manager(registry):
+    """Two branches of one parent batched by the manager: the one that starts from an overflowing
+    x_k fails non_finite naming its first step; the other succeeds with the batch it ran in."""
+    import dataclasses
+
+    from sigmaflight.pipeline.batch import batch_key
+    from sigmaflight.pipeline.rollout import run_rollout
+    from sigmaflight.pipeline.spec import BranchStart
+
+    model = registry.get("tiny-sd3")
+    parent = run_rollout(model, spec(num_inference_steps=4))
+    (x2,) = [c.latent for c in parent.captures if c.step == 2]
+
+    def branch(seed: int, scale: float) -> RolloutSpec:
+        start = BranchStart(step=2, latents=x2 * scale, sigmas=parent.snapshot.sigmas,
+                            timesteps=parent.snapshot.timesteps, set_timesteps_kwargs=parent.snapshot.set_timesteps_kwargs,
+                            samples=(0,), prompt_index=(0,), rollout="parent")
+        return dataclasses.replace(spec(num_inference_steps=4, seed=seed), branch_from=start)
+
+    jobs, store = manager(registry)  # not started: both queue, then start as one batch
+    specs = [branch(5, 1e38), branch(6, 1.0)]
+    bad, good = (jobs.submit(s, batch_key=batch_key(model, s))[0] for s in specs)
+    jobs.start()
+    try:
+        assert wait(jobs, bad.id, {"failed", "succeeded"}) == "failed"
+        assert wait(jobs, good.id, {"failed", "succeeded"}) == "succeeded"
+        error = known(jobs.get(bad.id)).error
+        assert error is not None and error.type == "non_finite" and "absolute step 2" in error.message
+        assert _batch_of(store, good.id)["requests"] == 2
+    finally:
+        jobs.stop()

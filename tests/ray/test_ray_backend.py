@@ -192,6 +192,34 @@ def test_flight_cancel_action_on_the_worker_cancels_its_rollout(jobs, backend):
     assert wait(jobs, job.id, {"cancelled", "failed", "succeeded"}, timeout=30) == "cancelled"
 
 
+def test_compatible_rollouts_batch_on_the_worker_they_were_placed_on(backend):
+    """Issue 18 on Ray: the manager batches per worker (placement keeps a batch on one worker);
+    each trajectory says with whom it ran, and the members of one call are those of one worker."""
+    from sigmaflight.pipeline.batch import batch_key
+
+    model = ModelRegistry().get("tiny-sd3")
+    batching = JobManager(backend, workers=2, batch_wait_s=3.0)
+    try:
+        specs = [spec(seed=400 + k, prompts=(f"prompt {k}",)) for k in range(4)]
+        submitted = [batching.submit(s, batch_key=batch_key(model, s))[0] for s in specs]
+        batching.start()
+        metas = {}
+        for j in submitted:
+            assert wait(batching, j.id, {"succeeded", "failed"}) == "succeeded", batching.get(j.id)
+            metas[j.id] = pull(backend.locations_for(j.id)[0], j.ticket).metadata["batch"]
+    finally:
+        batching.stop()
+    by_worker: dict[str, list[dict]] = {}
+    for job_id, meta in metas.items():
+        by_worker.setdefault(backend.locations_for(job_id)[0], []).append(meta)
+    assert len(by_worker) == 2  # least-loaded placement spread them over both workers
+    for members in by_worker.values():
+        assert len({m["id"] for m in members}) == 1 and {m["requests"] for m in members} == {len(members)}
+        rows = sorted(tuple(m["rows"]) for m in members)
+        assert rows[0][0] == 0 and rows[-1][1] == members[0]["samples"] == len(members)  # one sample each
+        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:], strict=False))
+
+
 def test_a_killed_worker_fails_its_rollout_naming_it_and_a_replacement_takes_new_ones(jobs, backend):
     before = {w["actor"] for w in backend.workers()}
     job, _ = jobs.submit(long_spec())
