@@ -118,7 +118,7 @@ def _lock_held(lock: Path) -> bool:
 def check_shm_dir(path: Path) -> None:
     """A usable --shm-dir: an existing directory this user can write and no live server uses, or a
     missing last component whose parent exists (created by `prepare_shm_dir`)."""
-    from sigmaflight.dataplane.shm import LOCK_NAME
+    from sigmaflight.dataplane.shm import LOCK_NAME, private_dir_name
 
     if path.is_symlink() and not path.exists():
         raise StartupError(f"--shm-dir {path}: a symbolic link to {os.readlink(path)}, which does not exist")
@@ -133,8 +133,9 @@ def check_shm_dir(path: Path) -> None:
         raise StartupError(f"--shm-dir {path}: not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
         raise StartupError(f"--shm-dir {path}: not writable by this user")
-    if _lock_held(path / LOCK_NAME):
-        raise StartupError(f"--shm-dir {path}: in use by another live server (it holds {path / LOCK_NAME})")
+    lock = path / private_dir_name() / LOCK_NAME  # the store locks its private subdirectory
+    if _lock_held(lock):
+        raise StartupError(f"--shm-dir {path}: in use by another live server (it holds {lock})")
 
 
 def prepare_shm_dir(path: Path | None) -> None:

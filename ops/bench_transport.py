@@ -461,7 +461,7 @@ def read_threads(size: int, repeats: int) -> dict[str, float]:
 
     shm = Path(tempfile.mkdtemp(prefix="sf-bench-", dir="/dev/shm"))
     store = _filled_store(make_latents(size), 8 * MiB, shm)
-    path = shm / "bench.arrow"
+    path = store.shm.file_path("bench")  # <shm>/sigmaflight-<uid>/bench.arrow
 
     def pull_into(out: Any) -> None:
         fd, _ = open_regular(path)

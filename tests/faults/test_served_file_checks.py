@@ -19,6 +19,7 @@ from tests.faults.conftest import SMALL, latent_bytes, pull
 from tests.servers import ServerProcess, wait_for_status
 
 pytestmark = pytest.mark.timeout(180)
+PRIVATE = f"sigmaflight-{os.geteuid()}"  # the files live in <shm-dir>/sigmaflight-<uid>/
 
 
 def _latent_offset(path: Path) -> int:
@@ -42,7 +43,7 @@ def test_a_same_size_overwrite_after_the_first_serve_is_still_caught(tmp_path: P
     with ServerProcess("--shm-dir", str(shm)) as server, server.client() as c:
         t = c.post("/v1/rollouts", json=SMALL).json()
         wait_for_status(c, t["id"], {"succeeded"})
-        ticket, path = t["flight"]["ticket"], shm / f"{t['id']}.arrow"
+        ticket, path = t["flight"]["ticket"], shm / PRIVATE / f"{t['id']}.arrow"
         first = pull(server.flight_url, ticket)  # verified here, once
         os.utime(path)  # moves mtime and ctime, not the bytes: verified again, still served
         assert latent_bytes(pull(server.flight_url, ticket)) == latent_bytes(first)
@@ -65,10 +66,10 @@ def test_a_file_replaced_under_its_name_leaves_the_verified_mapping_served(tmp_p
     with ServerProcess("--shm-dir", str(shm)) as server, server.client() as c:
         t = c.post("/v1/rollouts", json=SMALL).json()
         wait_for_status(c, t["id"], {"succeeded"})
-        ticket, path = t["flight"]["ticket"], shm / f"{t['id']}.arrow"
+        ticket, path = t["flight"]["ticket"], shm / PRIVATE / f"{t['id']}.arrow"
         first = pull(server.flight_url, ticket)
         os.link(path, tmp_path / "kept.arrow")  # the mapped inode, kept alive outside the dir
-        other = shm / "other.tmp"
+        other = shm / PRIVATE / "other.tmp"
         other.write_bytes(b"not a trajectory")
         os.replace(other, path)
         for _ in range(2):

@@ -36,7 +36,7 @@ PULL_DEADLINE_S = 30.0  # generous on a loaded box; the bug is a pull that never
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
     shm = tmp_path_factory.mktemp("samehost") / "shm"
     with ServerProcess("--shm-dir", str(shm)) as s:
-        yield s, shm
+        yield s, shm / f"sigmaflight-{os.geteuid()}"  # the files live in <shm-dir>/sigmaflight-<uid>/
 
 
 def _finished(server: ServerProcess, seeds: list[int]) -> dict[str, Any]:
