@@ -17,12 +17,10 @@ has the typed errors. docs/trainers.md has the whole tour.
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 import warnings
-import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -52,7 +50,7 @@ if TYPE_CHECKING:  # torch and the data plane's torch side load on first use: `s
 __all__ = [
     "ApiError", "Client", "NotFound", "RolloutCancelled", "RolloutFailed", "ServerUnreachable", "Unauthorized",
     "WeightsMismatch",
-    "current_digest", "replay_log_probs", "rollout_spec",
+    "replay_log_probs", "rollout_spec",
 ]
 
 
@@ -170,9 +168,11 @@ class Client:
         r = self._send("GET", f"/v1/rollouts/{_id(rollout_id)}")
         return RolloutStatus.model_validate(r.json())
 
-    def rollouts(self, status: str | None = None, limit: int = 100) -> list[RolloutStatus]:
-        """GET /v1/rollouts, newest first (optionally only one status)."""
-        params: dict[str, Any] = {"limit": limit, **({"status": status} if status else {})}
+    def rollouts(self, status: str | None = None, limit: int = 100, *, ticket: str | None = None) -> list[RolloutStatus]:
+        """GET /v1/rollouts, newest first (optionally only one status, or only the rollout that a
+        Flight ticket belongs to)."""
+        params: dict[str, Any] = {"limit": limit, **({"status": status} if status else {}),
+                                  **({"ticket": ticket} if ticket else {})}
         r = self._send("GET", "/v1/rollouts", params=params)
         return [RolloutStatus.model_validate(s) for s in r.json()["rollouts"]]
 
@@ -226,7 +226,6 @@ class Client:
     def push_lora(self, model_id: str, adapter: Mapping[str, torch.Tensor], lora_config: Any) -> dict[str, Any]:
         """PUT a LoRA adapter: `adapter` as `peft.get_peft_model_state_dict` gives it, `lora_config`
         a peft LoraConfig (or its `to_dict()`). Returns {"id", "digest", "weights_version", ...}."""
-        import json
 
         from safetensors.torch import save
 
@@ -257,16 +256,17 @@ class Client:
         """(Flight location, Flight ticket) of a Ticket, a rollout id or a Flight ticket string.
 
         Tickets are opaque here: a string is looked up as a rollout id first; one the server
-        does not know as an id is taken for a Flight ticket on the server's Flight location."""
+        does not know as an id is looked up as a Flight ticket (GET /v1/rollouts?ticket=), whose
+        rollout names the Flight location that holds it (under Ray, its worker's)."""
         if isinstance(ticket, Ticket):
             return ticket.flight.locations[0], ticket.flight.ticket
         try:
             st = self.status(ticket)
         except NotFound:
-            listed = self.rollouts(limit=1)  # any rollout's status names the server's Flight locations
-            if not listed:
+            owners = self.rollouts(limit=1, ticket=ticket)
+            if not owners:
                 raise NotFound(404, "not_found", f"no rollout or ticket {ticket!r} on {self.url}") from None
-            return listed[0].flight.locations[0], ticket
+            return owners[0].flight.locations[0], ticket
         return st.flight.locations[0], st.flight.ticket
 
     def pull(self, ticket: str | Ticket) -> Trajectory:
@@ -431,81 +431,13 @@ def replay_log_probs(
     )
 
 
-_digest_cache: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[list[tuple[Any, int]], str]]] = (
-    weakref.WeakKeyDictionary())  # postponed annotations: torch is not needed to import this module
-
-
-def _cached(module: torch.nn.Module, what: str, tensors: list[torch.Tensor], make: Callable[[], str]) -> str:
-    """make(), remembered for `module` while `tensors` are the same objects with the same in-place
-    version counters (weak references: a tensor freed and another at its address is a miss)."""
-    slot = _digest_cache.setdefault(module, {})
-    hit = slot.get(what)
-    if hit is not None and len(hit[0]) == len(tensors) and all(
-        ref() is t and version == t._version for (ref, version), t in zip(hit[0], tensors, strict=True)
-    ):
-        return hit[1]
-    digest = make()
-    slot[what] = ([(weakref.ref(t), t._version) for t in tensors], digest)
-    return digest
-
-
-def current_components(model: Any) -> dict[str, str]:
-    """{component: digest} of `model.pipeline`'s torch modules as they are now, the way the server
-    makes a trajectory's `model.components` (sigmaflight.pipeline.models.component_digests). A peft-wrapped
-    transformer with one adapter (`get_peft_model` or `add_adapter`) gets the digest the server
-    gives it once that adapter is pushed: the adapter digest over its base weights, config and factors.
-
-    Cached per module on the identities and in-place version counters of its tensors, so a
-    replay loop pays the hash only after the weights changed (an optimizer step, a load); under
-    a LoRA only the factors are hashed again, the frozen base once."""
-    import torch
-
-    from sigmaflight.pipeline.models import component_digest
-
-    out: dict[str, str] = {}
-    for name, module in sorted(model.pipeline.components.items()):
-        if not isinstance(module, torch.nn.Module):
-            continue
-        tensors = list(module.state_dict(keep_vars=True).values())
-        peft_config = getattr(module, "peft_config", None)
-        if isinstance(peft_config, Mapping) and len(peft_config) == 1:
-            out[name] = _cached(module, "adapter:" + name, tensors, functools.partial(_adapter_digest, name, module))
-        else:
-            out[name] = _cached(module, name, tensors, functools.partial(component_digest, name, module))
-    return out
-
-
-def current_digest(model: Any) -> str:
-    """The weights digest of `model.pipeline` as it is now (sigmaflight.pipeline.models.weights_digest)."""
-    from sigmaflight.pipeline.models import combine_digests
-
-    return combine_digests(current_components(model))
-
-
-def _adapter_digest(name: str, module: Any) -> str:
-    from peft import get_peft_model_state_dict
-
-    from sigmaflight.pipeline.lora import PEFT_PREFIX, adapter_digest, config_json, parse_lora_config
-    from sigmaflight.pipeline.models import state_digest
-
-    ((adapter_name, config),) = module.peft_config.items()
-    # get_peft_model's PeftModel prefixes every key with `base_model.model.`; add_adapter does not
-    base = {k.removeprefix(PEFT_PREFIX).replace(".base_layer.", "."): v
-            for k, v in module.state_dict(keep_vars=True).items() if ".lora_" not in k}
-    base_digest = _cached(module, "base:" + name, list(base.values()),
-                          lambda: state_digest(name, base))
-    dtype = next(iter(base.values())).dtype  # the server holds the factors in the model's dtype
-    factors = {k.removeprefix(PEFT_PREFIX): v.detach().to("cpu", dtype)
-               for k, v in get_peft_model_state_dict(module, adapter_name=adapter_name).items()}
-    cfg = parse_lora_config(json.loads(json.dumps(config.to_dict(), default=sorted)))  # as push_lora sends it
-    return adapter_digest(base_digest, config_json(cfg), factors)
-
-
 def _check_weights(model: Any, traj: Trajectory, *, strict: bool) -> None:
     made = traj.metadata.get("model") or {}
     made_with, recorded = made.get("digest"), made.get("components")
     if made_with is None:
         return
+    from sigmaflight.pipeline.digests import current_components
+
     have = current_components(model)
     if isinstance(recorded, Mapping) and "transformer" in recorded and "transformer" in have:
         # Compare the components this model holds (a trainer without text encoders holds fewer).
@@ -533,3 +465,13 @@ def _check_weights(model: Any, traj: Trajectory, *, strict: bool) -> None:
 
 def _short(digest: str) -> str:
     return digest[:12] + "..."
+
+
+def __getattr__(name: str) -> Any:
+    """`current_components` and `current_digest` (the trainer's side of the weights check) live in
+    sigmaflight.pipeline.digests and need torch: imported on first use (PEP 562)."""
+    if name in ("current_components", "current_digest"):
+        from sigmaflight.pipeline import digests
+
+        return getattr(digests, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

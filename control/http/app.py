@@ -83,7 +83,7 @@ def _service(request: Request) -> Service:
 MAX_IDEMPOTENCY_KEY = 255
 """Longest accepted Idempotency-Key, in characters (printable ASCII)."""
 
-QUERY_PARAMETERS = {"list_rollouts": ("status", "limit")}
+QUERY_PARAMETERS = {"list_rollouts": ("status", "limit", "ticket")}
 
 
 def limit_flag(setting: str) -> str:
@@ -283,7 +283,10 @@ async def list_rollouts(request: Request) -> Response:
     if status is not None and status not in STATES:
         raise invalid(["query", "status"], f"must be one of {', '.join(STATES)}", "enum")
     limit = query_int(request, "limit", 100, 1, 1000)
-    jobs = await run_in_threadpool(service.jobs.list, status, limit)
+    ticket = request.query_params.get("ticket")
+    if ticket is not None and not 0 < len(ticket) <= 1024:
+        raise invalid(["query", "ticket"], "must be a Flight ticket of 1 to 1024 characters", "string_type")
+    jobs = await run_in_threadpool(service.jobs.list, status, limit, ticket)
     return _model(RolloutList(rollouts=[status_of(service, j) for j in jobs]))
 
 

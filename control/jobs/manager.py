@@ -431,9 +431,11 @@ class JobManager:
         """The job's latest snapshot (no lock taken: it never waits on a journal write)."""
         return self._views.get(job_id)
 
-    def list(self, status: str | None = None, limit: int = 100) -> list[JobView]:
-        """Newest first, optionally of one status."""
-        views = [v for v in list(self._views.values()) if status is None or v.status == status]
+    def list(self, status: str | None = None, limit: int = 100, ticket: str | None = None) -> list[JobView]:
+        """Newest first, optionally of one status, optionally the one job whose Flight ticket is
+        `ticket` (or one of its extra streams' tickets, `<ticket>:<stream>`)."""
+        views = [v for v in list(self._views.values()) if (status is None or v.status == status)
+                 and (ticket is None or (v.ticket != "" and (ticket == v.ticket or ticket.startswith(v.ticket + ":"))))]
         views.sort(key=lambda v: v.created_at, reverse=True)
         return views[:limit]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import save
@@ -11,7 +12,7 @@ from sigmaflight.pipeline.replay import Replayer as ReplayerImpl
 
 from sigmaflight import Client as ReExported
 from sigmaflight import Replayer, Trajectory, step_log_prob
-from sigmaflight.client import ApiError, Client, RolloutFailed, replay_log_probs, rollout_spec
+from sigmaflight.client import ApiError, Client, NotFound, RolloutFailed, replay_log_probs, rollout_spec
 from tests.servers import ServerProcess
 
 
@@ -197,3 +198,22 @@ def test_wait_backs_off_between_polls(server):
             c.cancel(queued)
             c.cancel(blocker)
     assert 3 <= polls <= 12, polls  # 0.05, 0.1, 0.2, 0.4, 0.8, then 1 s apart
+
+
+def test_a_bare_flight_ticket_is_found_through_the_rollout_it_belongs_to():
+    """`Client.locate`/`pull` with a Flight ticket string (as `sigmaflight pull TICKET` passes it):
+    GET /v1/rollouts?ticket= names its rollout, on an empty server too (NotFound naming it)."""
+    with ServerProcess() as s, Client(s.rest_url) as c:
+        with pytest.raises(NotFound, match="no rollout or ticket 'sft1_nothing'"):
+            c.locate("sft1_nothing")
+        first = c.submit(prompts=["a red cube"], num_inference_steps=2, seed=1)
+        newest = c.submit(prompts=["a dog"], num_inference_steps=2, seed=2)
+        c.wait(newest, timeout=60)
+        raw = first.flight.ticket
+        assert c.locate(raw) == (first.flight.locations[0], raw)
+        assert c.pull(raw).rollout_id == first.id
+        assert [r.id for r in c.rollouts(ticket=raw)] == [first.id]
+        assert [r.id for r in c.rollouts(ticket=raw + ":outputs")] == [first.id]  # a stream's ticket: its rollout's
+        assert c.rollouts(ticket=raw[:-1]) == []  # a prefix of a ticket is no ticket
+        r = httpx.get(f"{s.rest_url}/v1/rollouts", params={"ticket": ""})
+        assert r.status_code == 422 and r.json()["error"]["details"][0]["loc"] == ["query", "ticket"]

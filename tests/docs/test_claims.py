@@ -35,3 +35,22 @@ def test_no_page_talks_about_an_issue_instead_of_to_its_reader():
     for page in PAGES:
         for n, line in enumerate(page.read_text().splitlines(), 1):
             assert not re.search(r"\bthe issue\b|\bissue \d+", line, re.IGNORECASE), f"{page.relative_to(ROOT)}:{n}: {line}"
+
+
+def test_the_life_of_a_rollout_names_only_functions_that_exist_in_the_modules_it_names():
+    """docs/control.md "Life of a rollout" follows a request through the code: each `Name` or
+    `Class.method` it cites is defined (def, class, or assigned) in the server's or users' code, and
+    each module path it names exists, so a rename cannot leave the walk-through pointing nowhere."""
+    text = (ROOT / "docs" / "control.md").read_text()
+    section = text.split("## Life of a rollout", 1)[1].split("\n## ", 1)[0]
+    source = "\n".join(p.read_text() for d in ("control", "dataplane", "pipeline", "sigmaflight")
+                       for p in (ROOT / d).rglob("*.py"))
+    defined = set(re.findall(r"^\s*(?:async def|def|class)\s+(\w+)", source, re.MULTILINE))
+    defined |= set(re.findall(r"^\s*(?:self\.)?(\w+)\s*(?::[^=\n]+)?=", source, re.MULTILINE))
+    not_ours = {"model_validate_json", "extra_info", "stat", "loc", "queue_full"}  # pydantic, pyarrow, os; wire words
+    for path in re.findall(r"\b((?:control|dataplane|pipeline|sigmaflight)/[\w/]+\.py)\b", section):
+        assert (ROOT / path).is_file(), f"Life of a rollout names {path}, which does not exist"
+    names = [n for n in re.findall(r"`([A-Za-z_][\w.]*)(?:\([^`]*\))?`", section) if "/" not in n]
+    assert len(names) > 60
+    missing = sorted({n for n in names if n.rsplit(".", 1)[-1] not in defined | not_ours})
+    assert not missing, f"Life of a rollout cites names the code does not define: {missing}"

@@ -10,6 +10,7 @@ import torch
 from sigmaflight.dataplane.client import Trajectory, TrajectoryClient
 from sigmaflight.dataplane.shm import host_id, parse_file_location
 
+from sigmaflight import Client
 from tests.dataplane.helpers import mapped_ranges
 from tests.servers import ServerProcess, wait_for_status
 
@@ -49,6 +50,11 @@ def test_serve_with_ray_workers_hands_out_worker_locations_and_their_shared_memo
                 assert ranges and all(any(lo <= c.latent.data_ptr() < hi for lo, hi in ranges) for c in chunks)
             assert torch.equal(local.latents, Trajectory.from_table(table).latents)
         assert {p.parent.parent.name for p in shm.glob("worker-*/sigmaflight-*/*.arrow")} == {"worker-0", "worker-1"}
+        # a bare Flight ticket is found on the worker that holds it, whichever rollout is newest
+        with Client(server.rest_url) as c:
+            for t in tickets:
+                assert c.locate(t["flight"]["ticket"]) == (t["flight"]["locations"][0], t["flight"]["ticket"])
+                assert c.pull(t["flight"]["ticket"]).header.rollout_id == t["id"]
         released = next(shm.glob(f"worker-*/sigmaflight-*/{tickets[0]['id']}.arrow"))
         assert client.delete(f"/v1/rollouts/{tickets[0]['id']}").status_code == 200
         with flight.FlightClient(tickets[0]["flight"]["locations"][0]) as fc, pytest.raises(flight.FlightError):

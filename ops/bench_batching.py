@@ -1,0 +1,203 @@
+"""Co-batching benchmark: many small concurrent requests against one big one, through real servers.
+
+Starts three `sigmaflight serve` processes on loopback (one worker each, same model):
+  on-0   co-batching with the defaults (--max-batch-samples 64, --batch-wait-ms 0)
+  on-W   co-batching with --batch-wait-ms W (default 25)
+  off    --max-batch-samples 1: every request runs alone (the behaviour before co-batching)
+and, in rounds whose order rotates (the box is noisy: every ratio is taken within a round, then
+the median over rounds is printed), runs these workloads; a request's latency is from its POST
+to the end of its Flight stream (a plain `do_get(...).read_all()` that follows it live):
+
+  one-B=N      one request of N prompts (the baseline every ratio is against, on the same server)
+  N x B=1      N concurrent clients, one prompt each
+  N/2 x B=2    N/2 concurrent clients, one prompt x num_outputs_per_prompt 2
+  lone B=1     one request of one prompt, nothing else running (latency)
+  mixed        N concurrent B=1 requests of two sizes and two step counts
+
+In this process, between rounds: the stock diffusers `__call__` with N prompts (output_type
+"latent") and `run_rollout` of the same B=N request with full capture, for the service's
+samples/s against both.
+
+  .venv/bin/python ops/bench_batching.py --model tiny-sd3 --n 16 --steps 8
+  .venv/bin/python ops/bench_batching.py --model small-sd3 --n 8 --steps 4 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+from typing import Any
+
+import httpx
+import pyarrow.flight as flight
+
+from sigmaflight.launcher import ServerProcess
+
+MODES = ("on-0", "on-W", "off")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def run_requests(url: str, bodies: list[dict[str, Any]]) -> tuple[float, list[float], int]:
+    """All `bodies` posted at once, one client thread each: (wall seconds, per-request latency, samples)."""
+    latencies: list[float] = [0.0] * len(bodies)
+    errors: list[str] = []
+    go = threading.Barrier(len(bodies) + 1)
+
+    def one(k: int, body: dict[str, Any]) -> None:
+        with httpx.Client(base_url=url, timeout=600) as c:
+            go.wait()
+            t0 = time.perf_counter()
+            r = c.post("/v1/rollouts", json=body)
+            if r.status_code != 202:
+                errors.append(r.text)
+                return
+            t = r.json()
+            with flight.FlightClient(t["flight"]["locations"][0]) as fc:
+                fc.do_get(flight.Ticket(t["flight"]["ticket"].encode())).read_all()
+            latencies[k] = time.perf_counter() - t0
+            status = c.get(f"/v1/rollouts/{t['id']}").json()["status"]
+            if status != "succeeded":
+                errors.append(f"rollout {t['id']} {status}")
+
+    threads = [threading.Thread(target=one, args=(k, b)) for k, b in enumerate(bodies)]
+    for th in threads:
+        th.start()
+    go.wait()
+    t0 = time.perf_counter()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise SystemExit(f"{len(errors)} requests failed, first: {errors[0]}")
+    samples = sum(len(b["prompts"]) * b.get("num_outputs_per_prompt", 1) for b in bodies)
+    return wall, latencies, samples
+
+
+def batch_counts(url: str) -> tuple[float, float]:
+    """(batches, rollouts) the server has run as model calls, from its /metrics histograms."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    got = {}
+    for line in text.splitlines():
+        if line.startswith(("sigmaflight_batch_requests_count", "sigmaflight_batch_requests_sum")):
+            name, value = line.rsplit(" ", 1)
+            got[name.split("{")[0]] = float(value)
+    return got.get("sigmaflight_batch_requests_count", 0.0), got.get("sigmaflight_batch_requests_sum", 0.0)
+
+
+def workloads(a: argparse.Namespace, size: int, small: int) -> dict[str, list[dict[str, Any]]]:
+    """Each workload's request bodies (seeds differ per request and per round through `seed_base`)."""
+    n, t = a.n, a.steps
+    half = max(1, t // 2)
+    return {
+        "one-B=N": [{"prompts": [f"prompt {k}" for k in range(n)], "num_inference_steps": t}],
+        "N x B=1": [{"prompts": [f"prompt {k}"], "num_inference_steps": t} for k in range(n)],
+        "N/2 x B=2": [{"prompts": [f"prompt {k}"], "num_outputs_per_prompt": 2, "num_inference_steps": t}
+                      for k in range(max(1, n // 2))],
+        "lone B=1": [{"prompts": ["prompt 0"], "num_inference_steps": t}],
+        "mixed": [{"prompts": [f"prompt {k}"], "num_inference_steps": (t, half)[k % 2],
+                   "height": (size, small)[(k // 2) % 2], "width": (size, small)[(k // 2) % 2]} for k in range(n)],
+    }
+
+
+def in_process(model_id: str, n: int, steps: int, repeats: int) -> dict[str, float]:
+    """samples/s of the stock diffusers call and of run_rollout (full capture) for N prompts, medians."""
+    import torch
+    from sigmaflight.pipeline.models import ModelRegistry
+    from sigmaflight.pipeline.rollout import run_rollout
+    from sigmaflight.pipeline.spec import RolloutSpec, SamplerSpec
+
+    model = ModelRegistry().get(model_id)
+    d = model.defaults
+    prompts = [f"prompt {k}" for k in range(n)]
+    spec = RolloutSpec(model=model_id, prompts=tuple(prompts), num_inference_steps=steps, seed=1, sampler=SamplerSpec())
+    times: dict[str, list[float]] = {"stock": [], "run_rollout": []}
+    for r in range(repeats + 1):
+        for way in ("stock", "run_rollout") if r % 2 else ("run_rollout", "stock"):
+            t0 = time.perf_counter()
+            if way == "stock":
+                model.pipeline(prompt=prompts, num_inference_steps=steps, guidance_scale=d.guidance_scale,
+                               height=d.height, width=d.width, output_type="latent",
+                               generator=torch.Generator().manual_seed(r), **dict(d.call_kwargs))
+            else:
+                run_rollout(model, spec, on_step=lambda cap: None, keep=False)
+            if r:  # the first round warms up
+                times[way].append(time.perf_counter() - t0)
+    return {w: n / statistics.median(v) for w, v in times.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny-sd3", help="built-in model id (default tiny-sd3)")
+    ap.add_argument("--n", type=int, default=16, help="samples of the big request = concurrent clients (default 16)")
+    ap.add_argument("--steps", type=int, default=8, help="num_inference_steps (default 8; mixed also runs half)")
+    ap.add_argument("--rounds", type=int, default=5, help="counted rounds, after one warm-up round (default 5)")
+    ap.add_argument("--wait-ms", type=float, default=25.0, help="--batch-wait-ms of the on-W server (default 25)")
+    ap.add_argument("--in-process-repeats", type=int, default=3, help="stock/run_rollout runs each (0 skips them)")
+    a = ap.parse_args()
+
+    common = ("--model", a.model, "--workers", "1", "--log-level", "warning", "--queue-size", str(4 * a.n + 8))
+    flags = {"on-0": (), "on-W": ("--batch-wait-ms", str(a.wait_ms)), "off": ("--max-batch-samples", "1")}
+    servers = {m: ServerProcess(*common, *flags[m], timeout=300) for m in MODES}
+    try:
+        info = httpx.get(f"{servers['off'].rest_url}/v1/models", timeout=30).json()
+        described = next(m for m in info["models"] if m["id"] == a.model)
+        size = int(described["defaults"]["height"])
+        multiple = int(described["size_multiple"])
+        small = max(multiple, (size // 2) // multiple * multiple)
+        loads = workloads(a, size, small)
+        # per round, per (workload, mode): (samples/s, latencies)
+        sps: dict[tuple[str, str], list[float]] = {(w, m): [] for w in loads for m in MODES}
+        lat: dict[tuple[str, str], list[float]] = {(w, m): [] for w in loads for m in MODES}
+        calls_before = {m: batch_counts(s.rest_url) for m, s in servers.items()}
+        pairs = [(w, m) for w in loads for m in MODES]
+        for r in range(a.rounds + 1):
+            order = pairs[r % len(pairs):] + pairs[:r % len(pairs)]
+            for w, m in order:
+                bodies = [{**b, "model": a.model, "seed": 1000 * r + k} for k, b in enumerate(loads[w])]
+                wall, lats, samples = run_requests(servers[m].rest_url, bodies)
+                if r:
+                    sps[(w, m)].append(samples / wall)
+                    lat[(w, m)].extend(lats)
+        calls_after = {m: batch_counts(s.rest_url) for m, s in servers.items()}
+    finally:
+        for s in servers.values():
+            s.terminate()
+    local = in_process(a.model, a.n, a.steps, a.in_process_repeats) if a.in_process_repeats else {}
+
+    def ratio(w: str, m: str, base_w: str = "one-B=N", base_m: str | None = None) -> float:
+        return statistics.median(x / y for x, y in zip(sps[(w, m)], sps[(base_w, base_m or m)], strict=True))
+
+    print(f"model={a.model} N={a.n} T={a.steps} rounds={a.rounds} (+1 warm-up) on-W: --batch-wait-ms {a.wait_ms:g}; "
+          f"mixed: sizes {size},{small} x steps {a.steps},{max(1, a.steps // 2)}")
+    print(f"{'workload':<11} {'server':<5} {'samples/s':>10} {'vs one-B=N':>10} {'p50 ms':>9} {'p99 ms':>9}")
+    for w in loads:
+        for m in MODES:
+            med = statistics.median(sps[(w, m)])
+            print(f"{w:<11} {m:<5} {med:>10.2f} {ratio(w, m):>10.3f} {percentile(lat[(w, m)], 50) * 1e3:>9.1f} "
+                  f"{percentile(lat[(w, m)], 99) * 1e3:>9.1f}")
+    for m in MODES:
+        (c0, n0), (c1, n1) = calls_before[m], calls_after[m]
+        print(f"{m}: {c1 - c0:.0f} model calls for {n1 - n0:.0f} rollouts ({(n1 - n0) / max(1.0, c1 - c0):.2f} a call)")
+    print("targets:")
+    print(f"  N x B=1 on-W / one-B=N: {ratio('N x B=1', 'on-W'):.3f} (off: {ratio('N x B=1', 'off'):.3f}; "
+          f"on-0: {ratio('N x B=1', 'on-0'):.3f})")
+    lone = [statistics.median(lat[('lone B=1', m)]) for m in ("on-0", "off")]
+    print(f"  lone B=1 latency, defaults / co-batching off: {lone[0] / lone[1]:.3f} (target <= 1.03)")
+    print(f"  mixed samples/s, on-0 / off: {ratio('mixed', 'on-0', 'mixed', 'off'):.3f}, "
+          f"on-W / off: {ratio('mixed', 'on-W', 'mixed', 'off'):.3f} (target >= 1)")
+    if local:
+        service = statistics.median(sps[("one-B=N", "on-0")])
+        print(f"in process, B=N: stock diffusers __call__ {local['stock']:.2f} samples/s, run_rollout "
+              f"{local['run_rollout']:.2f} samples/s; the service's one-B=N / run_rollout: "
+              f"{service / local['run_rollout']:.3f}, / stock: {service / local['stock']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
