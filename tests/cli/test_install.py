@@ -6,8 +6,9 @@ It needs pip and the package index (or pip's cache): CI runs it. The trainer's t
 torch 2.13.0, installed once per machine into a cache folder (`pip install --target`, ~1.5 min) that the
 fresh environment sees through a .pth file, as a trainer's environment has its torch already: the
 block's `pip install torch==2.13.0` then finds it satisfied, and the rest of the block runs as written
-(about a minute). With SIGMAFLIGHT_TEST_CLIENT_PINS (e.g. "pyarrow==X numpy==Y") it installs those
-versions on top and runs the same check: how the lower bounds in pyproject.toml were tested.
+(about a minute). Then it installs the oldest numpy and pyarrow pyproject.toml claims on top and
+runs the same check again: the lower bounds stay true. SIGMAFLIGHT_TEST_CLIENT_PINS (e.g.
+"pyarrow==X numpy==Y") installs those versions instead, to try another corner.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from tests.docs.markdown import blocks
 from tests.servers import ServerProcess
@@ -42,6 +45,13 @@ def install_block() -> str:
     first = blocks(page)[0]
     assert first.lang == "bash" and "tests/cli/test_install.py" in (first.not_run or "")
     return first.code
+
+
+def lower_bounds(*names: str) -> list[str]:
+    """`name==X` for each `name>=X` of pyproject.toml's [project] dependencies: the oldest claimed."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    bounds = dict(d.split(">=", 1) for d in deps if ">=" in d and "," not in d)
+    return [f"{name}=={bounds[name]}" for name in names]
 
 
 def locked(name: str) -> str:
@@ -167,28 +177,35 @@ def _install_and_check(tmp_path: Path, starting: concurrent.futures.Future[Serve
         names = {n.split("/")[0] for n in whl.namelist()}
     assert names == {"sigmaflight", "sigmaflight-0.1.0.dist-info"}  # no `control`, `dataplane`, `pipeline`
 
-    pins = os.environ.get("SIGMAFLIGHT_TEST_CLIENT_PINS", "").split()
-    extra = [str(control_standin_wheel(tmp_path)), *pins]
-    subprocess.run([str(bin_ / "pip"), "install", "--quiet", *extra], env=env, check=True, timeout=600)
-
+    subprocess.run([str(bin_ / "pip"), "install", "--quiet", str(control_standin_wheel(tmp_path))], env=env,
+                   check=True, timeout=600)
+    # First as installed (the newest versions the ranges admit), then the oldest numpy and pyarrow
+    # pyproject.toml claims, installed on top (SIGMAFLIGHT_TEST_CLIENT_PINS: other versions instead).
+    given = os.environ.get("SIGMAFLIGHT_TEST_CLIENT_PINS", "").split()
+    corners = [[], given] if given else [[], lower_bounds("numpy", "pyarrow")]
     server = starting.result(timeout=300)
+    checked = []
     try:
-        check = subprocess.run([str(bin_ / "python"), "-c", CHECK, server.rest_url], cwd=tmp_path, env=env,
-                               capture_output=True, text=True, timeout=300)
-        assert check.returncode == 0, check.stderr[-3000:]
-        got = json.loads(check.stdout.strip().splitlines()[-1])
+        for pins in corners:
+            if pins:
+                subprocess.run([str(bin_ / "pip"), "install", "--quiet", *pins], env=env, check=True, timeout=600)
+            check = subprocess.run([str(bin_ / "python"), "-c", CHECK, server.rest_url], cwd=tmp_path, env=env,
+                                   capture_output=True, text=True, timeout=300)
+            assert check.returncode == 0, f"{pins}: {check.stderr[-3000:]}"
+            checked.append((pins, json.loads(check.stdout.strip().splitlines()[-1])))
         status = subprocess.run([str(bin_ / "sigmaflight"), "list", "--limit", "1", "--url", server.rest_url],
                                 env=env, capture_output=True, text=True, timeout=120)
     finally:
         server.terminate()
-    assert got["control"][0] == "control-standin" and "/site-packages/control/" in got["control"][1]
-    assert got["owners"] == ["control-standin"]  # sigmaflight claims no `control`
-    assert got["tops"] == ["sigmaflight"]
-    assert got["exact"] == [True, True, True, True]  # the rollout's own log-probs, bit for bit, torch only
-    assert got["loaded"] == [] and "pip install 'sigmaflight[replay]'" in got["replay"]
-    for pin in pins:
-        name, version = pin.split("==")
-        assert got["versions"][name] == version, got["versions"]
+    for pins, got in checked:
+        assert got["control"][0] == "control-standin" and "/site-packages/control/" in got["control"][1]
+        assert got["owners"] == ["control-standin"]  # sigmaflight claims no `control`
+        assert got["tops"] == ["sigmaflight"]
+        assert got["exact"] == [True, True, True, True], pins  # the rollout's own log-probs, bit for bit, torch only
+        assert got["loaded"] == [] and "pip install 'sigmaflight[replay]'" in got["replay"]
+        for pin in pins:
+            name, version = pin.split("==")
+            assert Version(got["versions"][name]) == Version(version), got["versions"]
     assert status.returncode == 0 and len(json.loads(status.stdout)["rollouts"]) == 1, status.stderr
 
     serve = subprocess.run([str(bin_ / "sigmaflight"), "serve"], env=env, capture_output=True, text=True, timeout=120)
@@ -196,4 +213,4 @@ def _install_and_check(tmp_path: Path, starting: concurrent.futures.Future[Serve
     (line,) = serve.stderr.strip().splitlines()
     assert line.startswith("sigmaflight serve: the server extra is not installed (missing: ")
     assert line.endswith("pip install 'sigmaflight[server]'") and "starlette" in line and "diffusers" in line
-    print(json.dumps(got["versions"]))
+    print(json.dumps([got["versions"] for _, got in checked]))
