@@ -221,6 +221,11 @@ def _put_later(journal: Journal, job: Job) -> None:
         job.unjournaled = True  # the manager writes it once the journal can be written
 
 
+BATCH_WAIT_ROUNDS = 8
+"""A forming batch waits at most this many --batch-wait-ms in all, however long requests keep
+joining it (each join restarts the wait for the next one)."""
+
+
 @dataclass(eq=False)
 class _Forming:
     """A batch a worker is gathering: its jobs (queued still), their key and placement group."""
@@ -595,10 +600,11 @@ class JobManager:
 
         Batch formation: the oldest queued job no gathering batch could take heads the batch; every
         queued job with its batch key and placement group joins, oldest first, while the batch holds
-        at most --max-batch-samples samples (`_gather`); with --batch-wait-ms the worker waits up to
-        that long for more while the batch is not full. So a job waits only for jobs older than it
-        (and at most one batch of younger compatible ones that fit beside an older head): the age
-        bound. A job whose running state the journal cannot record does not run: it fails at once."""
+        at most --max-batch-samples samples (`_gather`); with --batch-wait-ms W the worker waits up to
+        W for the next compatible job while the batch is not full, W again after each one that joins
+        (a burst of requests whose POSTs take longer than W in all still lands in one batch), and
+        at most BATCH_WAIT_ROUNDS x W in all. So a job waits only for jobs older than it (and at
+        most one batch of younger compatible ones that fit beside an older head): the age bound. A job whose running state the journal cannot record does not run: it fails at once."""
         with self._lock:
             while True:
                 head = self._next_head()
@@ -608,11 +614,16 @@ class JobManager:
                 self._forming.append(forming)
                 try:
                     self._gather(forming)
-                    deadline = time.monotonic() + self._batch_wait_s
+                    started = time.monotonic()
+                    deadline = started + self._batch_wait_s
+                    longest = started + BATCH_WAIT_ROUNDS * self._batch_wait_s
                     while (forming.jobs and not self._stopped.is_set() and self._room(forming) > 0
                            and (left := deadline - time.monotonic()) > 0):
                         self._work.wait(left)
+                        had = len(forming.jobs)
                         self._gather(forming)
+                        if len(forming.jobs) > had:  # requests are still arriving: wait for the next one
+                            deadline = min(time.monotonic() + self._batch_wait_s, longest)
                 finally:
                     self._forming.remove(forming)
                     self._work.notify_all()  # jobs left for this batch are anyone's again

@@ -30,7 +30,8 @@ BASE: dict[str, Any] = {"num_inference_steps": T, "guidance_scale": 4.5, "sample
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess() as s:
+    """The defaults, spelled out: co-batching on, no wait (each test's requests queue behind a blocker)."""
+    with ServerProcess("--max-batch-samples", "64", "--batch-wait-ms", "0") as s:
         yield s
 
 

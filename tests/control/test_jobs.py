@@ -272,6 +272,43 @@ def test_a_worker_waiting_for_a_batch_takes_the_requests_that_arrive_meanwhile(r
     assert third["requests"] == 1 and third["id"] != first["id"]
 
 
+def test_a_burst_longer_than_the_wait_lands_in_one_batch_and_a_steady_stream_is_cut_at_8_waits(registry):
+    """--batch-wait-ms W is the wait for the next compatible request, restarted by each one that
+    joins: six requests 0.15 s apart (0.75 s in all, three times W = 0.25 s) share one batch. A
+    stream that never pauses is cut at BATCH_WAIT_ROUNDS x W after the head was taken."""
+    from sigmaflight.control.jobs.manager import BATCH_WAIT_ROUNDS
+    from sigmaflight.pipeline.batch import batch_key
+
+    model = registry.get("tiny-sd3")
+    wait_s, gap_s = 0.25, 0.15
+    jobs, store = manager(registry, max_batch_samples=64, batch_wait_s=wait_s, queue_size=128)
+    jobs.start()
+    try:
+        burst = []
+        for k in range(6):
+            s = spec(seed=10 + k)
+            burst.append(jobs.submit(s, batch_key=batch_key(model, s))[0].id)
+            time.sleep(gap_s)
+        for job_id in burst:
+            assert wait(jobs, job_id, {"failed", "succeeded"}) == "succeeded"
+        assert {_batch_of(store, j)["id"] for j in burst} == {_batch_of(store, burst[0])["id"]}
+        assert _batch_of(store, burst[0])["requests"] == 6
+        stream = []
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < BATCH_WAIT_ROUNDS * wait_s + 1.0:  # never pauses for W
+            s = spec(seed=100 + len(stream))
+            stream.append(jobs.submit(s, batch_key=batch_key(model, s))[0].id)
+            time.sleep(gap_s)
+        for job_id in stream:
+            assert wait(jobs, job_id, {"failed", "succeeded"}) == "succeeded"
+        first = _batch_of(store, stream[0])
+        assert 1 < first["requests"] < len(stream)  # it waited for several, not for the whole stream
+        started = known(jobs.get(stream[0])).started_at
+        assert started is not None and started - known(jobs.get(stream[0])).created_at < BATCH_WAIT_ROUNDS * wait_s + 0.5
+    finally:
+        jobs.stop()
+
+
 def test_one_member_turning_non_finite_fails_alone_through_the_manager(registry):
     """Two branches of one parent batched by the manager: the one that starts from an overflowing
     x_k fails non_finite naming its first step; the other succeeds with the batch it ran in."""
