@@ -74,8 +74,7 @@ def _adapter_digest(name: str, module: Any) -> str:
     # get_peft_model's PeftModel prefixes every key with `base_model.model.`; add_adapter does not
     base = {k.removeprefix(PEFT_PREFIX).replace(".base_layer.", "."): v
             for k, v in module.state_dict(keep_vars=True).items() if ".lora_" not in k}
-    base_digest = cached_digest(module, "base:" + name, list(base.values()),
-                          lambda: state_digest(name, base))
+    base_digest = cached_digest(module, "base:" + name, list(base.values()), lambda: state_digest(name, base))
     dtype = next(iter(base.values())).dtype  # the server holds the factors in the model's dtype
     factors = {k.removeprefix(PEFT_PREFIX): v.detach().to("cpu", dtype)
                for k, v in get_peft_model_state_dict(module, adapter_name=adapter_name).items()}

@@ -226,7 +226,6 @@ class Client:
     def push_lora(self, model_id: str, adapter: Mapping[str, torch.Tensor], lora_config: Any) -> dict[str, Any]:
         """PUT a LoRA adapter: `adapter` as `peft.get_peft_model_state_dict` gives it, `lora_config`
         a peft LoraConfig (or its `to_dict()`). Returns {"id", "digest", "weights_version", ...}."""
-
         from safetensors.torch import save
 
         config = lora_config.to_dict() if hasattr(lora_config, "to_dict") else dict(lora_config)

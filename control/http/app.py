@@ -285,7 +285,8 @@ async def list_rollouts(request: Request) -> Response:
     limit = query_int(request, "limit", 100, 1, 1000)
     ticket = request.query_params.get("ticket")
     if ticket is not None and not 0 < len(ticket) <= 1024:
-        raise invalid(["query", "ticket"], "must be a Flight ticket of 1 to 1024 characters", "string_type")
+        raise invalid(["query", "ticket"], "must be a Flight ticket of 1 to 1024 characters",
+                      "string_too_short" if not ticket else "string_too_long")
     jobs = await run_in_threadpool(service.jobs.list, status, limit, ticket)
     return _model(RolloutList(rollouts=[status_of(service, j) for j in jobs]))
 

@@ -604,7 +604,8 @@ class JobManager:
         W for the next compatible job while the batch is not full, W again after each one that joins
         (a burst of requests whose POSTs take longer than W in all still lands in one batch), and
         at most BATCH_WAIT_ROUNDS x W in all. So a job waits only for jobs older than it (and at
-        most one batch of younger compatible ones that fit beside an older head): the age bound. A job whose running state the journal cannot record does not run: it fails at once."""
+        most one batch of younger compatible ones that fit beside an older head): the age bound.
+        A job whose running state the journal cannot record does not run: it fails at once."""
         with self._lock:
             while True:
                 head = self._next_head()

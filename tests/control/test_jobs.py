@@ -274,25 +274,25 @@ def test_a_worker_waiting_for_a_batch_takes_the_requests_that_arrive_meanwhile(r
 
 def test_a_burst_longer_than_the_wait_lands_in_one_batch_and_a_steady_stream_is_cut_at_8_waits(registry):
     """--batch-wait-ms W is the wait for the next compatible request, restarted by each one that
-    joins: six requests 0.15 s apart (0.75 s in all, three times W = 0.25 s) share one batch. A
+    joins: eight requests 0.1 s apart (0.7 s in all, 1.75 times W = 0.4 s) share one batch. A
     stream that never pauses is cut at BATCH_WAIT_ROUNDS x W after the head was taken."""
     from sigmaflight.control.jobs.manager import BATCH_WAIT_ROUNDS
     from sigmaflight.pipeline.batch import batch_key
 
     model = registry.get("tiny-sd3")
-    wait_s, gap_s = 0.25, 0.15
+    wait_s, gap_s = 0.4, 0.1
     jobs, store = manager(registry, max_batch_samples=64, batch_wait_s=wait_s, queue_size=128)
     jobs.start()
     try:
         burst = []
-        for k in range(6):
+        for k in range(8):
             s = spec(seed=10 + k)
             burst.append(jobs.submit(s, batch_key=batch_key(model, s))[0].id)
             time.sleep(gap_s)
         for job_id in burst:
             assert wait(jobs, job_id, {"failed", "succeeded"}) == "succeeded"
         assert {_batch_of(store, j)["id"] for j in burst} == {_batch_of(store, burst[0])["id"]}
-        assert _batch_of(store, burst[0])["requests"] == 6
+        assert _batch_of(store, burst[0])["requests"] == 8
         stream = []
         t0 = time.monotonic()
         while time.monotonic() - t0 < BATCH_WAIT_ROUNDS * wait_s + 1.0:  # never pauses for W

@@ -83,7 +83,8 @@ def test_every_way_in_equals_plain_pyarrow(tmp_path: Path, case: str, dtype: tor
         ticket = store.ticket_for(header.rollout_id)
         with flight.FlightClient(srv.locations[0]) as plain:
             streamed = plain.do_get(flight.Ticket(ticket.encode())).read_all()
-        file = pa.ipc.open_file(pa.memory_map(str(shm / f"sigmaflight-{os.geteuid()}" / f"{header.rollout_id}.arrow"))).read_all()
+        private = shm / f"sigmaflight-{os.geteuid()}"  # the store's files live in <shm-dir>/sigmaflight-<uid>/
+        file = pa.ipc.open_file(pa.memory_map(str(private / f"{header.rollout_id}.arrow"))).read_all()
         assert file.equals(streamed)
         want = _reference(streamed, header.steps, header.num_samples, header.num_steps)
         with TrajectoryClient(srv.locations[0], transport="flight") as over_grpc:
