@@ -14,7 +14,7 @@ trap 'rm -rf "$tmp"' EXIT
 "$tmp/venv/bin/python" -m pip install --quiet "torch==2.13.0" ".[server,test,ray,plot]" "$@"
 {
   echo "# Exact versions of the served and tested environment: ops/setup.sh, ops/serve.sh, ops/test.sh"
-  echo "# and CI install with this file as pip constraints. Made by ops/lock.sh; do not edit by hand."
+  echo "# and CI install with this file as pip constraints. Remake it with ops/lock.sh, not by hand."
   "$tmp/venv/bin/python" -m pip freeze --exclude-editable | grep -viE '^sigmaflight( |=|@)' | sed 's/^torch==\(.*\)+cpu$/torch==\1/'
 } > requirements.lock
 echo "requirements.lock: $(grep -vc '^#' requirements.lock) packages" >&2
