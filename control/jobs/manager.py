@@ -615,9 +615,9 @@ class JobManager:
                 self._forming.append(forming)
                 try:
                     self._gather(forming)
-                    started = time.monotonic()
-                    deadline = started + self._batch_wait_s
-                    longest = started + BATCH_WAIT_ROUNDS * self._batch_wait_s
+                    now = time.monotonic()
+                    deadline = now + self._batch_wait_s
+                    longest = now + BATCH_WAIT_ROUNDS * self._batch_wait_s
                     while (forming.jobs and not self._stopped.is_set() and self._room(forming) > 0
                            and (left := deadline - time.monotonic()) > 0):
                         self._work.wait(left)

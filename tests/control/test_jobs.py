@@ -284,7 +284,7 @@ def test_a_burst_longer_than_the_wait_lands_in_one_batch_and_a_steady_stream_is_
     jobs, store = manager(registry, max_batch_samples=64, batch_wait_s=wait_s, queue_size=128)
     jobs.start()
     try:
-        burst = []
+        burst: list[str] = []
         for k in range(8):
             s = spec(seed=10 + k)
             burst.append(jobs.submit(s, batch_key=batch_key(model, s))[0].id)
@@ -293,7 +293,7 @@ def test_a_burst_longer_than_the_wait_lands_in_one_batch_and_a_steady_stream_is_
             assert wait(jobs, job_id, {"failed", "succeeded"}) == "succeeded"
         assert {_batch_of(store, j)["id"] for j in burst} == {_batch_of(store, burst[0])["id"]}
         assert _batch_of(store, burst[0])["requests"] == 8
-        stream = []
+        stream: list[str] = []
         t0 = time.monotonic()
         while time.monotonic() - t0 < BATCH_WAIT_ROUNDS * wait_s + 1.0:  # never pauses for W
             s = spec(seed=100 + len(stream))
