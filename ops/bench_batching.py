@@ -25,6 +25,7 @@ samples/s against both.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import statistics
 import threading
 import time
@@ -143,7 +144,9 @@ def main() -> int:
 
     common = ("--model", a.model, "--workers", "1", "--log-level", "warning", "--queue-size", str(4 * a.n + 8))
     flags = {"on-0": (), "on-W": ("--batch-wait-ms", str(a.wait_ms)), "off": ("--max-batch-samples", "1")}
-    servers = {m: ServerProcess(*common, *flags[m], timeout=300) for m in MODES}
+    with concurrent.futures.ThreadPoolExecutor(len(MODES)) as pool:  # the three start side by side
+        starting = {m: pool.submit(ServerProcess, *common, *flags[m], timeout=300) for m in MODES}
+    servers = {m: f.result() for m, f in starting.items()}
     try:
         info = httpx.get(f"{servers['off'].rest_url}/v1/models", timeout=30).json()
         described = next(m for m in info["models"] if m["id"] == a.model)
