@@ -3,7 +3,8 @@
 The pipeline's own `__call__` runs (encoding, CFG, latent preparation); a per-call
 `RolloutScheduler` hands every step to `_Driver`, which advances the step with
 `stepping.advance` (the function the replay uses too), captures x_i, scores
-log p(x_{i+1} | x_i) with `kernels.step_log_prob` and fails the rollout (`RolloutNonFinite`)
+log p(x_{i+1} | x_i) as `kernels.step_log_prob` does (the transition's kernel, computed once for
+the step and the score) and fails the rollout (`RolloutNonFinite`)
 at the first non-finite latent or log-prob. `rollout_metadata` is the contract's
 `sigmaflight.rollout` object for the run.
 
@@ -11,7 +12,9 @@ Co-batching: `run_batch` runs several rollouts that share a batch key (pipeline/
 one `__call__`, their samples one after another (`calls.batch_call_kwargs`). The model sees
 all rows at once; everything else is done per member on its own rows, exactly as for the member
 alone: its own seeds and noise, sde window, kernel step (`advance` on its rows), log-probs,
-captures, callbacks, cancel and failure. A member that fails or is cancelled ends at once (its
+captures, callbacks, cancel and failure. The one thing shared is arithmetic: a step's kernel
+(mean, std) is computed once over the call when two or more members are stochastic there, and
+each member takes its rows (elementwise, so the same values as alone; not with per-row calls). A member that fails or is cancelled ends at once (its
 `on_end` is called then) while the others run on; `run_rollout` is a batch of one.
 
 Seeds and noise: see pipeline/seeds.py; validation and sizes: pipeline/validation.py; the
@@ -33,7 +36,7 @@ from sigmaflight.pipeline.conditioning import (
     branch_conditioning,
     conditioning_from_calls,
 )
-from sigmaflight.pipeline.kernels import step_log_prob, stochastic_transitions
+from sigmaflight.pipeline.kernels import gaussian_log_prob, kernel_mean_std, stochastic_transitions
 from sigmaflight.pipeline.models import LoadedModel, Policy
 from sigmaflight.pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
 from sigmaflight.pipeline.seeds import derive_seeds, noise_seed, sample_seeds
@@ -202,18 +205,24 @@ class _Run:
         if self.member.on_step is not None:
             self.member.on_step(cap)
 
-    def step(self, scheduler: RolloutScheduler, i: int, sample: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
-        """This member's transition i on its own rows: sample, velocity [B_m, ...]."""
+    def step(self, scheduler: RolloutScheduler, i: int, sample: torch.Tensor, velocity: torch.Tensor,
+             kernel: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """This member's transition i on its own rows: sample, velocity [B_m, ...]. `kernel`: the
+        transition's (mean [B_m, ...], std) when the driver computed it for the whole call."""
         spec = self.member.spec
         assert self.sigmas is not None
         stored_i = self._store(sample) if i in self.steps else None  # [B_m, ...]
         stochastic = i in self.sde_steps
+        if stochastic and kernel is None:
+            kernel = kernel_mean_std(sample, velocity, self.sigmas, i, sampler=spec.sampler)
         x_next = advance(scheduler, i, sample, velocity, self.sigmas, sampler=spec.sampler, seeds=self.seeds,
-                         stochastic=stochastic)
+                         stochastic=stochastic, kernel=kernel if stochastic else None)
         lp: torch.Tensor | None = None
         if stochastic and spec.return_log_probs:
-            # Score the stored values with the public replay function (same code path as replay).
-            lp = step_log_prob(sample, x_next, velocity, self.sigmas, i, sampler=spec.sampler).to("cpu")  # [B_m]
+            assert kernel is not None
+            # Score the stored values as `step_log_prob` (the public replay function) does: its
+            # kernel of (sample, velocity), then the Gaussian of x_next; the kernel made once.
+            lp = gaussian_log_prob(x_next, *kernel, spec.sampler.log_prob).to("cpu")  # [B_m]
             if not bool(torch.isfinite(lp).all()):
                 raise RolloutNonFinite(i, "log_prob")
             self.log_probs[:, i] = lp
@@ -248,8 +257,10 @@ class _Run:
 class _Driver:
     """The scheduler's step driver for one call: hands each member its rows, joins their x_{i+1}."""
 
-    def __init__(self, runs: list[_Run], batch_id: str, original_scheduler: Any, family: str) -> None:
+    def __init__(self, runs: list[_Run], batch_id: str, original_scheduler: Any, family: str,
+                 per_row: bool = False) -> None:
         self.runs = runs
+        self.per_row = per_row
         self.batch_id = batch_id
         self.original_scheduler = original_scheduler
         self.family = family
@@ -280,6 +291,18 @@ class _Driver:
             except Exception as exc:
                 run.close(exc)
 
+    def _kernel(self, i: int, sample: torch.Tensor, velocity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Transition i's (mean, std) over the whole call, once, when two or more members are
+        stochastic at i (members share sampler, noise level and schedule: `batch_key`); each takes
+        its rows. The kernel is elementwise, so a row's values do not depend on the others; with
+        per-row model calls (--batch-invariant) every member computes its own, as alone."""
+        live = [r for r in self.runs if not r.ended and i in r.sde_steps]
+        if self.per_row or len(live) < 2:
+            return None
+        run = live[0]
+        assert run.sigmas is not None
+        return kernel_mean_std(sample, velocity, run.sigmas, i, sampler=run.member.spec.sampler)
+
     def step(self, scheduler: RolloutScheduler, i: int, sample: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
         if not self.started:
             self._start(scheduler, sample)
@@ -290,12 +313,14 @@ class _Driver:
             except Exception as exc:
                 run.close(exc)
                 raise _BatchOver from None
+        kernel = self._kernel(i, sample, velocity)
         out = []
         for run in self.runs:
             rows = slice(run.first, run.end)
             if not run.ended:
                 try:
-                    out.append(run.step(scheduler, i, sample[rows], velocity[rows]))
+                    mine = (kernel[0][rows], kernel[1]) if kernel is not None and i in run.sde_steps else None
+                    out.append(run.step(scheduler, i, sample[rows], velocity[rows], mine))
                     continue
                 except Exception as exc:
                     run.close(exc)
@@ -370,7 +395,7 @@ def run_batch(
 def _call(model: LoadedModel, policy: Policy, runs: list[_Run], per_sample_model_calls: bool, batch_id: str) -> None:
     """The one pipeline call of a batch; ends every member that is still running."""
     pipeline = policy.pipeline
-    driver = _Driver(runs, batch_id, pipeline.scheduler, model.family)
+    driver = _Driver(runs, batch_id, pipeline.scheduler, model.family, per_row=per_sample_model_calls)
     scheduler = make_rollout_scheduler(pipeline.scheduler, driver)
     overrides = call_overrides(model, pipeline, per_sample_model_calls)
     if any(r.member.spec.return_conditioning for r in runs):  # captured once, kept by who asked

@@ -28,6 +28,7 @@ def advance(
     sampler: SamplerSpec,
     seeds: Sequence[int],
     stochastic: bool,
+    kernel: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x_{i+1} in the model's dtype, on `sample`'s device.
 
@@ -36,9 +37,11 @@ def advance(
     model dtype as the stock scheduler casts its result. Otherwise the stock scheduler's own
     Euler step (bit-identical to `FlowMatchEulerDiscreteScheduler.step`).
     sample, velocity: [B, ...] x_i and the CFG-combined velocity at step i.
+    kernel: `kernel_mean_std` of exactly these arguments when the caller has it already (the
+    rollout scores the transition with it too), so it is computed once.
     """
     if not stochastic:
         return scheduler.euler_step(i, sample, velocity)
-    mean, std = kernel_mean_std(sample, velocity, sigmas, i, sampler=sampler)  # [B, ...] f32, 0-d f32
+    mean, std = kernel if kernel is not None else kernel_mean_std(sample, velocity, sigmas, i, sampler=sampler)
     eps = draw_noise(seeds, i, tuple(sample.shape[1:])).to(mean.device)  # [B, ...] float32
     return (mean + std * eps).to(velocity.dtype)

@@ -5,6 +5,7 @@ transcription of Flow-GRPO's step, and the same request run alone."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, cast
 
 import pytest
 import torch
@@ -138,6 +139,26 @@ def test_a_replay_in_the_same_company_gives_the_log_probs_bit_for_bit(registry, 
     replayed = Replayer(model).replay_batch(items)
     for res, rep in zip(batched, replayed, strict=True):
         assert torch.equal(rep.log_probs.nan_to_num(-7.0), res.log_probs.nan_to_num(-7.0))
+
+
+def test_the_calls_shared_kernel_gives_each_member_what_its_own_rows_alone_give(registry, batched):
+    """The driver computes a stochastic step's kernel once over the whole call and hands each member
+    its rows. Whatever the company, a member's x_{i+1} must be `advance` on its own rows alone, and
+    its log-prob the public `step_log_prob` of its stored x_i, x_{i+1} and velocity, bit for bit."""
+    from sigmaflight.pipeline.kernels import step_log_prob
+    from sigmaflight.pipeline.schedules import make_rollout_scheduler
+    from sigmaflight.pipeline.stepping import advance
+
+    model = registry.get("tiny-sd3")
+    scheduler = make_rollout_scheduler(model.pipeline.scheduler, cast(Any, None))  # a stochastic step never asks it
+    for res in batched:
+        for i in res.snapshot.sde_steps:
+            (cap,) = [c for c in res.captures if c.step == i]
+            alone = advance(scheduler, i, cap.latent, cap.velocity, res.snapshot.sigmas, sampler=SAMPLER,
+                            seeds=res.seeds, stochastic=True)
+            assert torch.equal(latent(res, i + 1), alone), (res.seeds, i)
+            scored = step_log_prob(cap.latent, latent(res, i + 1), cap.velocity, res.snapshot.sigmas, i, sampler=SAMPLER)
+            assert torch.equal(res.log_probs[:, i], scored), (res.seeds, i)
 
 
 def test_with_per_row_model_calls_a_member_is_bit_identical_to_the_request_alone(registry):
