@@ -14,8 +14,9 @@ all rows at once; everything else is done per member on its own rows, exactly as
 alone: its own seeds and noise, sde window, kernel step (`advance` on its rows), log-probs,
 captures, callbacks, cancel and failure. The one thing shared is arithmetic: a step's kernel
 (mean, std) is computed once over the call when two or more members are stochastic there, and
-each member takes its rows (elementwise, so the same values as alone; not with per-row calls). A member that fails or is cancelled ends at once (its
-`on_end` is called then) while the others run on; `run_rollout` is a batch of one.
+each member takes its rows (elementwise, so the same values as alone; not with per-row calls).
+A member that fails or is cancelled ends at once (its `on_end` is called then) while the others
+run on; `run_rollout` is a batch of one.
 
 Seeds and noise: see pipeline/seeds.py; validation and sizes: pipeline/validation.py; the
 pipeline call: pipeline/calls.py. Their public names are re-exported here, as before the split.
@@ -216,7 +217,7 @@ class _Run:
         if stochastic and kernel is None:
             kernel = kernel_mean_std(sample, velocity, self.sigmas, i, sampler=spec.sampler)
         x_next = advance(scheduler, i, sample, velocity, self.sigmas, sampler=spec.sampler, seeds=self.seeds,
-                         stochastic=stochastic, kernel=kernel if stochastic else None)
+                         stochastic=stochastic, kernel=kernel)
         lp: torch.Tensor | None = None
         if stochastic and spec.return_log_probs:
             assert kernel is not None
