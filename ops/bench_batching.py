@@ -14,9 +14,9 @@ to the end of its Flight stream (a plain `do_get(...).read_all()` that follows i
   lone B=1     one request of one prompt, nothing else running (latency)
   mixed        N concurrent B=1 requests of two sizes and two step counts
 
-In this process, between rounds: the stock diffusers `__call__` with N prompts (output_type
-"latent") and `run_rollout` of the same B=N request with full capture, for the service's
-samples/s against both.
+Then, in this process once the servers have stopped: the stock diffusers `__call__` with N
+prompts (output_type "latent") and `run_rollout` of the same B=N request with full capture,
+interleaved, for the service's samples/s against both.
 
   .venv/bin/python ops/bench_batching.py --model tiny-sd3 --n 16 --steps 8
   .venv/bin/python ops/bench_batching.py --model small-sd3 --n 8 --steps 4 --rounds 3
@@ -81,18 +81,18 @@ def run_requests(url: str, bodies: list[dict[str, Any]]) -> tuple[float, list[fl
 
 
 def batch_counts(url: str) -> tuple[float, float]:
-    """(batches, rollouts) the server has run as model calls, from its /metrics histograms."""
+    """(batches, rollouts) the server has run as model calls, from its /metrics histogram
+    `sigmaflight_batch_requests` (its _count and _sum)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    got = {}
-    for line in text.splitlines():
-        if line.startswith(("sigmaflight_batch_requests_count", "sigmaflight_batch_requests_sum")):
-            name, value = line.rsplit(" ", 1)
-            got[name.split("{")[0]] = float(value)
+    got = {s.name: s.value for f in text_string_to_metric_families(text) if f.name == "sigmaflight_batch_requests"
+           for s in f.samples}
     return got.get("sigmaflight_batch_requests_count", 0.0), got.get("sigmaflight_batch_requests_sum", 0.0)
 
 
 def workloads(a: argparse.Namespace, size: int, small: int) -> dict[str, list[dict[str, Any]]]:
-    """Each workload's request bodies (seeds differ per request and per round through `seed_base`)."""
+    """Each workload's request bodies (main gives every request its own seed, per round)."""
     n, t = a.n, a.steps
     half = max(1, t // 2)
     return {
