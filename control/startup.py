@@ -19,8 +19,10 @@
   load the built-ins and --model-dir only);
 - a --model-dir that does not exist or holds no pipeline, or a pipeline there whose scheduler is not
   flow-match;
-- a hub --model (org/name[@revision]) that is neither in the Hugging Face cache nor on the hub
-  (HF_HUB_OFFLINE=1: the cache only), is not a diffusers pipeline, or is not flow-match;
+- a hub --model (org/name[@revision]) whose id huggingface_hub refuses or whose revision is no ref
+  name (it would name a path), whose cache entry is broken, that is neither complete in the Hugging
+  Face cache nor on the hub (asked once, no retries; HF_HUB_OFFLINE=1: the cache only), is not a
+  diffusers pipeline, or is not flow-match;
 - an unknown --model (the line lists the known ones).
 """
 
@@ -245,7 +247,7 @@ def check_models(settings: Settings) -> None:
         local = [sub.name for sub in dirs]
     if parse_hub_id(settings.model) is not None:
         try:
-            check_hub_model(settings.model)  # model_index.json only: in the cache (or on the hub), flow-match
+            check_hub_model(settings.model)  # model_index.json: in the cache, complete (or on the hub), flow-match
         except ModelLoadError as exc:
             raise StartupError(f"--model {exc}") from None
         return
