@@ -2,8 +2,9 @@
 
 Imported only by the `serve` command (sigmaflight/cli.py), so the users' side never loads
 the server. Flags come from pydantic-settings' CLI source over `Settings`. Startup mistakes
-(control/startup.py: ports in use, a bad --shm-dir, --backend ray without Ray, an unknown
---model, a bad --model-dir, an unusable --token-file; and any invalid value) end in one line on
+(control/startup.py: ports in use, a --host that is no address here, a bad --shm-dir, --backend
+ray without Ray, an unknown --model, a bad --model-dir or hub id, an unusable --token-file or a
+--token of no token, half a TLS pair or unusable TLS files; and any invalid value) end in one line on
 stderr and exit status 2, before any model loads. SIGHUP re-reads --token-file (both planes,
 every Ray worker); a file that is now missing, unreadable or empty changes nothing (an error
 line; the old tokens stay). A SIGHUP while the server starts is held until it is ready.
