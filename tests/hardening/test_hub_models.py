@@ -147,26 +147,28 @@ def test_a_cache_entry_whose_ref_points_outside_the_cache_is_refused_without_a_t
                            f"{repo} is broken: refs/main names {str(outside)!r}, not a snapshot in it"), line
 
 
-def test_a_cached_model_index_without_the_pipelines_files_is_refused_at_start(hub):
-    repo = Path(hub["HF_HUB_CACHE"]) / "models--org--index-only"
-    snapshot = repo / "snapshots" / COMMIT
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(COMMIT)
-    (snapshot / "model_index.json").write_bytes((_snapshot(hub, "tiny-sd3") / "model_index.json").read_bytes())
-    (snapshot / "scheduler").mkdir()
-    (snapshot / "scheduler" / "scheduler_config.json").write_bytes(
-        (_snapshot(hub, "tiny-sd3") / "scheduler" / "scheduler_config.json").read_bytes())
-    line = serve_refused("--port", "0", "--flight-port", "0", "--model", "org/index-only", env=hub)
-    assert line.startswith("sigmaflight serve: --model org/index-only: the Hugging Face cache holds its "
-                           "model_index.json but not all of its pipeline's files (text_encoder/: missing)"), line
-    assert "HF_HUB_OFFLINE is set" in line
-
-
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("online", [False, True], ids=["offline", "hub-unreachable"])
+def test_a_cached_model_index_without_the_pipelines_files_is_refused_at_start(hub, online):
+    repo = Path(hub["HF_HUB_CACHE"]) / "models--org--index-only"
+    snapshot = repo / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    (snapshot / "model_index.json").write_bytes((_snapshot(hub, "tiny-sd3") / "model_index.json").read_bytes())
+    (snapshot / "scheduler").mkdir(exist_ok=True)
+    (snapshot / "scheduler" / "scheduler_config.json").write_bytes(
+        (_snapshot(hub, "tiny-sd3") / "scheduler" / "scheduler_config.json").read_bytes())
+    env = {**hub, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"} if online else hub
+    line = serve_refused("--port", "0", "--flight-port", "0", "--model", "org/index-only", env=env)
+    assert line.startswith("sigmaflight serve: --model org/index-only: the Hugging Face cache holds its "
+                           "model_index.json but not all of its pipeline's files (text_encoder/: missing)"), line
+    assert ("and the hub cannot be reached (" if online else "and HF_HUB_OFFLINE is set") in line
 
 
 def test_a_hub_model_with_the_hub_unreachable_is_refused_at_once_without_retries(hub):
