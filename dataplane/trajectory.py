@@ -189,8 +189,10 @@ class _Assembly:
         names = schema.names
         self.i_step, self.i_sample = names.index("step"), names.index("sample")
         self.i_lp, self.i_lat = names.index("log_prob"), names.index("latent")
-        self.step = np.empty(self.rows_total, np.int32)  # each row's step and sample, in stream order
+        self.i_seed = names.index("seed")
+        self.step = np.empty(self.rows_total, np.int32)  # each row's step, sample and seed, in stream order
         self.sample = np.empty(self.rows_total, np.int32)
+        self.seed = np.empty(self.rows_total, np.int64)
         self.lp = np.full(self.rows_total, np.nan, np.float32)
         self.rows = 0
 
@@ -200,8 +202,22 @@ class _Assembly:
         values = storage.values
         return values.buffers()[1], (values.offset + storage.offset * self.elems) * self.itemsize
 
+    def _check_nulls(self, part: pa.RecordBatch | pa.Table) -> None:
+        """ValueError naming a non-nullable column that holds a null (the schema says none may)."""
+        for i in (self.i_step, self.i_sample, self.i_seed, self.i_lat):
+            col = part.column(i)
+            if col.null_count:
+                raise ValueError(f"trajectory {self.header.rollout_id}: column {self.schema.names[i]!r} holds "
+                                 f"{col.null_count} null(s); it is not nullable")
+        chunks = part.column(self.i_lat).chunks if isinstance(part, pa.Table) else [part.column(self.i_lat)]
+        for chunk in chunks:
+            if chunk.storage.values.null_count:
+                raise ValueError(f"trajectory {self.header.rollout_id}: column 'latent' holds null values "
+                                 "inside a latent; it is not nullable")
+
     def _take_columns(self, r0: int, part: pa.RecordBatch | pa.Table) -> None:
         n = part.num_rows
+        self._check_nulls(part)
         step = part.column(self.i_step).to_numpy(zero_copy_only=False)
         sample = part.column(self.i_sample).to_numpy(zero_copy_only=False)
         if r0 + n > self.rows_total:  # a row twice, or a step not listed: say which
@@ -209,6 +225,7 @@ class _Assembly:
             raise ValueError(f"trajectory {self.header.rollout_id}: more rows than B x steps = {self.rows_total}")
         self.step[r0 : r0 + n] = step
         self.sample[r0 : r0 + n] = sample
+        self.seed[r0 : r0 + n] = part.column(self.i_seed).to_numpy(zero_copy_only=False)
         lp = part.column(self.i_lp)
         if lp.null_count != n:
             self.lp[r0 : r0 + n] = lp.to_numpy(zero_copy_only=False)  # nulls -> NaN
@@ -282,10 +299,23 @@ class _Assembly:
                 and (sa == np.arange(self.b)[None, :]).all()):
             self._reorder()
         h = self.header
+        self._check_seeds()
         log_probs = np.full((self.b, h.num_steps), np.nan, np.float32)  # [B, T]
         has = self.steps < h.num_steps  # no transition leaves x_T
         log_probs[:, self.steps[has]] = self.lp.reshape(self.k, self.b)[has].T
         return cls(h, self.latents, torch.from_numpy(log_probs), dict(h.rollout), self.schema)
+
+    def _check_seeds(self) -> None:
+        """The seed column against ``sigmaflight.rollout.seeds`` (samples are known to be in
+        range here): ValueError naming the first row that disagrees."""
+        seeds = np.asarray(self.header.seeds, dtype=np.int64)
+        bad = self.seed[: self.rows] != seeds[self.sample[: self.rows]]
+        if bad.any():
+            r = int(np.argmax(bad))
+            j = int(self.sample[r])
+            raise ValueError(f"trajectory {self.header.rollout_id}: column 'seed' holds {int(self.seed[r])} for "
+                             f"sample {j} at step {int(self.step[r])}, but sigmaflight.rollout.seeds[{j}] is "
+                             f"{int(seeds[j])}")
 
     def _reorder(self) -> None:
         """Rows that came in another order than step-major: each moved from the place its
