@@ -330,10 +330,7 @@ class Client:
         message = _flight_message(exc)
         if kind == "unauthenticated" or isinstance(exc, flight.FlightUnauthenticatedError):
             return Unauthorized(401, "unauthorized", message)
-        try:
-            st = self.status(ticket)
-        except ApiError:
-            st = None
+        st = self._status_of(ticket)
         if st is not None and st.status in TERMINAL and st.status != "succeeded":
             return RolloutFailed.from_status(st, message)
         if kind == "failed":
@@ -343,6 +340,23 @@ class Client:
         if kind in ("not_found", "released", "expired") and st is None:
             return NotFound(None, "not_found", message)
         return ApiError(None, kind or "flight_error", message)
+
+    def _status_of(self, ticket: str | Ticket) -> RolloutStatus | None:
+        """The REST status of the rollout `ticket` names (a Ticket, a rollout id or a bare Flight
+        ticket, as `locate` takes them), None when REST does not know it: a pull answers the
+        same whichever handle the trainer holds."""
+        try:
+            return self.status(ticket)
+        except NotFound:
+            if not isinstance(ticket, str):
+                return None
+            try:
+                owners = self.rollouts(limit=1, ticket=ticket)
+            except ApiError:
+                return None
+            return owners[0] if owners else None
+        except ApiError:
+            return None
 
 
 def _id(ticket: str | Ticket) -> str:
