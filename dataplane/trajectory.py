@@ -216,17 +216,19 @@ class _Assembly:
                                  "inside a latent; it is not nullable")
 
     def _take_columns(self, r0: int, part: pa.RecordBatch | pa.Table) -> None:
-        n = part.num_rows
         self._check_nulls(part)
-        step = part.column(self.i_step).to_numpy(zero_copy_only=False)
-        sample = part.column(self.i_sample).to_numpy(zero_copy_only=False)
+        self._take(r0, part.num_rows, *(part.column(i) for i in (self.i_step, self.i_sample, self.i_seed, self.i_lp)))
+
+    def _take(self, r0: int, n: int, step_col: Any, sample_col: Any, seed_col: Any, lp: Any) -> None:
+        """Rows r0..r0+n's step, sample, seed and log_prob columns (arrays or chunked arrays)."""
+        step = step_col.to_numpy(zero_copy_only=False)
+        sample = sample_col.to_numpy(zero_copy_only=False)
         if r0 + n > self.rows_total:  # a row twice, or a step not listed: say which
             self._destinations(np.concatenate([self.step[:r0], step]), np.concatenate([self.sample[:r0], sample]))
             raise ValueError(f"trajectory {self.header.rollout_id}: more rows than B x steps = {self.rows_total}")
         self.step[r0 : r0 + n] = step
         self.sample[r0 : r0 + n] = sample
-        self.seed[r0 : r0 + n] = part.column(self.i_seed).to_numpy(zero_copy_only=False)
-        lp = part.column(self.i_lp)
+        self.seed[r0 : r0 + n] = seed_col.to_numpy(zero_copy_only=False)
         if lp.null_count != n:
             self.lp[r0 : r0 + n] = lp.to_numpy(zero_copy_only=False)  # nulls -> NaN
 
@@ -248,7 +250,14 @@ class _Assembly:
     def read_file(self, batches: list[pa.RecordBatch], source: FileSource, verify: bool) -> None:
         """Every batch of a mapped file at once: the columns in one pass each, the latents by
         preadv from ``source`` (file offset of each row -> address of its destination row)."""
-        self._take_columns(0, pa.Table.from_batches(batches, schema=self.schema))
+        source.check_size()
+        self._check_nulls(pa.Table.from_batches(batches, schema=self.schema))  # null counts: batch metadata
+        n = sum(b.num_rows for b in batches)
+        if n > self.rows_total:
+            raise ValueError(f"trajectory {self.header.rollout_id}: more rows than B x steps = {self.rows_total}")
+        cols = [np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.int64), np.empty(n, np.float32)]
+        source.read_columns(batches, [self.i_step, self.i_sample, self.i_seed, self.i_lp], cols)  # not the mapping
+        self._take(0, n, *(pa.array(c) for c in cols))
         counts = np.fromiter((b.num_rows for b in batches), np.int64, len(batches))
         offsets = np.zeros(len(batches), np.int64)
         for j, batch in enumerate(batches):  # the one step per batch: where its latents lie in the file
