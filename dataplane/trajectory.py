@@ -7,6 +7,8 @@ table or a memory-mapped file) into one ``[B, K, *latent_shape]`` tensor with on
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,8 +191,10 @@ class _Assembly:
         names = schema.names
         self.i_step, self.i_sample = names.index("step"), names.index("sample")
         self.i_lp, self.i_lat = names.index("log_prob"), names.index("latent")
-        self.step = np.empty(self.rows_total, np.int32)  # each row's step and sample, in stream order
+        self.i_seed = names.index("seed")
+        self.step = np.empty(self.rows_total, np.int32)  # each row's step, sample and seed, in stream order
         self.sample = np.empty(self.rows_total, np.int32)
+        self.seed = np.empty(self.rows_total, np.int64)
         self.lp = np.full(self.rows_total, np.nan, np.float32)
         self.rows = 0
 
@@ -200,16 +204,33 @@ class _Assembly:
         values = storage.values
         return values.buffers()[1], (values.offset + storage.offset * self.elems) * self.itemsize
 
+    def _check_nulls(self, part: pa.RecordBatch | pa.Table) -> None:
+        """ValueError naming a non-nullable column that holds a null (the schema says none may)."""
+        for i in (self.i_step, self.i_sample, self.i_seed, self.i_lat):
+            col = part.column(i)
+            if col.null_count:
+                raise ValueError(f"trajectory {self.header.rollout_id}: column {self.schema.names[i]!r} holds "
+                                 f"{col.null_count} null(s); it is not nullable")
+        chunks = part.column(self.i_lat).chunks if isinstance(part, pa.Table) else [part.column(self.i_lat)]
+        for chunk in chunks:
+            if chunk.storage.values.null_count:
+                raise ValueError(f"trajectory {self.header.rollout_id}: column 'latent' holds null values "
+                                 "inside a latent; it is not nullable")
+
     def _take_columns(self, r0: int, part: pa.RecordBatch | pa.Table) -> None:
-        n = part.num_rows
-        step = part.column(self.i_step).to_numpy(zero_copy_only=False)
-        sample = part.column(self.i_sample).to_numpy(zero_copy_only=False)
+        self._check_nulls(part)
+        self._take(r0, part.num_rows, *(part.column(i) for i in (self.i_step, self.i_sample, self.i_seed, self.i_lp)))
+
+    def _take(self, r0: int, n: int, step_col: Any, sample_col: Any, seed_col: Any, lp: Any) -> None:
+        """Rows r0..r0+n's step, sample, seed and log_prob columns (arrays or chunked arrays)."""
+        step = step_col.to_numpy(zero_copy_only=False)
+        sample = sample_col.to_numpy(zero_copy_only=False)
         if r0 + n > self.rows_total:  # a row twice, or a step not listed: say which
             self._destinations(np.concatenate([self.step[:r0], step]), np.concatenate([self.sample[:r0], sample]))
             raise ValueError(f"trajectory {self.header.rollout_id}: more rows than B x steps = {self.rows_total}")
         self.step[r0 : r0 + n] = step
         self.sample[r0 : r0 + n] = sample
-        lp = part.column(self.i_lp)
+        self.seed[r0 : r0 + n] = seed_col.to_numpy(zero_copy_only=False)
         if lp.null_count != n:
             self.lp[r0 : r0 + n] = lp.to_numpy(zero_copy_only=False)  # nulls -> NaN
 
@@ -231,7 +252,14 @@ class _Assembly:
     def read_file(self, batches: list[pa.RecordBatch], source: FileSource, verify: bool) -> None:
         """Every batch of a mapped file at once: the columns in one pass each, the latents by
         preadv from ``source`` (file offset of each row -> address of its destination row)."""
-        self._take_columns(0, pa.Table.from_batches(batches, schema=self.schema))
+        source.check_size()
+        self._check_nulls(pa.Table.from_batches(batches, schema=self.schema))  # null counts: batch metadata
+        n = sum(b.num_rows for b in batches)
+        if n > self.rows_total:
+            raise ValueError(f"trajectory {self.header.rollout_id}: more rows than B x steps = {self.rows_total}")
+        cols = [np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.int64), np.empty(n, np.float32)]
+        source.read_columns(batches, [self.i_step, self.i_sample, self.i_seed, self.i_lp], cols)  # not the mapping
+        self._take(0, n, *(pa.array(c) for c in cols))
         counts = np.fromiter((b.num_rows for b in batches), np.int64, len(batches))
         offsets = np.zeros(len(batches), np.int64)
         for j, batch in enumerate(batches):  # the one step per batch: where its latents lie in the file
@@ -282,10 +310,23 @@ class _Assembly:
                 and (sa == np.arange(self.b)[None, :]).all()):
             self._reorder()
         h = self.header
+        self._check_seeds()
         log_probs = np.full((self.b, h.num_steps), np.nan, np.float32)  # [B, T]
         has = self.steps < h.num_steps  # no transition leaves x_T
         log_probs[:, self.steps[has]] = self.lp.reshape(self.k, self.b)[has].T
         return cls(h, self.latents, torch.from_numpy(log_probs), dict(h.rollout), self.schema)
+
+    def _check_seeds(self) -> None:
+        """The seed column against ``sigmaflight.rollout.seeds`` (samples are known to be in
+        range here): ValueError naming the first row that disagrees."""
+        seeds = np.asarray(self.header.seeds, dtype=np.int64)
+        bad = self.seed[: self.rows] != seeds[self.sample[: self.rows]]
+        if bad.any():
+            r = int(np.argmax(bad))
+            j = int(self.sample[r])
+            raise ValueError(f"trajectory {self.header.rollout_id}: column 'seed' holds {int(self.seed[r])} for "
+                             f"sample {j} at step {int(self.step[r])}, but sigmaflight.rollout.seeds[{j}] is "
+                             f"{int(seeds[j])}")
 
     def _reorder(self) -> None:
         """Rows that came in another order than step-major: each moved from the place its
@@ -300,13 +341,75 @@ class _Assembly:
         self.lp = lp
 
 
-def flight_batches(reader: flight.FlightStreamReader) -> Iterator[pa.RecordBatch]:
-    while True:
-        try:
-            chunk = reader.read_chunk()
-        except StopIteration:
-            return
-        yield chunk.data
+def flight_batches(reader: flight.FlightStreamReader, idle_timeout: float | None = None) -> Iterator[pa.RecordBatch]:
+    """The stream's record batches. ``idle_timeout``: seconds to wait for the next batch (the
+    time the consumer spends between batches does not count); past it the stream is cancelled
+    and TimeoutError raised. None: wait as long as the stream stays open."""
+    if idle_timeout is None:
+        while True:
+            try:
+                chunk = reader.read_chunk()
+            except StopIteration:
+                return
+            yield chunk.data
+    watch = IdleWatch(reader, idle_timeout)
+    try:
+        while True:
+            try:
+                with watch:
+                    chunk = reader.read_chunk()
+            except StopIteration:
+                return
+            except (flight.FlightError, pa.ArrowException) as exc:
+                if watch.fired:
+                    raise TimeoutError(f"no record batch for {idle_timeout:g} s (idle_timeout): the stream was "
+                                       "cancelled") from exc
+                raise
+            yield chunk.data
+    finally:
+        watch.stop()
+
+
+class IdleWatch:
+    """Cancels ``reader`` when one read (``with watch: reader.read_chunk()``) waits longer than
+    ``idle_timeout`` seconds; ``fired`` says it did. One thread per stream, started on first use."""
+
+    def __init__(self, reader: flight.FlightStreamReader, idle_timeout: float) -> None:
+        if not idle_timeout > 0:
+            raise ValueError(f"idle_timeout must be a positive number of seconds or None, got {idle_timeout!r}")
+        self.reader, self.idle = reader, float(idle_timeout)
+        self.fired = False
+        self._since: float | None = None
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> IdleWatch:
+        self._since = time.monotonic()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="sigmaflight-idle-watch", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._since = None
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            since = self._since
+            left = self.idle if since is None else since + self.idle - time.monotonic()
+            if since is not None and left <= 0:
+                self.fired = True
+                try:
+                    self.reader.cancel()
+                except (flight.FlightError, OSError):
+                    pass
+                return
+            self._wake.wait(left)
 
 
 def iter_step_tensors(

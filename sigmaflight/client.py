@@ -98,10 +98,21 @@ class Client:
         timeout: float = 30.0,
         transport: Transport = "auto",
         host: str | None = None,
+        pull_idle_timeout: float | None = 3600.0,
     ) -> None:
         """``transport`` and ``host`` go to each TrajectoryClient: ``"auto"`` reads a finished
         rollout's shared-memory file (a server with --shm-dir on this host) instead of a
-        stream; ``"flight"`` always streams. ``host``: this host's id (default: computed)."""
+        stream; ``"flight"`` always streams. ``host``: this host's id (default: computed).
+
+        ``timeout`` is REST's (each request). ``pull_idle_timeout`` is the pulls' (``pull``,
+        ``pull_stream``, ``pull_outputs``, ``pull_conditioning``): seconds without a record
+        batch on a started stream before it is cancelled and ``TimeoutError`` raised (the wait
+        of a queued rollout to start is not counted; None: no limit). The default, an hour, is
+        the TrajectoryClient's (a running rollout is silent while it computes steps it does not
+        return)."""
+        if pull_idle_timeout is not None and not pull_idle_timeout > 0:
+            raise ValueError(f"pull_idle_timeout must be a positive number of seconds or None, got {pull_idle_timeout!r}")
+        self.pull_idle_timeout = pull_idle_timeout
         self.url = url.rstrip("/")
         self.token = token
         self.transport: Transport = check_transport(transport)
@@ -247,7 +258,8 @@ class Client:
 
         if location not in self._flight:
             self._flight[location] = TrajectoryClient(
-                location, token=self.token, transport=self.transport, host=self.host
+                location, token=self.token, transport=self.transport, host=self.host,
+                idle_timeout=self.pull_idle_timeout,
             )
         return self._flight[location]
 
@@ -291,9 +303,13 @@ class Client:
 
     def pull_stream(self, ticket: str | Ticket, stream: str) -> pa.Table:
         """One stream of a rollout as a pyarrow Table (waits while the rollout runs)."""
+        from sigmaflight.dataplane.trajectory import flight_batches
+
         location, flight_ticket = self.stream_ticket(ticket, stream)
         try:
-            return self.flight(location).reader(flight_ticket).read_all()
+            client = self.flight(location)
+            reader = client.reader(flight_ticket)
+            return pa.Table.from_batches(list(flight_batches(reader, client.idle_timeout)), schema=reader.schema)
         except flight.FlightError as exc:
             raise self.flight_error(ticket, exc) from None
 
@@ -330,10 +346,7 @@ class Client:
         message = _flight_message(exc)
         if kind == "unauthenticated" or isinstance(exc, flight.FlightUnauthenticatedError):
             return Unauthorized(401, "unauthorized", message)
-        try:
-            st = self.status(ticket)
-        except ApiError:
-            st = None
+        st = self._status_of(ticket)
         if st is not None and st.status in TERMINAL and st.status != "succeeded":
             return RolloutFailed.from_status(st, message)
         if kind == "failed":
@@ -343,6 +356,23 @@ class Client:
         if kind in ("not_found", "released", "expired") and st is None:
             return NotFound(None, "not_found", message)
         return ApiError(None, kind or "flight_error", message)
+
+    def _status_of(self, ticket: str | Ticket) -> RolloutStatus | None:
+        """The REST status of the rollout `ticket` names (a Ticket, a rollout id or a bare Flight
+        ticket, as `locate` takes them), None when REST does not know it: a pull answers the
+        same whichever handle the trainer holds."""
+        try:
+            return self.status(ticket)
+        except NotFound:
+            if not isinstance(ticket, str):
+                return None
+            try:
+                owners = self.rollouts(limit=1, ticket=ticket)
+            except ApiError:
+                return None
+            return owners[0] if owners else None
+        except ApiError:
+            return None
 
 
 def _id(ticket: str | Ticket) -> str:
