@@ -405,8 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--batch", type=int, default=None, help="B of the overhead, cobatch and transport parts (16)")
     ap.add_argument("--exact-batch", type=int, default=None, help="B of the exactness part (4; cpu 2)")
-    ap.add_argument("--steps", type=int, default=None, help="T (10; cpu 3)")
-    ap.add_argument("--px", dest="size_px", type=int, default=None, help="image height and width (512; cpu 64)")
+    ap.add_argument("--steps", type=int, default=None, help="T (10; cpu 2)")
+    ap.add_argument("--px", dest="size_px", type=int, default=None, help="image height and width (512; cpu 32)")
     ap.add_argument("--repeats", type=int, default=None, help="timed rounds per comparison (3; cpu 1)")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     ap.add_argument("--budget-s", type=float, default=450.0, help="skip the parts not started by then (seconds)")
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu = device.type == "cuda"
     args.size = args.size or ("full" if gpu else "tiny")
     args.dtype = getattr(torch, args.dtype)
-    for name, full, small in (("batch", 16, 4), ("exact_batch", 4, 2), ("steps", 10, 3), ("size_px", 512, 64),
+    for name, full, small in (("batch", 16, 4), ("exact_batch", 4, 2), ("steps", 10, 2), ("size_px", 512, 32),
                               ("repeats", 3, 1)):
         if getattr(args, name) is None:
             setattr(args, name, full if args.size == "full" else small)
