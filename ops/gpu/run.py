@@ -266,8 +266,9 @@ def part_overhead(run: Run, registry: Any, model: Any) -> None:
                  f"{run.args.repeats} rounds")
     per_step = b * math.prod(latent_shape(model, spec)) * torch.finfo(run.args.dtype).bits // 8
     run.add("overhead", "captured latents copied to the host per step", round(per_step / MiB, 3), "MiB",
-            note="one blocking .to('cpu') of the call's x_i per step, in the scheduler's step "
-                 "(pipeline/rollout.py, _Driver.step) between the transformer calls of steps i and i+1: "
+            note="one blocking .to('cpu') of the whole call's x_i per step (and of x_T after the last), made by "
+                 "the rollout driver (pipeline/rollout.py, _Driver._host) in the scheduler's step, after the "
+                 "transition and before the pipeline calls the transformer for step i+1: on the loop's thread, so "
                  "it does not overlap the next step (nor do the log-prob and finiteness checks, which also sync)")
 
 
