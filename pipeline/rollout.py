@@ -116,19 +116,15 @@ class BatchMember:
 
 @dataclass(frozen=True)
 class _HostStep:
-    """One step's tensors on the host, copied once for the whole call (`_Driver.step`); `call_*`
-    are the call's tensors they were copied from (the same object on a CPU model without a
-    conversion). None where no member needs them."""
+    """One step's tensors of the whole call on the host, each copied once (`_Driver._host`); None
+    where no member still running needs it."""
 
     latent: torch.Tensor | None = None
     """x_i [B, ...] in the capture dtype."""
-    call_latent: torch.Tensor | None = None
     velocity: torch.Tensor | None = None
     """float32 [B, ...]: the CFG-combined velocity of step i."""
-    call_velocity: torch.Tensor | None = None
     next_latent: torch.Tensor | None = None
     """x_T [B, ...] after the last transition."""
-    call_next: torch.Tensor | None = None
 
 
 class _BatchOver(Exception):
@@ -208,13 +204,11 @@ class _Run:
         if self.member.on_schedule is not None:
             self.member.on_schedule(self.snapshot)
 
-    def _own(self, host: torch.Tensor, call: torch.Tensor | None) -> torch.Tensor:
-        """This member's rows of `host` (the call's tensor `call` on the host, made by the driver):
-        a view when `host` is a copy of `call` (a device-to-host copy or a dtype conversion); when it
-        is `call` itself (a CPU model, no conversion), a reference if the rows are the whole call,
-        else a copy of the rows (a member keeps its own rows, not a view of the call's tensor)."""
-        rows = host[self.first:self.end]  # [B_m, ...]
-        return rows if self.whole or call is None or host.data_ptr() != call.data_ptr() else rows.clone()
+    def _own(self, host: torch.Tensor) -> torch.Tensor:
+        """This member's rows of `host`, a tensor of the whole call on the host (`_Driver._host`):
+        `host` itself when the rows are the whole call, else a copy of the rows on the host (a
+        member keeps its own rows, not a view that would keep the whole call's tensor alive)."""
+        return host if self.whole else host[self.first:self.end].clone()  # [B_m, ...]
 
     def _emit(self, step: int, latent: torch.Tensor, log_prob: torch.Tensor | None,
               velocity: torch.Tensor | None = None) -> None:
@@ -258,11 +252,11 @@ class _Run:
             v = None
             if self.member.spec.return_velocities:
                 assert host.velocity is not None
-                v = self._own(host.velocity, host.call_velocity)
-            self._emit(i, self._own(host.latent, host.call_latent), self.lp, v)
+                v = self._own(host.velocity)
+            self._emit(i, self._own(host.latent), self.lp, v)
         if i == self.T - 1 and self.T in self.steps:
             assert host.next_latent is not None
-            self._emit(self.T, self._own(host.next_latent, host.call_next), None)
+            self._emit(self.T, self._own(host.next_latent), None)
         if self.member.on_progress is not None:
             self.member.on_progress(i + 1, self.T)
         if i + 1 < self.T and self.member.should_stop is not None and self.member.should_stop():
@@ -374,8 +368,7 @@ class _Driver:
             velocity_h = velocity.to("cpu", torch.float32).contiguous()  # [B, ...]
         last = i == live[0].T - 1 and any(r.T in r.steps for r in live)
         next_latent = x_next.to("cpu", dtype).contiguous() if last else None  # [B, ...]
-        return _HostStep(latent=latent, call_latent=sample, velocity=velocity_h, call_velocity=velocity,
-                         next_latent=next_latent, call_next=x_next)
+        return _HostStep(latent=latent, velocity=velocity_h, next_latent=next_latent)
 
 
 def _json_config(config: Mapping[str, Any]) -> dict[str, Any]:

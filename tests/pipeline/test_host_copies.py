@@ -109,3 +109,16 @@ def test_bf16_captures_stay_bf16_and_are_the_rows_the_model_saw(members):
                 assert cap.velocity is not None and cap.velocity.dtype == torch.float32
                 assert torch.equal(cap.latent, seen[cap.step][:rows][first:end])
         assert torch.equal(res.captures[T].latent, res.final_latents.to(CPU))
+
+
+@pytest.mark.parametrize("latent_dtype", ["native", "float16"])
+def test_each_member_owns_its_rows_not_a_view_of_the_calls_host_tensor(registry, latent_dtype):
+    """The call's host copy is one tensor of all rows; a member stores a copy of its own rows, so
+    what a trajectory keeps alive is its own bytes (the data plane's budget counts those)."""
+    model = registry.get("tiny-sd3")
+    specs = [dataclasses.replace(s, latent_dtype=latent_dtype, return_velocities=True) for s in MEMBERS]
+    for res in _results(run_batch(model, [BatchMember(spec=s) for s in specs])):
+        for cap in res.captures:
+            for t in (cap.latent, cap.velocity):
+                if t is not None:
+                    assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (cap.step, t.shape)
