@@ -498,6 +498,15 @@ class ModelRegistry:
             self._loaded[model_id] = model
         return model
 
+    def add(self, model: LoadedModel) -> LoadedModel:
+        """Serve a model built in memory (a `LoadedModel` over any flow-match pipeline) under its
+        `id`; raises ValueError when that id is taken."""
+        with self._lock:
+            if model.id in self._loaded or model.id in _BUILTINS or model.id in self._local:
+                raise ValueError(f"model id {model.id!r} is taken")
+            self._loaded[model.id] = model
+        return model
+
     # ------------------------------------------------------------------ changes of weights
 
     def replace_weights(self, model_id: str, state_dict: Mapping[str, torch.Tensor]) -> Policy:
