@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # torch and the data plane's torch side load on first use: `s
 
     from sigmaflight.dataplane.client import Trajectory, TrajectoryClient
     from sigmaflight.pipeline.spec import RolloutSpec
+    from sigmaflight.stream import Stream
 
 __all__ = [
     "ApiError", "Client", "NotFound", "RolloutCancelled", "RolloutFailed", "ServerUnreachable", "Unauthorized",
@@ -200,6 +201,27 @@ class Client:
     def delete_lora(self, model_id: str) -> dict[str, Any]:
         """DELETE the model's LoRA adapter (ApiError 404 "lora_not_loaded" when there is none)."""
         return self._call(rest.delete_lora(model_id))
+
+    def stream(
+        self,
+        requests: Iterable[Mapping[str, Any]],
+        *,
+        in_flight: int = 8,
+        outputs: bool = False,
+        max_staleness: int | None = None,
+        progress: bool | None = None,
+    ) -> Stream:
+        """Run `requests` (request dicts, a list or a generator) and yield each finished rollout
+        as it completes (sigmaflight.stream.Rollout: request, ticket, trajectory, outputs,
+        weights_version, digest, error), keeping at most `in_flight` submitted and unfinished.
+        `outputs=True` pulls the decoded outputs too (the requests ask `return.outputs`);
+        `max_staleness=k` resubmits a rollout more than k weights versions behind this client's
+        latest push; `progress` draws a tqdm bar (default: when stderr is a terminal). Closing
+        it (or Ctrl-C) cancels what is queued or running. See sigmaflight/stream.py."""
+        from sigmaflight.stream import Stream
+
+        return Stream(self, requests, in_flight=in_flight, outputs=outputs, max_staleness=max_staleness,
+                      progress=progress)
 
     # -- Flight --------------------------------------------------------------------------
     def flight(self, location: str) -> TrajectoryClient:
