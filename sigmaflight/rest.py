@@ -257,6 +257,11 @@ def retry_delay(r: httpx.Response, attempt: int) -> float | None:
         cap = float(r.headers.get("retry-after", "1"))
     except ValueError:
         cap = 1.0
+    return backoff(attempt, cap)
+
+
+def backoff(attempt: int, cap: float = 1.0) -> float:
+    """The pause before retry number `attempt` (0 first): RETRY_FIRST_S doubling, at most `cap`."""
     return min(RETRY_FIRST_S * 2 ** min(attempt, 16), max(cap, RETRY_FIRST_S))
 
 

@@ -5,12 +5,13 @@
             if r.error is None:
                 train_on(r.trajectory)
 
-A driver thread keeps at most `in_flight` rollouts submitted and unfinished: it submits the next
-request as soon as one finishes (a 429 is backed off, never raised), polls the server's rollout
-list for those that ended (one request per poll, whatever `in_flight` is), and pulls each finished
-one (and its outputs when asked) on a few pull threads, so rollouts keep running while the trainer
-works on what it has. At most `in_flight` finished rollouts wait for the trainer; beyond that the
-driver submits nothing more until the trainer takes one.
+One thread keeps at most `in_flight` rollouts submitted and unfinished: it submits the next
+request as soon as one finishes (a 429 is backed off, never raised). Pull threads (up to
+LIVE_PULLS) each follow the oldest submitted rollout's Flight stream while it runs, so a rollout
+is known finished the moment its stream ends (no polling) and its trajectory is already here; its
+outputs are pulled after it when asked. Rollouts keep running while the trainer works on what it
+has; at most `in_flight` finished rollouts wait for the trainer, beyond that nothing more is
+submitted until the trainer takes one.
 
 A rollout that failed, a request the server refused (a 422, a 409 stale_policy) or a pull that
 failed comes out as that item's `error` (the typed error, sigmaflight/errors.py), and the iteration
@@ -29,13 +30,12 @@ import sys
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from sigmaflight import rest
-from sigmaflight.errors import ApiError, RolloutFailed, ServerUnreachable, Unauthorized
-from sigmaflight.wire import TERMINAL, RolloutStatus, Ticket
+from sigmaflight.errors import ApiError, ServerUnreachable, Unauthorized
+from sigmaflight.wire import Ticket
 
 if TYPE_CHECKING:
     import numpy as np
@@ -45,11 +45,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Rollout", "Stream"]
 
-POLL_FIRST_S = 0.02
-"""Pause between polls right after something changed; it doubles while nothing does, up to POLL_MAX_S."""
-POLL_MAX_S = 0.25
-PULL_THREADS = 4
-"""Finished rollouts pulled at once (Flight streams held on the server)."""
+LIVE_PULLS = 32
+"""At most this many pull threads, each following one rollout's Flight stream live (a Flight
+stream slot each on the server, of its --max-flight-streams, default 64)."""
 FATAL = (Unauthorized, ServerUnreachable)
 """Errors that end the whole stream: no later request could do better."""
 
@@ -86,8 +84,10 @@ _END = object()
 
 
 class _Driver:
-    """The stream's work, on its own thread; holds no reference to the Stream (so dropping the
-    Stream can close it)."""
+    """The stream's work: one thread submits, `min(in_flight, LIVE_PULLS)` threads each take the
+    oldest submitted rollout nobody follows yet and pull it (the pull follows the running rollout
+    live and ends when it does: that is how the stream learns a rollout finished, without
+    polling). Holds no reference to the Stream, so dropping the Stream can close it."""
 
     def __init__(self, client: Client, requests: Iterable[Mapping[str, Any]], *, in_flight: int, outputs: bool,
                  max_staleness: int | None) -> None:
@@ -98,58 +98,66 @@ class _Driver:
         self.max_staleness = max_staleness
         self.out: queue.Queue[Any] = queue.Queue()
         self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.unfinished: dict[str, _Entry] = {}
+        self.cond = threading.Condition()
+        self.unfinished: dict[str, _Entry] = {}  # submitted, its pull not done
+        self.pending: collections.deque[_Entry] = collections.deque()  # submitted, no pull thread on it yet
         self.retry: collections.deque[tuple[Mapping[str, Any], int]] = collections.deque()
-        self.held = 0  # finished rollouts being pulled or waiting in `out`
+        self.held = 0  # finished rollouts waiting in `out` for the consumer
+        self.done = False  # the submitter has ended: pull threads end once `pending` is empty
         self.submitted = 0
         self.resubmitted = 0
         self.peak_in_flight = 0
         self.error: BaseException | None = None
-        self.pulls = ThreadPoolExecutor(max_workers=min(PULL_THREADS, in_flight), thread_name_prefix="sigmaflight-pull")
         self.thread = threading.Thread(target=self.run, name="sigmaflight-stream", daemon=True)
+        self.pullers = [threading.Thread(target=self.follow, name=f"sigmaflight-pull-{k}", daemon=True)
+                        for k in range(min(in_flight, LIVE_PULLS))]
         self.closed = False
 
-    # -- the driver thread -------------------------------------------------------------------
+    def start(self) -> None:
+        self.thread.start()
+        for t in self.pullers:
+            t.start()
+
+    # -- the submitting thread -------------------------------------------------------------------
     def run(self) -> None:
         exhausted = False
-        pause = POLL_FIRST_S
         try:
-            while not self.stop.is_set():
-                exhausted = self.fill(exhausted)
-                with self.lock:
-                    idle = not self.unfinished and self.held == 0 and not self.retry
-                if exhausted and idle:
-                    break
-                changed = self.poll() if self.unfinished else False
-                pause = POLL_FIRST_S if changed else min(pause * 2, POLL_MAX_S)
-                self.stop.wait(pause)
+            while True:
+                with self.cond:
+                    while not (self.stop.is_set() or self.can_submit(exhausted) or (exhausted and self.idle())):
+                        self.cond.wait(0.5)
+                    if self.stop.is_set() or (exhausted and self.idle()):
+                        break
+                    nxt = self.retry.popleft() if self.retry else None
+                if nxt is None:
+                    try:
+                        request = next(self.requests)
+                    except StopIteration:
+                        exhausted = True
+                        continue
+                    if not isinstance(request, Mapping):
+                        raise TypeError(f"each request of a stream must be a dict of RolloutRequest fields, "
+                                        f"not {type(request).__name__}")
+                    nxt = (request, 0)
+                self.submit(*nxt)
         except BaseException as exc:  # noqa: BLE001 (handed to the consumer, raised there)
             self.error = exc
+            self.stop.set()
         finally:
+            with self.cond:
+                self.done = True
+                self.cond.notify_all()
+            for t in self.pullers:
+                if t.is_alive() and not self.stop.is_set():
+                    t.join()
             self.out.put(_END)
 
-    def fill(self, exhausted: bool) -> bool:
-        """Submit until `in_flight` are unfinished (or `in_flight` finished ones wait); True once
-        the requests are used up."""
-        while not self.stop.is_set():
-            with self.lock:
-                if len(self.unfinished) >= self.in_flight or self.held >= self.in_flight:
-                    return exhausted
-                nxt = self.retry.popleft() if self.retry else None
-            if nxt is None:
-                if exhausted:
-                    return True
-                try:
-                    request = next(self.requests)
-                except StopIteration:
-                    return True
-                if not isinstance(request, Mapping):
-                    raise TypeError(f"each request of a stream must be a dict of RolloutRequest fields, "
-                                    f"not {type(request).__name__}")
-                nxt = (request, 0)
-            self.submit(*nxt)
-        return exhausted
+    def can_submit(self, exhausted: bool) -> bool:
+        room = len(self.unfinished) < self.in_flight and self.held < self.in_flight
+        return room and (bool(self.retry) or not exhausted)
+
+    def idle(self) -> bool:
+        return not self.unfinished and not self.retry
 
     def submit(self, request: Mapping[str, Any], resubmits: int) -> None:
         try:
@@ -157,69 +165,76 @@ class _Driver:
         except FATAL:
             raise
         except (ApiError, ValueError) as exc:  # the server refused this request: its item's error
-            with self.lock:
-                self.held += 1
-            self.out.put(Rollout(request, None, error=exc, resubmits=resubmits))
+            self.emit(Rollout(request, None, error=exc, resubmits=resubmits))
             return
-        with self.lock:
-            self.unfinished[ticket.id] = _Entry(request, ticket, resubmits)
+        entry = _Entry(request, ticket, resubmits)
+        with self.cond:
+            self.unfinished[ticket.id] = entry
+            self.pending.append(entry)
             self.submitted += 1
             self.peak_in_flight = max(self.peak_in_flight, len(self.unfinished))
+            self.cond.notify_all()
 
-    def poll(self) -> bool:
-        """Look for rollouts that ended (one list call; a status call for any the list left out);
-        hand each to a pull thread, the earliest finished first. True when one ended."""
-        with self.lock:
-            ids = set(self.unfinished)
-        seen = {s.id: s for s in self.client.rollouts(limit=min(1000, 2 * len(ids) + 100)) if s.id in ids}
-        for missing in ids - set(seen):
-            try:
-                seen[missing] = self.client.status(missing)
-            except FATAL:
-                raise
-            except ApiError as exc:
-                self.finish(missing, None, exc)
-        ended = sorted((s for s in seen.values() if s.status in TERMINAL), key=lambda s: s.finished_at or "")
-        for st in ended:
-            self.finish(st.id, st, None)
-        return bool(ended)
-
-    def finish(self, rollout_id: str, status: RolloutStatus | None, error: ApiError | None) -> None:
-        with self.lock:
-            entry = self.unfinished.pop(rollout_id, None)
-            if entry is None:
-                return
+    def emit(self, item: Rollout) -> None:
+        with self.cond:
             self.held += 1
-        if status is not None and status.status != "succeeded":
-            error = RolloutFailed.from_status(status)
-        if error is not None:
-            self.out.put(Rollout(entry.request, entry.ticket, error=error, resubmits=entry.resubmits))
-            return
-        self.pulls.submit(self.pull, entry)
+            self.out.put(item)
 
     # -- pull threads --------------------------------------------------------------------------
-    def pull(self, entry: _Entry) -> None:
-        if self.stop.is_set():
-            return
+    def follow(self) -> None:
+        while True:
+            with self.cond:
+                while not (self.pending or self.stop.is_set() or self.done):
+                    self.cond.wait(0.5)
+                if self.stop.is_set() or not self.pending:
+                    return
+                entry = self.pending.popleft()
+            try:
+                item = self.pull(entry)
+            except BaseException as exc:  # noqa: BLE001 (not an item's error: the stream ends with it)
+                self.error = exc
+                self.stop.set()
+                with self.cond:
+                    self.cond.notify_all()
+                return
+            with self.cond:
+                if item is not None and not self.stop.is_set():
+                    self.held += 1
+                    self.out.put(item)
+                self.unfinished.pop(entry.ticket.id, None)
+                self.cond.notify_all()
+
+    def pull(self, entry: _Entry) -> Rollout | None:
+        """The finished rollout of `entry` (waits while it runs), or None when it was resubmitted."""
         item = Rollout(entry.request, entry.ticket, resubmits=entry.resubmits)
         try:
-            item.trajectory = self.client.pull(entry.ticket)
+            item.trajectory = self.retrying(self.client.pull, entry.ticket)
             made = item.trajectory.metadata.get("model") or {}
             version = made.get("weights_version")
             item.weights_version = int(version) if version is not None else None
             item.digest = made.get("digest")
             if self.stale(str(made.get("id", "")), item.weights_version):
                 self.resubmit(entry)
-                return
+                return None
             if self.outputs:
-                item.outputs = self.client.pull_outputs(entry.ticket)
+                item.outputs = self.retrying(self.client.pull_outputs, entry.ticket)
+        except FATAL:
+            raise
         except ApiError as exc:
             item.error = exc
-        except BaseException as exc:  # noqa: BLE001 (not an item's error: the stream ends with it)
-            self.error = exc
-            self.stop.set()
-            return
-        self.out.put(item)
+        return item
+
+    def retrying(self, pull: Any, ticket: Ticket) -> Any:
+        """`pull(ticket)`, retried while the Flight server has no stream slot free."""
+        attempt = 0
+        while True:
+            try:
+                return pull(ticket)
+            except ApiError as exc:
+                if exc.type != "too_many_streams" or self.stop.is_set():
+                    raise
+            self.stop.wait(rest.backoff(attempt))
+            attempt += 1
 
     def stale(self, model_id: str, version: int | None) -> bool:
         if self.max_staleness is None or version is None:
@@ -233,29 +248,31 @@ class _Driver:
             self.client.cancel(entry.ticket)
         except ApiError:
             pass
-        with self.lock:
-            self.held -= 1
+        with self.cond:
             self.resubmitted += 1
             self.retry.append((entry.request, entry.resubmits + 1))
 
     # -- the consumer's side -------------------------------------------------------------------
     def taken(self) -> None:
-        with self.lock:
+        with self.cond:
             self.held -= 1
+            self.cond.notify_all()
 
     def close(self) -> None:
-        """Stop the driver and cancel what is still queued or running (idempotent)."""
+        """Stop and cancel what is still queued or running (idempotent)."""
         if self.closed:
             return
         self.closed = True
         self.stop.set()
+        with self.cond:
+            self.cond.notify_all()
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
-            self.thread.join(timeout=self.client.timeout + 5)
-        self.pulls.shutdown(wait=False, cancel_futures=True)
-        with self.lock:
+            self.thread.join(timeout=self.client.timeout + 5)  # a submit under way registers its rollout
+        with self.cond:
             left = list(self.unfinished.values())
             self.unfinished.clear()
-        for entry in left:
+            self.pending.clear()
+        for entry in left:  # the pulls following them end with the cancel
             try:
                 self.client.cancel(entry.ticket)
             except ApiError:
@@ -284,7 +301,7 @@ class Stream(Iterator[Rollout]):
         self._failed = 0
         self._done = False
         self._close = weakref.finalize(self, _close, self._driver, self._bar)
-        self._driver.thread.start()
+        self._driver.start()
 
     @property
     def submitted(self) -> int:
