@@ -23,6 +23,7 @@ from sigmaflight.pipeline.models import ModelRegistry
 
 from sigmaflight import ApiError, AsyncClient, Client, NotFound, RolloutCancelled
 from sigmaflight.stream import Rollout
+from sigmaflight.wire import Ticket
 from tests.servers import ServerProcess, wait_for
 
 QUEUE = 4
@@ -46,8 +47,12 @@ def blockers(c: Client, n: int = 2) -> list[str]:
     ids = [c.submit(prompts=["blocker"] * 8, num_outputs_per_prompt=32, num_inference_steps=200, seed=k,
                     return_={"steps": [0]}).id for k in range(n)]
     for i in ids:
-        wait_for(lambda i=i: c.status(i).progress.steps_done >= 1, f"blocker {i} runs", timeout=120)
+        _runs(c, i)
     return ids
+
+
+def _runs(c: Client, rollout_id: str) -> None:
+    wait_for(lambda: c.status(rollout_id).progress.steps_done >= 1, f"{rollout_id} runs", timeout=120)
 
 
 class Watch:
@@ -87,9 +92,10 @@ def test_rollouts_come_out_as_they_finish(server):
         got = list(c.stream([slow, fast], in_flight=2, progress=False))
         assert [r.request for r in got] == [fast, slow]
         assert all(r.error is None and isinstance(r, Rollout) for r in got)
-        finished = [c.status(r.ticket.id).finished_at for r in got]
+        finished = [str(c.status(_ticket(r).id).finished_at) for r in got]
         assert finished == sorted(finished)
         for r in got:
+            assert r.trajectory is not None
             assert r.trajectory.metadata["request"]["prompts"] == r.request["prompts"]
             assert r.weights_version == r.trajectory.metadata["model"]["weights_version"] == 0
             assert r.digest == r.trajectory.metadata["model"]["digest"] and r.outputs is None
@@ -156,7 +162,7 @@ def test_a_failed_request_is_that_items_error_and_the_rest_go_on(server):
         assert isinstance(bad.error, ApiError) and bad.error.status == 422 and bad.ticket is None
         assert bad.trajectory is None and "num_inference_steps" in bad.error.message
         cancelled = got["fail 0"]
-        assert isinstance(cancelled.error, RolloutCancelled) and cancelled.ticket.id == victim
+        assert isinstance(cancelled.error, RolloutCancelled) and _ticket(cancelled).id == victim
         assert all(got[k].error is None and got[k].trajectory is not None for k in ("fail 1", "fail 2"))
 
 
@@ -181,7 +187,7 @@ def test_closing_cancels_what_is_queued_or_running(server, how):
             # once it waits; the stream cancels and lets the KeyboardInterrupt through.
             def interrupt() -> None:
                 wait_for(lambda: any(f.f_code.co_name == "__next__" for f in _frames()), "next() waits")
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                signal.pthread_kill(_main_ident(), signal.SIGINT)
 
             threading.Thread(target=interrupt, daemon=True).start()
             with pytest.raises(KeyboardInterrupt):
@@ -195,10 +201,21 @@ def test_closing_cancels_what_is_queued_or_running(server, how):
             c.cancel(b)
 
 
+def _ticket(r: Rollout) -> Ticket:
+    assert r.ticket is not None
+    return r.ticket
+
+
+def _main_ident() -> int:
+    ident = threading.main_thread().ident
+    assert ident is not None
+    return ident
+
+
 def _frames() -> list[Any]:
     import sys
 
-    frame = sys._current_frames()[threading.main_thread().ident]
+    frame: Any = sys._current_frames()[_main_ident()]
     out = []
     while frame is not None:
         out.append(frame)
@@ -228,7 +245,7 @@ def test_max_staleness_resubmits_a_rollout_behind_the_last_push(server):
         assert c.status(first).status == "running"  # the push came while it ran: it ends on the old weights
         (item,) = list(stream)
         assert item.error is None and item.resubmits == 1 and stream.resubmitted == 1
-        assert item.weights_version == pushed and item.ticket.id != first
+        assert item.weights_version == pushed and _ticket(item).id != first
         assert c.status(first).status == "expired"  # the stale result was released
         c.push_weights("tiny-sd3", base)  # the base weights again for what follows
 
