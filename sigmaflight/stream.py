@@ -168,6 +168,7 @@ class _Driver:
             self.emit(Rollout(request, None, error=exc, resubmits=resubmits))
             return
         entry = _Entry(request, ticket, resubmits)
+        self.client.flight(ticket.flight.locations[0])  # made here, once: Client's cache is not for threads
         with self.cond:
             self.unfinished[ticket.id] = entry
             self.pending.append(entry)

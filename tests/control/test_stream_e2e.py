@@ -284,11 +284,16 @@ def test_async_client_same_surface_same_errors(server):
             gone = await ac.delete_lora("tiny-sd3")
             assert gone["weights_version"] == put["weights_version"] + 1 == ac.pushed_versions["tiny-sd3"]
             got = []
-            async with ac.stream(requests(4, "astream"), in_flight=2, progress=False) as rollouts:
+            reqs = requests(4, "astream", return_={"outputs": True})
+            async with ac.stream(reqs, in_flight=2, outputs=True, progress=False) as rollouts:
                 async for r in rollouts:
                     got.append(r)
             assert sorted(r.request["prompts"][0] for r in got) == [f"astream {i}" for i in range(4)]
             assert all(r.error is None and r.weights_version == gone["weights_version"] for r in got)
+            with Client(server.rest_url) as c:  # outputs=True: each item's decoded outputs, as pull_outputs gives them
+                for r in got:
+                    assert r.outputs is not None and r.ticket is not None
+                    assert np.array_equal(r.outputs, c.pull_outputs(r.ticket))
 
     asyncio.run(main())
 
