@@ -100,7 +100,7 @@ def test_the_rollout_list_has_no_owner_for_an_impossible_ticket(client):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(value=st.text(max_size=300))
 def test_any_text_is_not_found_or_a_real_rollout(client, value):
-    for method in (client.status, client.locate, client.cancel):
+    for method in (client.status, client.locate, client.cancel, client.delete_lora):
         with pytest.raises(NotFound):
             method(value)
 

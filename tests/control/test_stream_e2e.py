@@ -166,6 +166,30 @@ def test_a_failed_request_is_that_items_error_and_the_rest_go_on(server):
         assert all(got[k].error is None and got[k].trajectory is not None for k in ("fail 1", "fail 2"))
 
 
+def test_an_error_of_the_requests_iterable_ends_the_stream_and_cancels_its_rollouts(server):
+    with Client(server.rest_url) as c:
+        before = {s.id for s in c.rollouts(limit=1000)}
+        block = blockers(c)
+
+        def dataset():
+            yield from requests(2, "broken")
+            wait_for(lambda: len(stream_ids(c, before | set(block))) == 2, "two submitted")
+            raise RuntimeError("the dataset broke")
+
+        with pytest.raises(RuntimeError, match="the dataset broke"):
+            list(c.stream(dataset(), in_flight=4, progress=False))
+        ids = stream_ids(c, before | set(block))
+        assert len(ids) == 2 and all(c.status(i).status == "cancelled" for i in ids)
+        for b in block:
+            c.cancel(b)
+        with pytest.raises(ValueError, match="in_flight"):
+            c.stream([], in_flight=0)
+        with pytest.raises(ValueError, match="max_staleness"):
+            c.stream([], max_staleness=-1)
+        with pytest.raises(TypeError, match="requests"):
+            c.stream({"prompts": ["a"]})
+
+
 @pytest.mark.parametrize("how", ["close", "break", "ctrl-c"])
 def test_closing_cancels_what_is_queued_or_running(server, how):
     with Client(server.rest_url) as c:
