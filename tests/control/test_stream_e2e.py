@@ -166,6 +166,15 @@ def test_a_failed_request_is_that_items_error_and_the_rest_go_on(server):
         assert all(got[k].error is None and got[k].trajectory is not None for k in ("fail 1", "fail 2"))
 
 
+def test_a_tqdm_bar_when_asked_and_none_when_stderr_is_no_terminal(server, capsys):
+    with Client(server.rest_url) as c:
+        assert len(list(c.stream(requests(3, "bar"), in_flight=3, progress=True))) == 3
+        err = capsys.readouterr().err
+        assert "rollouts: 100%" in err and "3/3" in err and "failed=0" in err
+        assert len(list(c.stream(requests(2, "nobar"), in_flight=2))) == 2  # stderr is captured: no terminal
+        assert capsys.readouterr().err == ""
+
+
 def test_an_error_of_the_requests_iterable_ends_the_stream_and_cancels_its_rollouts(server):
     with Client(server.rest_url) as c:
         before = {s.id for s in c.rollouts(limit=1000)}
