@@ -196,7 +196,7 @@ def test_an_error_of_the_requests_iterable_ends_the_stream_and_cancels_its_rollo
         with pytest.raises(ValueError, match="max_staleness"):
             c.stream([], max_staleness=-1)
         with pytest.raises(TypeError, match="requests"):
-            c.stream({"prompts": ["a"]})
+            c.stream({"prompts": ["a"]})  # type: ignore[dict-item]
 
 
 @pytest.mark.parametrize("how", ["close", "break", "ctrl-c"])
