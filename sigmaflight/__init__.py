@@ -23,12 +23,14 @@ from sigmaflight.errors import (
 )
 
 if TYPE_CHECKING:
+    from sigmaflight.aclient import AsyncClient
     from sigmaflight.client import Client, replay_log_probs, rollout_spec
     from sigmaflight.dataplane.client import Trajectory, Transition
     from sigmaflight.pipeline.kernels import step_log_prob
     from sigmaflight.pipeline.replay import Replayer
 
 _LAZY = {
+    "AsyncClient": "sigmaflight.aclient",
     "Client": "sigmaflight.client",
     "replay_log_probs": "sigmaflight.client",
     "rollout_spec": "sigmaflight.client",
@@ -40,6 +42,7 @@ _LAZY = {
 
 __all__ = [
     "ApiError",
+    "AsyncClient",
     "Client",
     "NotFound",
     "Replayer",
