@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import torch
 from sigmaflight.dataplane.codec import StepTensors, batch_to_tensors
+from sigmaflight.dataplane.errors import server_words
 from sigmaflight.dataplane.files import read_trajectory
 from sigmaflight.dataplane.record import TrajectoryHeader
 from sigmaflight.dataplane.samehost import FileSource, empty_hugepages, verify_read
@@ -301,9 +302,11 @@ class _Assembly:
 
 
 def flight_batches(reader: flight.FlightStreamReader) -> Iterator[pa.RecordBatch]:
+    """The stream's record batches; a Flight error on the way carries the server's words alone."""
     while True:
         try:
-            chunk = reader.read_chunk()
+            with server_words():
+                chunk = reader.read_chunk()
         except StopIteration:
             return
         yield chunk.data
