@@ -20,6 +20,7 @@ import pytest
 
 from sigmaflight import Client
 from sigmaflight.cli import build_parser, main
+from tests.docs.markdown import blocks
 from tests.servers import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,6 +73,22 @@ def on_a_terminal(*argv: str, env: dict[str, str] | None = None) -> tuple[int, s
 
 def piped(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*SIGMAFLIGHT, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_the_command_line_guide_in_trainers_md_runs_as_written(server, tmp_path):
+    """docs/trainers.md's CLI session, run as written in a fresh folder (tests/docs/ counts it as not run there)."""
+    (guide,) = [b for b in blocks(ROOT / "docs" / "trainers.md") if b.code.startswith("source .venv/bin/activate")]
+    assert guide.not_run is not None and "tests/cli/test_cli_usability.py" in guide.not_run
+    venv = ROOT / ".venv" if (ROOT / ".venv" / "bin" / "activate").exists() else Path(sys.prefix)
+    (tmp_path / ".venv").symlink_to(venv, target_is_directory=True)
+    env = {**os.environ, "SIGMAFLIGHT_URL": server.rest_url}
+    env.pop("SIGMAFLIGHT_TOKEN", None)
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", guide.code], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (pulled,) = tmp_path.glob("*.arrow")  # the file `pull` named after the rollout
+    assert f"writing {pulled.name}" in done.stderr and pulled.stem in done.stdout  # and `list` shows the rollout
+    assert "tiny-sd3 *" in done.stdout  # `models`: the default marked
 
 
 def test_submit_quiet_prints_only_the_rollout_id(server, capsys):
