@@ -352,10 +352,11 @@ def _stream_to_file(reader: Any, out: Path, meta: dict[str, Any], desc: str) -> 
     from sigmaflight.dataplane.schema import KEY_STEPS
 
     steps = list(meta.get(KEY_STEPS) or [])
-    writer = TrajectoryFileWriter(out, reader.schema)  # writes <out>.partial, replacing an old one
     done: set[int] = set()
     nbytes = 0
     with tqdm(total=len(steps), desc=desc, unit="step", file=sys.stderr, mininterval=0.2) as bar:
+        # Created right before the try that aborts it: a Ctrl-C while the bar starts leaves no .partial.
+        writer = TrajectoryFileWriter(out, reader.schema)  # writes <out>.partial, replacing an old one
         try:
             while True:
                 try:
