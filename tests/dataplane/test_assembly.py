@@ -209,7 +209,8 @@ def test_velocities_are_assembled_like_the_latents(tmp_path: Path, max_batch: in
         assert traj.velocities is not None and traj.velocities.dtype == torch.float32
         assert torch.equal(traj.velocities.nan_to_num(7.0), want.nan_to_num(7.0))
         assert torch.isnan(traj.velocity(4)).all() and not torch.isnan(traj.velocities[:, :3]).any()
-        assert torch.equal(traj.velocity(3), steps[3].velocity)  # what the rollout recorded, bit for bit
+        recorded = steps[3].velocity
+        assert recorded is not None and torch.equal(traj.velocity(3), recorded)  # what the rollout recorded, bit for bit
     with pytest.raises(KeyError, match="step 2 is not in this trajectory"):
         pulled[0].velocity(2)
     with pytest.raises(ValueError, match=r'has no velocity column; ask the rollout for return=\{"velocities": True\}'):
