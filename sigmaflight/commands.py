@@ -72,6 +72,10 @@ def _output_arguments(p: argparse.ArgumentParser) -> None:
                    help="print a table [default on a terminal]")
 
 
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _wants_table(args: argparse.Namespace) -> bool:
     return args.format == "table" if args.format else sys.stdout.isatty()
 
@@ -252,7 +256,7 @@ def run_list(args: argparse.Namespace) -> int:
         _print_json({"rollouts": [st.model_dump(mode="json", by_alias=True) for st in listed]})
         return 0
     rows = [[st.id, st.status, st.model, f"{st.progress.steps_done}/{st.progress.steps_total}", st.created_at,
-             f"{st.error.type}: {st.error.message}" if st.error else ""] for st in listed]
+             _clip(f"{st.error.type}: {st.error.message}", 60) if st.error else ""] for st in listed]
     _print_table(["ID", "STATUS", "MODEL", "STEPS", "CREATED", "ERROR"], rows)
     return 0
 
@@ -267,11 +271,13 @@ def run_models(args: argparse.Namespace) -> int:
     for m in models:
         defaults = m.get("defaults") or {}
         size = f"{defaults.get('height')}x{defaults.get('width')}" if defaults.get("height") else ""
+        lora = m.get("lora")
         rows.append([m["id"] + (" *" if m.get("default") else ""), str(m.get("family", "")), str(m.get("dtype", "")),
                      str(m.get("device", "")), size, str(defaults.get("num_inference_steps", "")),
                      str(m.get("weights_version", "")), str(m.get("digest", ""))[:12],
-                     str((m.get("lora") or {}).get("id", "")) if isinstance(m.get("lora"), dict) else ""])
-    _print_table(["ID (* default)", "FAMILY", "DTYPE", "DEVICE", "SIZE", "STEPS", "VERSION", "DIGEST", "LORA"], rows)
+                     f"r={lora.get('r')}" if isinstance(lora, dict) else ""])
+    _print_table(["ID (* default)", "FAMILY", "DTYPE", "DEVICE", "SIZE", "STEPS", "VERSION", "DIGEST", "LORA RANK"],
+                 rows)
     return 0
 
 
