@@ -396,7 +396,9 @@ def _load(args: argparse.Namespace) -> tuple[str, Any, list[Any]]:
 
     src = args.source
     path = Path(src)
-    if path.is_file() or path.suffix in FILE_SUFFIXES or os.sep in src:
+    if path.suffix == ".json" and path.is_file():  # the ticket file `submit > FILE` wrote
+        src = rollout_ref(src)
+    elif path.is_file() or path.suffix in FILE_SUFFIXES or os.sep in src:
         schema, batches = read_arrow_file(src)  # a missing path: "no such file", not a server lookup
         return src, schema, batches
     with _client(args) as client:
@@ -517,7 +519,8 @@ def add_client_commands(sub: Any) -> None:
                     "summaries per step, and flags (float32(t/1000) != sigma, sigma not decreasing, "
                     "terminal sigma != 0, steps not ascending, columns disagreeing with the metadata).")
     _client_arguments(p)
-    p.add_argument("source", metavar="FILE_OR_TICKET", help=".arrow file, Flight ticket or rollout id")
+    p.add_argument("source", metavar="FILE_OR_TICKET",
+                   help=".arrow file, rollout id, Flight ticket, or the ticket file (.json) `submit > FILE` wrote")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--strict", action="store_true", help="exit 1 when there is any flag")
     p.set_defaults(run=run_inspect)

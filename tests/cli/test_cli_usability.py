@@ -133,9 +133,11 @@ def test_pull_takes_the_ticket_file_submit_wrote_and_names_the_file_it_writes(se
     assert rc == 0 and _read(tmp_path / "by-ticket.arrow").equals(served)
     rc, _, err = cli(capsys, "pull", ticket["id"], "--url", url)
     assert rc == 0 and f"writing {name}" in err and "kept" in err
-    # `status` and `cancel` read the ticket file too.
+    # `status` and `inspect` read the ticket file too.
     rc, out, _ = cli(capsys, "status", "ticket.json", "--url", url)
     assert rc == 0 and json.loads(out)["id"] == ticket["id"]
+    rc, out, _ = cli(capsys, "inspect", "ticket.json", "--url", url, "--json")
+    assert rc == 0 and [r["i"] for r in json.loads(out)["schedule"]] == [0, 1, 2, 3]
     (tmp_path / "notes.txt").write_text("not a ticket")
     rc, _, err = cli(capsys, "pull", "notes.txt", "--url", url)
     assert rc == 2 and err.startswith("sigmaflight pull: notes.txt: a file, but not the JSON ticket")
