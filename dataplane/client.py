@@ -33,6 +33,7 @@ import pyarrow.flight as flight
 import torch
 from sigmaflight.dataplane.auth import bearer_header
 from sigmaflight.dataplane.codec import StepTensors, batch_to_tensors
+from sigmaflight.dataplane.errors import server_words
 from sigmaflight.dataplane.samehost import (
     FileChanged,
     LocalFile,
@@ -62,7 +63,10 @@ _OFFERED_MAX = 1024
 
 
 class TrajectoryClient:
-    """One FlightClient (one connection) for many pulls."""
+    """One FlightClient (one connection) for many pulls.
+
+    A refusal is the Flight error the server raised (its class, its `extra_info`), with the
+    server's message alone: none of the debug context pyarrow appends (sigmaflight.dataplane.errors)."""
 
     def __init__(
         self,
@@ -122,7 +126,8 @@ class TrajectoryClient:
             d = flight.FlightDescriptor.for_path(DESCRIPTOR_ROOT, rollout_id)
         else:
             d = flight.FlightDescriptor.for_path(DESCRIPTOR_ROOT, rollout_id, "partitions", str(partitions))
-        return self._client.get_flight_info(d, self._options)
+        with server_words():
+            return self._client.get_flight_info(d, self._options)
 
     def info(self, rollout_id: str) -> dict[str, Any]:
         fi = self.flight_info(rollout_id)
@@ -144,7 +149,8 @@ class TrajectoryClient:
 
     def _action(self, kind: str, rollout_id: str) -> dict[str, Any]:
         body = json.dumps({"id": rollout_id}).encode()
-        results = list(self._client.do_action(flight.Action(kind, body), self._options))
+        with server_words():
+            results = list(self._client.do_action(flight.Action(kind, body), self._options))
         return json.loads(results[0].body.to_pybytes()) if results else {}
 
     def cancel(self, rollout_id: str) -> bool:
@@ -163,7 +169,8 @@ class TrajectoryClient:
         return flight_batches(self.reader(ticket_or_id), self.idle_timeout)
 
     def schema(self, ticket_or_id: str | bytes | flight.Ticket) -> pa.Schema:
-        return self.reader(ticket_or_id).schema
+        with server_words():
+            return self.reader(ticket_or_id).schema
 
     def local_file(self, ticket_or_id: str | bytes | flight.Ticket) -> LocalFile | None:
         """The rollout's shared-memory file (schema, memory-mapped batches, the open file) when
@@ -223,16 +230,18 @@ class TrajectoryClient:
                 except FileChanged as e:
                     log.debug("%s; streaming over gRPC", e)
                     self._offered.pop(_name(ticket_or_id), None)
-        reader = self.reader(ticket_or_id)
-        return Trajectory.from_batches(reader.schema, flight_batches(reader, self.idle_timeout), out=out)
+        with server_words():
+            reader = self.reader(ticket_or_id)
+            return Trajectory.from_batches(reader.schema, flight_batches(reader, self.idle_timeout), out=out)
 
     def _batches(self, ticket_or_id: str | bytes | flight.Ticket) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
         local = self.local_file(ticket_or_id)
         if local is not None:
             local.source.close()  # views need only the mapping
             return local.schema, iter(local.batches)
-        reader = self.reader(ticket_or_id)
-        return reader.schema, flight_batches(reader, self.idle_timeout)
+        with server_words():
+            reader = self.reader(ticket_or_id)
+            return reader.schema, flight_batches(reader, self.idle_timeout)
 
     def iter_steps(self, ticket_or_id: str | bytes | flight.Ticket, *, copy: bool = False) -> Iterator[StepTensors]:
         """One StepTensors per step, as the stream delivers it (memory stays flat).

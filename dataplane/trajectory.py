@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import torch
 from sigmaflight.dataplane.codec import StepTensors, batch_to_tensors
+from sigmaflight.dataplane.errors import server_words
 from sigmaflight.dataplane.files import read_trajectory
 from sigmaflight.dataplane.record import TrajectoryHeader
 from sigmaflight.dataplane.samehost import FileSource, empty_hugepages, verify_read
@@ -48,6 +49,8 @@ class Trajectory:
 
     ``latents[:, k]`` is x_{steps[k]}; use ``latent(i)`` to look up by absolute index.
     sigmas / timesteps are the full schedule (never filtered by a step selection).
+    ``velocities`` (a rollout asked with ``return={"velocities": True}``, else None) is laid out
+    as ``latents``, float32; ``velocity(i)`` looks up by absolute index.
     """
 
     def __init__(
@@ -57,9 +60,11 @@ class Trajectory:
         log_probs: torch.Tensor,
         metadata: dict[str, Any],
         schema: pa.Schema,
+        velocities: torch.Tensor | None = None,
     ) -> None:
         self.header = header
         self.latents = latents  # [B, K, *latent_shape]
+        self.velocities = velocities  # [B, K, *latent_shape] float32, NaN at i = T; None without the column
         self.log_probs = log_probs  # [B, T] float32, NaN where null
         self.steps = torch.tensor(header.steps, dtype=torch.int64)  # [K]
         self.sigmas = header.sigmas  # [T+1] float32
@@ -102,6 +107,17 @@ class Trajectory:
             raise KeyError(f"step {i} is not in this trajectory (steps {list(self.header.steps)})")
         return self.latents[:, self._pos[i]]
 
+    def velocity(self, i: int) -> torch.Tensor:
+        """The velocity step i stepped with (the ``velocity`` column), [B, *latent_shape] float32 by
+        absolute step index; NaN at i = T, where no step leaves. Owned, writable memory: the
+        assembly copied it out of the stream once, as it did the latents."""
+        if self.velocities is None:
+            raise ValueError(f"trajectory {self.rollout_id} has no velocity column; ask the rollout for "
+                             'return={"velocities": True}')
+        if i not in self._pos:
+            raise KeyError(f"step {i} is not in this trajectory (steps {list(self.header.steps)})")
+        return self.velocities[:, self._pos[i]]
+
     def transitions(self, steps: Iterable[int] | None = None) -> Iterator[Transition]:
         """Transitions i (x_i -> x_{i+1}) where both latents are present, ascending."""
         wanted = range(self.num_steps) if steps is None else sorted(set(steps))
@@ -127,7 +143,8 @@ class Trajectory:
         out: torch.Tensor | None = None,
         verify: bool = False,
     ) -> Trajectory:
-        """Assemble (one copy per latent into one aligned, writable tensor).
+        """Assemble (one copy per latent into one aligned, writable tensor; the same for the
+        velocities when the stream has the ``velocity`` column).
 
         Where every row goes is known from the metadata (steps, B): a step-major stream's row r
         is x_{steps[r // B]} of sample r % B. A stream's batches are copied as they come; with
@@ -192,6 +209,10 @@ class _Assembly:
         self.i_step, self.i_sample = names.index("step"), names.index("sample")
         self.i_lp, self.i_lat = names.index("log_prob"), names.index("latent")
         self.i_seed = names.index("seed")
+        self.i_vel = names.index("velocity") if "velocity" in names else None
+        self.velocities = torch.empty(shape, dtype=torch.float32) if self.i_vel is not None else None
+        self.vdest = (None if self.velocities is None  # [B, K, elements]: the velocities, float32
+                      else self.velocities.view(self.b, self.k, -1).numpy())
         self.step = np.empty(self.rows_total, np.int32)  # each row's step, sample and seed, in stream order
         self.sample = np.empty(self.rows_total, np.int32)
         self.seed = np.empty(self.rows_total, np.int64)
@@ -247,7 +268,29 @@ class _Assembly:
             take = min(n - i, self.b - b)
             self.dest[b : b + take, k] = src[i : i + take]
             i, b, k = i + take, 0, k + 1
+        self._take_velocities(r0, batch)
         self.rows = r0 + n
+
+    def _take_velocities(self, r0: int, batch: pa.RecordBatch) -> None:
+        """The batch's velocity rows copied to their places (rows r0...), NaN where null (i = T)."""
+        if self.vdest is None or self.i_vel is None:
+            return
+        n = batch.num_rows
+        storage = batch.column(self.i_vel).storage
+        if storage.null_count == n:
+            src = np.full((n, self.elems), np.nan, np.float32)
+        else:
+            values = storage.values
+            offset = (values.offset + storage.offset * self.elems) * 4
+            src = np.frombuffer(values.buffers()[1], np.float32, count=n * self.elems, offset=offset)
+            src = src.reshape(n, self.elems)
+            if storage.null_count:
+                src = np.where(storage.is_valid().to_numpy(zero_copy_only=False)[:, None], src, np.float32(np.nan))
+        b, k, i = r0 % self.b, r0 // self.b, 0
+        while i < n:
+            take = min(n - i, self.b - b)
+            self.vdest[b : b + take, k] = src[i : i + take]
+            i, b, k = i + take, 0, k + 1
 
     def read_file(self, batches: list[pa.RecordBatch], source: FileSource, verify: bool) -> None:
         """Every batch of a mapped file at once: the columns in one pass each, the latents by
@@ -273,6 +316,10 @@ class _Assembly:
         source.read_rows(src, dst_row.astype(np.uint64) * np.uint64(self.row_bytes) + np.uint64(self.dest.ctypes.data),
                          self.row_bytes)
         self.rows = n
+        first = 0
+        for batch in batches:  # velocities (a rollout that asked for them): copied from the mapping
+            self._take_velocities(first, batch)
+            first += batch.num_rows
         if verify:
             flat = self.dest.reshape(self.rows_total, self.row_bytes)
             ends = np.cumsum(counts)
@@ -314,7 +361,7 @@ class _Assembly:
         log_probs = np.full((self.b, h.num_steps), np.nan, np.float32)  # [B, T]
         has = self.steps < h.num_steps  # no transition leaves x_T
         log_probs[:, self.steps[has]] = self.lp.reshape(self.k, self.b)[has].T
-        return cls(h, self.latents, torch.from_numpy(log_probs), dict(h.rollout), self.schema)
+        return cls(h, self.latents, torch.from_numpy(log_probs), dict(h.rollout), self.schema, self.velocities)
 
     def _check_seeds(self) -> None:
         """The seed column against ``sigmaflight.rollout.seeds`` (samples are known to be in
@@ -336,19 +383,24 @@ class _Assembly:
         r = np.arange(n)
         flat = self.dest.reshape(self.rows_total, self.row_bytes)
         flat[where] = flat[(r % self.b) * self.k + r // self.b]  # fancy indexing reads a copy first
+        if self.vdest is not None:
+            vflat = self.vdest.reshape(self.rows_total, self.elems)
+            vflat[where] = vflat[(r % self.b) * self.k + r // self.b]
         lp = np.empty(self.rows_total, np.float32)
         lp[(where % self.k) * self.b + where // self.k] = self.lp[:n]
         self.lp = lp
 
 
 def flight_batches(reader: flight.FlightStreamReader, idle_timeout: float | None = None) -> Iterator[pa.RecordBatch]:
-    """The stream's record batches. ``idle_timeout``: seconds to wait for the next batch (the
+    """The stream's record batches (a Flight error on the way carries the server's words alone).
+    ``idle_timeout``: seconds to wait for the next batch (the
     time the consumer spends between batches does not count); past it the stream is cancelled
     and TimeoutError raised. None: wait as long as the stream stays open."""
     if idle_timeout is None:
         while True:
             try:
-                chunk = reader.read_chunk()
+                with server_words():
+                    chunk = reader.read_chunk()
             except StopIteration:
                 return
             yield chunk.data
@@ -356,7 +408,7 @@ def flight_batches(reader: flight.FlightStreamReader, idle_timeout: float | None
     try:
         while True:
             try:
-                with watch:
+                with watch, server_words():
                     chunk = reader.read_chunk()
             except StopIteration:
                 return

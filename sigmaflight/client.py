@@ -58,13 +58,9 @@ __all__ = [
 
 def _flight_message(exc: Exception) -> str:
     """The server's own message out of a pyarrow Flight error (no gRPC debug context)."""
-    text = str(exc)
-    for cut in (". Detail:", ". gRPC client debug context", "gRPC client debug context", ". Client context:"):
-        text = text.split(cut, 1)[0]
-    for prefix in ("Flight returned internal error, with message: ", "with message: "):
-        if prefix in text:
-            text = text.split(prefix, 1)[1]
-    return text.strip()
+    from sigmaflight.dataplane.errors import server_message
+
+    return server_message(exc)
 
 
 class Client:
