@@ -27,6 +27,9 @@ from sigmaflight.wire import Ticket
 from tests.servers import ServerProcess, wait_for
 
 QUEUE = 4
+BLOCKER_STEPS = 100_000
+"""A blocker's steps: far more than any test waits (a busy CI box once finished 200-step blockers
+before the test's interrupt arrived); every test cancels its blockers."""
 FAST: dict[str, Any] = {"num_inference_steps": 2, "guidance_scale": 4.5}
 
 
@@ -34,7 +37,7 @@ FAST: dict[str, Any] = {"num_inference_steps": 2, "guidance_scale": 4.5}
 def server():
     """Two workers, co-batching on (the defaults), a queue of 4: a fifth queued request is a 429."""
     with ServerProcess("--workers", "2", "--queue-size", str(QUEUE), "--max-batch-samples", "64",
-                       "--batch-wait-ms", "0") as s:
+                       "--batch-wait-ms", "0", "--max-steps", str(BLOCKER_STEPS)) as s:
         yield s
 
 
@@ -44,7 +47,7 @@ def requests(n: int, tag: str, **extra: Any) -> list[dict[str, Any]]:
 
 def blockers(c: Client, n: int = 2) -> list[str]:
     """`n` rollouts that keep the `n` workers busy until cancelled (none can join another)."""
-    ids = [c.submit(prompts=["blocker"] * 8, num_outputs_per_prompt=32, num_inference_steps=200, seed=k,
+    ids = [c.submit(prompts=["blocker"] * 8, num_outputs_per_prompt=32, num_inference_steps=BLOCKER_STEPS, seed=k,
                     return_={"steps": [0]}).id for k in range(n)]
     for i in ids:
         _runs(c, i)
