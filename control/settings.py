@@ -113,6 +113,10 @@ class Settings(BaseSettings):
         2, ge=1, description="PUT .../weights and .../lora bodies taken at once (each up to --max-weights-bytes); "
         "429 beyond, before the body is read."
     )
+    weights_push_timeout_s: float = Field(
+        300.0, gt=0, description="Seconds a streamed weights push (Flight do_put) that no stream feeds (cut, "
+        "client gone) keeps its staging for a resume; then it is dropped and its memory freed."
+    )
     header_timeout_s: float = Field(
         10.0, gt=0, description="Seconds a connection may take to send a request's line and headers (from its "
         "first byte, or from connecting); the connection is closed beyond (with a 408)."

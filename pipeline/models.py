@@ -43,6 +43,7 @@ __all__ = [
     "ModelLoadError",
     "ModelRegistry",
     "Policy",
+    "StaleWeights",
     "check_hub_model",
     "combine_digests",
     "component_digest",
@@ -59,6 +60,15 @@ _ = _BUILTINS  # re-exported: control/plot.py reads sigmaflight.pipeline.models.
 
 class ModelLoadError(ValueError):
     """A local model directory sigmaflight cannot serve (the message names the directory and why)."""
+
+
+class StaleWeights(ValueError):
+    """A change made against other base weights than the model serves now."""
+
+    def __init__(self, expected: str, digest: str) -> None:
+        super().__init__(f"the push was made against weights {expected[:12]}..., the model serves {digest[:12]}... "
+                         "now; fetch the manifest again and push what differs from it")
+        self.expected, self.digest = expected, digest
 
 
 class LoraNotLoaded(LookupError):
@@ -386,22 +396,48 @@ class ModelRegistry:
             bad = check_state_dict(base.state_dict(), state_dict)
             if bad is not None:
                 raise RolloutInputError(*bad)
-            new = {k: v.detach().to(model.device) for k, v in state_dict.items()}
-            transformer = share_tensors_copy(base)
-            transformer.load_state_dict(new, strict=True, assign=True)
-            transformer.eval()
-            transformer.requires_grad_(False)
-            del new
-            current = model.base_pipeline if model.base_pipeline is not None else model.pipeline
-            pipeline = _with_transformer(current, transformer)
-            components = {**model.base_components, "transformer": component_digest("transformer", transformer)}
-            digest = combine_digests(components)
-            with model.lock:
-                model.pipeline, model.base_pipeline, model.lora = pipeline, None, None
-                model.digest = model.base_digest = digest
-                model.components, model.base_components = components, dict(components)
-                model.weights_version += 1
-            return model.policy()
+            return self._swap_transformer(model, base, state_dict)
+
+    def replace_tensors(self, model_id: str, tensors: Mapping[str, torch.Tensor], *,
+                        expected_base: str | None = None) -> Policy:
+        """Replace some of the transformer's tensors (the others stay as served), as one swap like
+        `replace_weights`; drops any LoRA. The caller has checked each tensor (key, shape, dtype,
+        finite values) as it arrived (a streamed push, dataplane/weights.py) and hands them over.
+        `expected_base`: the base digest the kept tensors must come from (StaleWeights otherwise,
+        before anything changes). Returns the new Policy (weights_version + 1)."""
+        model = self.get(model_id)
+        with model.push_lock:
+            if expected_base is not None and model.base_digest != expected_base:
+                raise StaleWeights(expected_base, model.base_digest)
+            base = model.base_transformer()
+            current = base.state_dict()
+            bad = next(((k, "not a parameter or buffer of this model's transformer") for k in sorted(tensors)
+                        if k not in current), None)
+            if bad is not None:
+                raise RolloutInputError(*bad)
+            return self._swap_transformer(model, base, {**current, **tensors})
+
+    @staticmethod
+    def _swap_transformer(model: LoadedModel, base: Any, state_dict: Mapping[str, torch.Tensor]) -> Policy:
+        """The one swap point of a change of the transformer's weights (model.push_lock held): a
+        copy of `base` sharing its modules takes `state_dict` (assigned, no copy on the model's
+        device), then pipeline, digest and version change together under model.lock."""
+        new = {k: v.detach().to(model.device) for k, v in state_dict.items()}
+        transformer = share_tensors_copy(base)
+        transformer.load_state_dict(new, strict=True, assign=True)
+        transformer.eval()
+        transformer.requires_grad_(False)
+        del new
+        current = model.base_pipeline if model.base_pipeline is not None else model.pipeline
+        pipeline = _with_transformer(current, transformer)
+        components = {**model.base_components, "transformer": component_digest("transformer", transformer)}
+        digest = combine_digests(components)
+        with model.lock:
+            model.pipeline, model.base_pipeline, model.lora = pipeline, None, None
+            model.digest = model.base_digest = digest
+            model.components, model.base_components = components, dict(components)
+            model.weights_version += 1
+        return model.policy()
 
     def load_weights(self, model_id: str, state_dict: Mapping[str, torch.Tensor]) -> str:
         """`replace_weights(...).digest` (the older API)."""

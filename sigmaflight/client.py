@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # torch and the data plane's torch side load on first use: `s
 
     from sigmaflight.dataplane.client import Trajectory, TrajectoryClient
     from sigmaflight.pipeline.spec import RolloutSpec
+    from sigmaflight.weights import PushResult
 
 __all__ = [
     "ApiError", "Client", "NotFound", "RolloutCancelled", "RolloutFailed", "ServerUnreachable", "Unauthorized",
@@ -210,18 +211,21 @@ class Client:
         r = self._send("GET", "/v1/models")
         return list(r.json()["models"])
 
-    def push_weights(self, model_id: str, state_dict: Mapping[str, torch.Tensor]) -> str:
-        """PUT the transformer's state dict (safetensors); returns the server's new weights digest."""
-        from safetensors.torch import save
+    def push_weights(self, model_id: str, state_dict: Mapping[str, torch.Tensor], *, only_changed: bool = True,
+                     partial: bool = False, **options: Any) -> PushResult:
+        """Stream the transformer's state dict to the server (Flight do_put, checked, atomic,
+        resumed after a cut); by default only the tensors whose checksum differs from the served
+        ones. Returns the new digest (a str) with weights_version and bytes sent/skipped;
+        WeightsPushError when the server refuses it. See sigmaflight.weights.push_weights."""
+        from sigmaflight.weights import push_weights
 
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-        r = self._send(
-            "PUT",
-            f"/v1/models/{model_id}/weights",
-            content=save(tensors),
-            headers={"content-type": "application/octet-stream"},
-        )
-        return str(r.json()["digest"])
+        return push_weights(self, model_id, state_dict, only_changed=only_changed, partial=partial, **options)
+
+    def weights_manifest(self, model_id: str) -> dict[str, str]:
+        """{tensor key: CRC32C hex} of the served transformer (GET .../weights/manifest)."""
+        from sigmaflight.weights import weights_manifest
+
+        return dict(weights_manifest(self, model_id)["tensors"])
 
     def push_lora(self, model_id: str, adapter: Mapping[str, torch.Tensor], lora_config: Any) -> dict[str, Any]:
         """PUT a LoRA adapter: `adapter` as `peft.get_peft_model_state_dict` gives it, `lora_config`

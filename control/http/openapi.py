@@ -133,6 +133,23 @@ def openapi_document(*, auth: bool = False) -> dict[str, Any]:
                               **_errors(*secured, 404, 408, 413, 422, 429)},
             }
         },
+        "/v1/models/{model_id}/weights/manifest": {
+            "get": {
+                "operationId": "get_weights_manifest",
+                "summary": "The served base transformer's per-tensor CRC32C (hex) with its digest and weights_version, "
+                           "and the Flight locations a streamed push (do_put) goes to; a trainer pushes only the "
+                           "tensors whose checksum differs.",
+                "parameters": [mid],
+                "responses": {"200": {"description": "The manifest.", "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["id", "digest", "weights_version", "tensors"],
+                    "properties": {"id": {"type": "string"}, "digest": {"type": "string"},
+                                   "weights_version": {"type": "integer"}, "base_digest": {"type": "string"},
+                                   "algorithm": {"type": "string"},
+                                   "tensors": {"type": "object", "additionalProperties": {"type": "string"}},
+                                   "flight": {"type": "object"}}}}}},
+                              **_errors(*secured, 404)},
+            }
+        },
         "/v1/models/{model_id}/lora": {
             "put": {
                 "operationId": "put_lora",

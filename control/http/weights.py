@@ -33,6 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 WEIGHTS_PATH = "/v1/models/{model_id:path}/weights"
+MANIFEST_PATH = "/v1/models/{model_id:path}/weights/manifest"
 LORA_PATH = "/v1/models/{model_id:path}/lora"
 """`:path`: a hub model's id has a "/" (org/name)."""
 WEIGHTS_PATH_REGEX = r"/v1/models/.+/(?:weights|lora)"
@@ -139,6 +140,19 @@ async def put_weights(request: Request) -> Response:
 
 async def put_lora(request: Request) -> Response:
     return await _push(request, _load_lora)
+
+
+def _manifest(service: Any, model_id: str) -> JSONResponse:
+    _known_model(service, model_id)
+    body = service.weights_sink.manifest(model_id)
+    return JSONResponse({**body, "flight": {"locations": service.flight.locations}})
+
+
+async def get_manifest(request: Request) -> Response:
+    """GET .../weights/manifest: {"id", "digest", "weights_version", "base_digest", "algorithm":
+    "crc32c", "tensors": {key: crc32c hex}, "flight": {"locations"}}: the served base transformer's
+    per-tensor checksums and where to stream a push (control/weights_sink.py)."""
+    return await run_in_threadpool(_manifest, request.state.service, request.path_params["model_id"])
 
 
 async def delete_lora(request: Request) -> Response:
