@@ -35,7 +35,7 @@ def tensor_crc(t: torch.Tensor) -> str:
     c = t.detach().to("cpu").contiguous()
     if not c.numel():
         return f"{crc32c.crc32c(b''):08x}"
-    return f"{crc32c.crc32c(c.view(-1).view(torch.uint8).numpy()):08x}"
+    return f"{crc32c.crc32c(c.view(-1).view(torch.uint8).numpy().data):08x}"
 
 
 class ManifestCache:
@@ -94,6 +94,7 @@ class ServiceWeightsSink:
 
     def commit(self, model_id: str, staged: dict[str, torch.Tensor], *, partial: bool, base_digest: str | None,
                stats: PushStats) -> dict[str, Any]:
+        t0 = time.monotonic()
         try:
             old, policy = self._service.push_tensors(model_id, staged, expected_base=base_digest)
         except StaleWeights as exc:
@@ -101,12 +102,13 @@ class ServiceWeightsSink:
         except RolloutInputError as exc:
             raise PushRefused("commit_failed", f"{exc.field}: {exc.reason}", tensor=exc.field) from None
         self.manifests.update(model_id, old, policy.base_digest, staged)
-        seconds = time.monotonic() - stats.started
+        now = time.monotonic()
+        seconds, commit_seconds = now - stats.started, now - t0
         self.skipped_bytes += stats.skipped_bytes
         log.info("weights push committed", extra={
             "model": model_id, "digest": policy.digest, "weights_version": policy.weights_version,
             "tensors": len(staged), "bytes_sent": stats.received_bytes, "bytes_skipped": stats.skipped_bytes,
-            "seconds": round(seconds, 3)})
+            "seconds": round(seconds, 3), "commit_seconds": round(commit_seconds, 3)})
         return {"id": model_id, "digest": policy.digest, "weights_version": policy.weights_version,
                 "tensors": len(staged), "bytes_sent": stats.received_bytes, "bytes_skipped": stats.skipped_bytes,
-                "seconds": seconds}
+                "seconds": seconds, "commit_seconds": commit_seconds}

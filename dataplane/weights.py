@@ -161,18 +161,18 @@ class _Staging:
     def staged_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
-    def write(self, name: str, offset: int, data: pa.Buffer, crc: int) -> None:
+    def write(self, name: str, offset: int, data: pa.Buffer | memoryview, crc: int | None) -> None:
+        """Check and stage one chunk (crc None: a body without checksums, PUT .../weights)."""
         spec = self.declared.get(name)
         if spec is None:
             raise PushRefused("unknown_tensor", f"tensor {clip(name, 200)!r} was not declared in this push's header",
                               tensor=clip(name, 200))
-        size, item = data.size, spec.dtype.itemsize
+        size, item = (data.size if isinstance(data, pa.Buffer) else data.nbytes), spec.dtype.itemsize
         if offset < 0 or offset % item or size % item or offset + size > spec.nbytes:
             raise PushRefused("offset", f"tensor {name!r}: chunk at byte {offset} of {size} bytes is not a whole "
                               f"number of {dtype_name(spec.dtype)} elements inside its {spec.nbytes} bytes",
                               tensor=name)
-        got = crc32c.crc32c(data)
-        if got != crc:
+        if crc is not None and (got := crc32c.crc32c(data)) != crc:
             raise PushRefused("checksum", f"tensor {name!r}: chunk at byte {offset} has crc32c {got:08x}, "
                               f"the chunk says {crc:08x}", tensor=name)
         ranges = self.ranges[name]
@@ -188,7 +188,7 @@ class _Staging:
         dest[:] = np.frombuffer(data, dtype=np.uint8)
         if spec.dtype.is_floating_point and size:
             values = self.tensors[name].view(-1)[offset // item:(offset + size) // item]
-            if not bool(torch.isfinite(values).all()):
+            if not _all_finite(values):
                 raise PushRefused("non_finite", f"tensor {name!r}: chunk at byte {offset} holds NaN or infinite "
                                   "values", tensor=name)
         ranges.insert(i, (offset, offset + size))
@@ -216,6 +216,16 @@ class _Staging:
         return {"push_id": self.push_id, "model": self.model_id,
                 "received": {k: [list(r) for r in v] for k, v in self.ranges.items() if v},
                 "received_bytes": self.stats.received_bytes, "declared_bytes": self.stats.declared_bytes}
+
+
+def _all_finite(values: torch.Tensor) -> bool:
+    """No NaN or infinity among `values` (a CPU tensor). numpy's isfinite is SIMD and one thread
+    (torch.isfinite is far slower here); bfloat16 and float8, which numpy lacks, by min and max
+    (both NaN when any value is)."""
+    if values.dtype in (torch.float32, torch.float64, torch.float16):
+        return bool(np.isfinite(values.numpy()).all())
+    lo, hi = torch.aminmax(values if values.dtype.itemsize > 1 else values.float())
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
 def _parse_header(raw: bytes) -> dict[str, Any]:
@@ -308,11 +318,13 @@ class WeightsPushes:
             return len(self._pushes)
 
     def _drop(self, staging: _Staging, reason: str | None) -> None:
+        """Forget the push and free its staging; a failure's reason is counted once."""
         with self._lock:
-            if self._pushes.get(staging.push_id) is staging:
+            held = self._pushes.get(staging.push_id) is staging
+            if held:
                 del self._pushes[staging.push_id]
                 self._by_model.pop(staging.model_id, None)
-        if reason is not None:
+        if reason is not None and held:
             self._count(reason)
         staging.tensors.clear()
         staging.flat.clear()
@@ -359,6 +371,46 @@ class WeightsPushes:
             self._pushes[push_id] = fresh
             self._by_model[model_id] = push_id
         return fresh
+
+    # -- one body, not resumable (PUT .../weights): begin, write..., commit, or abort ------------
+    def begin(self, header: dict[str, Any]) -> _Staging:
+        """A push from a header (as do_put's); PushRefused (counted) when it cannot start."""
+        try:
+            return self._open(header)
+        except PushRefused as exc:
+            self._count(exc.reason)
+            raise
+
+    def write(self, staging: _Staging, name: str, offset: int, data: memoryview) -> None:
+        """Stage one piece (whole elements); PushRefused as for a chunk (the caller aborts)."""
+        staging.write(name, offset, data, None)
+        with self._lock:
+            self.pushed_bytes += data.nbytes
+
+    def commit(self, staging: _Staging) -> dict[str, Any]:
+        """Swap the staged tensors in (every declared one whole) and drop the push; PushRefused
+        ("incomplete", or the sink's) drops it too."""
+        try:
+            missing = staging.missing()
+            if missing:
+                raise PushRefused("incomplete", f"the body ended with {len(missing)} tensor(s) not received whole, "
+                                  f"first {missing[0]!r}", tensor=missing[0])
+            answer = self.sink.commit(staging.model_id, staging.staged(), partial=staging.partial,
+                                      base_digest=staging.base_digest, stats=staging.stats)
+        except PushRefused as exc:
+            self._drop(staging, exc.reason)
+            raise
+        except BaseException:
+            self._drop(staging, "commit_failed")
+            raise
+        with self._lock:
+            self.commits += 1
+            self.push_seconds += time.monotonic() - staging.stats.started
+        self._drop(staging, None)
+        return answer
+
+    def abort(self, staging: _Staging, reason: str) -> None:
+        self._drop(staging, reason)
 
     # -- the stream --------------------------------------------------------------------------
     def receive(self, descriptor: flight.FlightDescriptor, reader: flight.MetadataRecordBatchReader,

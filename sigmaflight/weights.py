@@ -93,7 +93,7 @@ def _flat(t: torch.Tensor) -> np.ndarray:
 
 def tensor_crc(t: torch.Tensor) -> str:
     """CRC32C (8 hex digits) of a tensor's raw bytes: what the manifest gives per tensor."""
-    return f"{crc32c.crc32c(_flat(t.detach().to('cpu').contiguous())):08x}"
+    return f"{crc32c.crc32c(_flat(t.detach().to('cpu').contiguous()).data):08x}"
 
 
 def weights_manifest(client: Client, model_id: str) -> dict[str, Any]:
@@ -158,7 +158,9 @@ def push_weights(
     if not send:
         return PushResult.of({"digest": manifest["digest"], "weights_version": manifest["weights_version"],
                               "tensors": 0, "bytes_sent": 0, "bytes_skipped": total})
-    header = {"sigmaflight.weights": 1, "model": model_id, "push_id": push_id or uuid.uuid4().hex, "partial": partial,
+    resume = push_id is not None
+    push_id = push_id or uuid.uuid4().hex
+    header: dict[str, Any] = {"sigmaflight.weights": 1, "model": model_id, "push_id": push_id, "partial": partial,
               "base_digest": manifest["base_digest"] if only_changed and not partial else None,
               "tensors": {k: {"dtype": str(tensors[k].dtype).removeprefix("torch."),
                               "shape": list(tensors[k].shape)} for k in send}}
@@ -170,7 +172,7 @@ def push_weights(
     nbytes = sum(tensors[k].nbytes for k in send)
     bar = tqdm(total=nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc=f"push {model_id}",
                disable=not (progress if progress is not None else sys.stderr.isatty()))
-    received = _received(fc, options, push_id) if push_id else {}
+    received = _received(fc, options, push_id) if resume else {}
     try:
         for attempt in range(retries + 1):
             try:
@@ -178,7 +180,7 @@ def push_weights(
                 answer.setdefault("bytes_skipped", total - nbytes)
                 return PushResult.of(answer)
             except flight.FlightError as exc:
-                err = _error(exc, header["push_id"])
+                err = _error(exc, push_id)
                 if err is not None and err.reason != "incomplete":
                     raise err from None
                 if attempt == retries:
@@ -187,7 +189,7 @@ def push_weights(
                 if attempt == retries:
                     raise
             time.sleep(min(0.1 * 2 ** attempt, 2.0))
-            received = _received(fc, options, header["push_id"])
+            received = _received(fc, options, push_id)
             bar.reset(total=nbytes)
             bar.update(sum(e - s for ranges in received.values() for s, e in ranges))
     finally:

@@ -16,11 +16,14 @@ import threading
 import uuid
 
 import crc32c
+import httpx
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 import torch
+from safetensors.torch import save
+from sigmaflight.dataplane.client import Trajectory
 from sigmaflight.pipeline.models import ModelRegistry, weights_digest
 
 from sigmaflight import Client
@@ -197,7 +200,7 @@ def test_concurrent_rollouts_run_on_the_old_or_the_new_weights_never_a_mix(serve
     old = _base()
     new = _changed(old, _floats(old), 0.05)
     digests = {_digest(old): old, _digest(new): new}
-    results: list[tuple[dict, torch.Tensor, object]] = []
+    results: list[tuple[dict, torch.Tensor, Trajectory]] = []
 
     def roll(seed: int) -> None:
         t = client.submit(model=MODEL, prompts=["a red cube"], num_inference_steps=3, seed=seed,
@@ -323,3 +326,66 @@ def test_only_changed_tensors_travel_and_nothing_changed_answers_at_once(server,
     assert missing.value.status == 422 and missing.value.details[0]["loc"] == ["body", sorted(set(base) - {keys[1]})[0]]
     assert np.isclose(_metrics(client)["sigmaflight_weights_pushed_bytes_total"] - before,
                       nbytes + two[keys[1]].nbytes)
+
+
+@pytest.fixture(scope="module")
+def put_server():
+    """The default --max-weights-bytes (512 MiB): the PUT bodies below fit it."""
+    with ServerProcess("--workers", "1") as s:
+        yield s
+
+
+def _put(server: ServerProcess, body, length: int) -> httpx.Response:
+    with server.client() as http:
+        return http.put(f"/v1/models/{MODEL}/weights", content=body,
+                        headers={"content-type": "application/octet-stream", "content-length": str(length)})
+
+
+def test_a_put_body_is_staged_as_it_arrives_in_pieces_that_split_elements(put_server):
+    new = _changed(_base(), _floats(_base()), 0.375)
+    body = save(new)
+    r = _put(put_server, (body[i:i + 777] for i in range(0, len(body), 777)), len(body))
+    assert r.status_code == 200, r.text
+    assert r.json()["digest"] == _digest(new) and r.json()["tensors"] == len(new)
+
+
+def test_a_put_body_is_checked_as_it_arrives_and_refused_before_it_ends(put_server):
+    client = Client(put_server.rest_url)
+    state = _base()
+    body = bytearray(save(state))
+    n = int.from_bytes(body[:8], "little")
+    header = json.loads(body[8:8 + n])
+    first = min((k for k in header if k != "__metadata__" and header[k]["dtype"] == "F32"),
+                key=lambda k: header[k]["data_offsets"][0])
+    start, end = header[first]["data_offsets"]
+    body[8 + n + start:8 + n + start + 4] = np.array([np.nan], np.float32).tobytes()
+    digest, version = _served(client)
+    failures = _metrics(client).get('sigmaflight_weights_push_failures_total{reason="non_finite"}', 0)
+    go = threading.Event()
+    answer: list[object] = []
+
+    def pieces():
+        yield bytes(body[:8 + n + end])  # the header and the tensor holding the NaN
+        go.wait(60)  # the rest only once the test has seen the refusal
+        yield bytes(body[8 + n + end:])
+
+    def send() -> None:
+        try:
+            answer.append(_put(put_server, pieces(), len(body)))
+        except httpx.HTTPError as exc:  # the server may close the connection once it has answered
+            answer.append(exc)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        wait_for(lambda: _metrics(client).get('sigmaflight_weights_push_failures_total{reason="non_finite"}', 0)
+                 > failures, "the NaN refused while the body is still arriving")
+        assert not go.is_set() and sender.is_alive()
+    finally:
+        go.set()
+        sender.join(60)
+    if isinstance(answer[0], httpx.Response):
+        assert answer[0].status_code == 422 and answer[0].json()["error"]["details"][0]["loc"] == ["body", first]
+    assert _served(client) == (digest, version)
+    assert _metrics(client)["sigmaflight_weights_staged_bytes"] == 0
+    client.close()
