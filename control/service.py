@@ -86,14 +86,15 @@ class Service:
             self._check_workers("load_weights", model_id, new.digest, self.backend.load_weights(model_id, state))
             return new
 
-    def push_tensors(self, model_id: str, tensors: Mapping[str, torch.Tensor], *,
-                     expected_base: str | None = None) -> tuple[str, Policy]:
+    def push_tensors(self, model_id: str, tensors: Mapping[str, torch.Tensor], *, expected_base: str | None = None,
+                     known_crcs: tuple[str, Mapping[str, str]] | None = None) -> tuple[str, Policy]:
         """Some of the transformer's tensors, already checked as they streamed in (the others kept):
         the registry's `replace_tensors`, then every remote worker gets the whole new state dict.
         Returns (the base digest before, the new Policy), read under this change's lock."""
         with self._change_lock:
             before = self.registry.get(model_id).policy().base_digest
-            new = self.registry.replace_tensors(model_id, tensors, expected_base=expected_base)
+            new = self.registry.replace_tensors(model_id, tensors, expected_base=expected_base,
+                                                known_crcs=known_crcs)
             if self.settings.backend == "ray":
                 state = self.registry.get(model_id).base_transformer().state_dict()
                 self._check_workers("load_weights", model_id, new.digest, self.backend.load_weights(model_id, state))

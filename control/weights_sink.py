@@ -2,10 +2,10 @@
 (dataplane/weights.py) over this service's models, and the per-tensor manifest.
 
 The manifest (`GET /v1/models/{id}/weights/manifest`) gives one CRC32C per tensor of the served
-base transformer (hex, of the tensor's raw C-order bytes): a trainer compares its own tensors'
-and pushes only those that differ. It is made once per served base digest and, after a streamed
-commit, from the previous one with only the pushed tensors checksummed again. The weights digest
-itself is unchanged (sha256 over every byte, pipeline/models.py): the manifest sits beside it.
+base transformer (`sigmaflight.pipeline.models.tensor_crc`): a trainer compares its own tensors'
+and pushes only those that differ. The transformer's component digest is made from these same
+per-tensor values (`state_digest`). It is made once per served base digest and, after a streamed
+commit, from the previous one with only the pushed tensors checksummed again.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import crc32c
 import torch
 from sigmaflight.dataplane.weights import PushRefused, PushStats, TensorSpec
-from sigmaflight.pipeline.models import StaleWeights
+from sigmaflight.pipeline.models import StaleWeights, tensor_crc
 from sigmaflight.pipeline.spec import RolloutInputError
 
 if TYPE_CHECKING:
@@ -27,15 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sigmaflight.weights")
 
-__all__ = ["ManifestCache", "ServiceWeightsSink", "tensor_crc"]
-
-
-def tensor_crc(t: torch.Tensor) -> str:
-    """CRC32C (hex, 8 digits) of a tensor's raw C-order bytes on the CPU."""
-    c = t.detach().to("cpu").contiguous()
-    if not c.numel():
-        return f"{crc32c.crc32c(b''):08x}"
-    return f"{crc32c.crc32c(c.view(-1).view(torch.uint8).numpy().data):08x}"
+__all__ = ["ManifestCache", "ServiceWeightsSink"]
 
 
 class ManifestCache:
@@ -54,6 +45,11 @@ class ManifestCache:
         with self._lock:
             self._by_model[model_id] = (base_digest, manifest)
         return dict(manifest)
+
+    def peek(self, model_id: str) -> tuple[str, dict[str, str]] | None:
+        """(base digest, manifest) as last made, or None."""
+        with self._lock:
+            return self._by_model.get(model_id)
 
     def update(self, model_id: str, old_digest: str, new_digest: str, changed: Mapping[str, torch.Tensor]) -> None:
         """After a commit from `old_digest`: the old manifest with the pushed tensors' CRCs."""
@@ -96,7 +92,8 @@ class ServiceWeightsSink:
                stats: PushStats) -> dict[str, Any]:
         t0 = time.monotonic()
         try:
-            old, policy = self._service.push_tensors(model_id, staged, expected_base=base_digest)
+            old, policy = self._service.push_tensors(model_id, staged, expected_base=base_digest,
+                                                     known_crcs=self.manifests.peek(model_id))
         except StaleWeights as exc:
             raise PushRefused("stale_base", str(exc)) from None
         except RolloutInputError as exc:
