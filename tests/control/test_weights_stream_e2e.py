@@ -389,3 +389,46 @@ def test_a_put_body_is_checked_as_it_arrives_and_refused_before_it_ends(put_serv
     assert _served(client) == (digest, version)
     assert _metrics(client)["sigmaflight_weights_staged_bytes"] == 0
     client.close()
+
+
+def test_the_push_stream_takes_the_bearer_token_as_pulls_do(tmp_path):
+    tokens = tmp_path / "tokens.txt"
+    tokens.write_text("push-token-0123456789\n")
+    new = _changed(_base(), _floats(_base())[:1], 0.5)
+    with ServerProcess("--token-file", str(tokens), "--workers", "1") as s:
+        with Client(s.rest_url, token="push-token-0123456789") as ok:
+            assert ok.push_weights(MODEL, new) == _digest(new)
+            manifest = ok._send("GET", f"/v1/models/{MODEL}/weights/manifest").json()
+        cmd = {"sigmaflight.weights": 1, "model": MODEL, "push_id": "x", "partial": True, "base_digest": None,
+               "tensors": _spec(new, _floats(new)[:1])}
+        with flight.FlightClient(manifest["flight"]["locations"][0]) as fc:  # no token on the stream
+            with pytest.raises(flight.FlightUnauthenticatedError):
+                writer, _ = fc.do_put(flight.FlightDescriptor.for_command(json.dumps(cmd).encode()), SCHEMA)
+                writer.done_writing()
+                writer.close()
+        with Client(s.rest_url, token="push-token-0123456789") as ok:
+            assert _served(ok) == (manifest["digest"], manifest["weights_version"])
+
+
+def test_a_server_killed_mid_push_restarts_on_its_weights_with_nothing_stored_lost(tmp_path):
+    data = tmp_path / "data"
+    flags = ("--data-dir", str(data), "--workers", "1")
+    new = _changed(_base(), _floats(_base()), 0.125)
+    with ServerProcess(*flags) as s, Client(s.rest_url) as c:
+        ticket = c.submit(model=MODEL, prompts=["a red cube"], num_inference_steps=2, seed=3)
+        c.wait(ticket, timeout=120)
+        stored = c.pull(ticket).latents
+        digest, version = _served(c)
+        before = _metrics(c)["sigmaflight_weights_pushed_bytes_total"]
+        proc, sent = _start_half_push(s, tmp_path, new, uuid.uuid4().hex)
+        try:
+            wait_for(lambda: _metrics(c)["sigmaflight_weights_pushed_bytes_total"] >= before + sent,
+                     "the half push at the server")
+            s.kill()  # kill -9, staging in its memory
+        finally:
+            _kill(proc)
+    with ServerProcess(*flags) as s, Client(s.rest_url) as c:
+        assert _served(c) == (digest, version)  # the weights it loads at start-up, never a part of the push
+        assert torch.equal(c.pull(ticket.id).latents, stored)  # by id: the new Flight port
+        m = _metrics(c)
+        assert m["sigmaflight_weights_staged_bytes"] == 0 and m["sigmaflight_weights_pushes_open"] == 0
