@@ -221,6 +221,13 @@ class Client:
 
         return push_weights(self, model_id, state_dict, only_changed=only_changed, partial=partial, **options)
 
+    def push_weights_file(self, model_id: str, path: str, *, partial: bool = False) -> PushResult:
+        """Same host: the server reads the safetensors file at `path` (inside its --weights-file-dir
+        or --shm-dir), checked and swapped in as a streamed push. See sigmaflight.weights."""
+        from sigmaflight.weights import push_weights_file
+
+        return push_weights_file(self, model_id, path, partial=partial)
+
     def weights_manifest(self, model_id: str) -> dict[str, str]:
         """{tensor key: CRC32C hex} of the served transformer (GET .../weights/manifest)."""
         from sigmaflight.weights import weights_manifest

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
     from sigmaflight.client import Client
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "PushResult", "WeightsPushError", "push_weights", "tensor_crc", "weights_manifest"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "PushResult", "WeightsPushError", "push_weights", "push_weights_file", "tensor_crc",
+           "weights_manifest"]
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 """Bytes per chunk (one record batch) of a push."""
@@ -195,6 +196,17 @@ def push_weights(
     finally:
         bar.close()
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def push_weights_file(client: Client, model_id: str, path: str, *, partial: bool = False) -> PushResult:
+    """A same-host push without a socket: the server memory-maps `path` (a safetensors file of the
+    transformer's state dict, inside its --weights-file-dir or --shm-dir) and stages it with the
+    stream's checks, then swaps it in. Refusals are ApiErrors (422 naming the key or the path)."""
+    import os
+
+    r = client._send("POST", f"/v1/models/{model_id}/weights/file", json={"path": os.path.abspath(path),
+                                                                         "partial": partial})
+    return PushResult.of(r.json())
 
 
 def _received(fc: flight.FlightClient, options: flight.FlightCallOptions, push_id: str) -> dict[str, list[list[int]]]:

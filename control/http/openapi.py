@@ -152,6 +152,19 @@ def openapi_document(*, auth: bool = False) -> dict[str, Any]:
                               **_errors(*secured, 404)},
             }
         },
+        "/v1/models/{model_id}/weights/file": {
+            "post": {
+                "operationId": "post_weights_file",
+                "summary": "Same host: push the safetensors file at `path` (inside --weights-file-dir or --shm-dir), "
+                           "memory-mapped and checked as a streamed push; `partial` keeps the tensors it lacks.",
+                "parameters": [mid],
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["path"],
+                    "properties": {"path": {"type": "string"}, "partial": {"type": "boolean"}}}}}},
+                "responses": {"200": _change("Loaded; the next rollouts run on these weights.", "tensors"),
+                              **_errors(*secured, 404, 409, 415, 422)},
+            }
+        },
         "/v1/models/{model_id}/lora": {
             "put": {
                 "operationId": "put_lora",

@@ -26,6 +26,10 @@ routes keep `--max-body-bytes`); at most `--max-weights-pushes` of them are take
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
+import stat
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +49,7 @@ from starlette.responses import JSONResponse, Response
 
 WEIGHTS_PATH = "/v1/models/{model_id:path}/weights"
 MANIFEST_PATH = "/v1/models/{model_id:path}/weights/manifest"
+FILE_PATH = "/v1/models/{model_id:path}/weights/file"
 LORA_PATH = "/v1/models/{model_id:path}/lora"
 """`:path`: a hub model's id has a "/" (org/name)."""
 WEIGHTS_PATH_REGEX = r"/v1/models/.+/(?:weights|lora)"
@@ -253,6 +258,108 @@ async def _stream_weights(request: Request, length: int) -> Response:
         raise
     return JSONResponse({"id": model_id, "digest": answer["digest"], "weights_version": answer["weights_version"],
                          "tensors": len(entries)})
+
+
+_FILE_PIECE = 8 << 20
+"""Bytes of a pushed file staged at a time (whole elements)."""
+
+
+def _allowed_dirs(settings: Any) -> list[str]:
+    return [os.path.realpath(d) for d in (settings.weights_file_dir, settings.shm_dir) if d is not None]
+
+
+def _open_allowed(settings: Any, path: object) -> int:
+    """An fd of `path`, a regular file inside --weights-file-dir or --shm-dir (checked on the
+    opened file itself, so a symlink swapped in meanwhile cannot lead outside); 422 otherwise."""
+    roots = _allowed_dirs(settings)
+    if not roots:
+        raise HttpError(422, "validation_error", "this server takes no weights files: start it with "
+                        "--weights-file-dir (or --shm-dir)", [{"loc": ["body", "path"], "msg": "not allowed",
+                                                             "type": "value_error"}])
+    if not isinstance(path, str) or not os.path.isabs(path):
+        raise RolloutInputError("path", "must be an absolute path to a safetensors file", loc=("path",))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RolloutInputError("path", f"cannot open {path!r}: {exc.strerror}", loc=("path",)) from None
+    real = os.path.realpath(f"/proc/self/fd/{fd}")
+    if not stat.S_ISREG(os.fstat(fd).st_mode) or not any(real.startswith(r + os.sep) for r in roots):
+        os.close(fd)
+        raise RolloutInputError("path", f"{path!r} is not a regular file inside {' or '.join(roots)} "
+                                "(--weights-file-dir, --shm-dir)", loc=("path",))
+    return fd
+
+
+def _push_file(service: Any, model_id: str, path: object, partial: bool) -> JSONResponse:
+    """The file memory-mapped and staged tensor by tensor with the stream's checks, then one swap."""
+    _known_model(service, model_id)
+    fd = _open_allowed(service.settings, path)
+    try:
+        size = os.fstat(fd).st_size
+        if size < 8:
+            raise _body_key(RolloutInputError("body", f"not a safetensors file: {size} bytes"))
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        try:
+            n = int.from_bytes(mm[:8], "little")
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise _body_key(RolloutInputError("body", f"not a safetensors file: header size {n} does not fit "
+                                                  f"the file of {size} bytes"))
+            try:
+                entries, _ = parse_header(mm[8:8 + n], size - 8 - n)
+            except RolloutInputError as exc:
+                raise _body_key(exc) from None
+            header = {"sigmaflight.weights": 1, "model": model_id, "push_id": f"file-{uuid.uuid4().hex}",
+                      "partial": partial, "base_digest": None,
+                      "tensors": {k: {"dtype": dtype_name(d), "shape": list(shape)}
+                                  for k, (d, shape, _, _) in entries.items()}}
+            pushes = service.weights_pushes
+            try:
+                staging = pushes.begin(header)
+            except PushRefused as exc:
+                raise _refused(exc) from None
+            view = memoryview(mm)
+            try:
+                for key, (dtype, _, start, end) in entries.items():
+                    step = max(dtype.itemsize, _FILE_PIECE - _FILE_PIECE % dtype.itemsize)
+                    for off in range(0, end - start, step):
+                        piece = view[8 + n + start + off:8 + n + min(start + off + step, end)]
+                        pushes.write(staging, key, off, piece)
+                        del piece
+                view.release()
+                answer = pushes.commit(staging)
+            except PushRefused as exc:
+                pushes.abort(staging, exc.reason)
+                raise _refused(exc) from None
+            except BaseException:
+                pushes.abort(staging, "commit_failed")
+                raise
+        finally:
+            with contextlib.suppress(BufferError):  # a refusal's traceback still holds a view: the map goes with it
+                mm.close()
+    finally:
+        os.close(fd)
+    return JSONResponse({"id": model_id, "digest": answer["digest"], "weights_version": answer["weights_version"],
+                         "tensors": len(entries), "bytes_sent": answer["bytes_sent"]})
+
+
+async def post_weights_file(request: Request) -> Response:
+    """POST .../weights/file {"path": "/abs/file.safetensors", "partial": false}: a same-host push
+    without a socket; the file is memory-mapped and checked as a stream's chunks are."""
+    media = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise HttpError(415, "unsupported_media_type", "the body must be JSON sent with Content-Type: "
+                        "application/json")
+    try:
+        body = await request.json()
+    except ValueError:
+        raise RolloutInputError("body", "must be a JSON object {\"path\": ..., \"partial\": false}") from None
+    if not isinstance(body, dict) or set(body) - {"path", "partial"}:
+        raise RolloutInputError("body", "must be a JSON object with path (and partial) only")
+    partial = body.get("partial", False)
+    if not isinstance(partial, bool):
+        raise RolloutInputError("partial", "must be true or false", loc=("partial",))
+    return await run_in_threadpool(_push_file, request.state.service, request.path_params["model_id"],
+                                   body.get("path"), partial)
 
 
 async def put_weights(request: Request) -> Response:

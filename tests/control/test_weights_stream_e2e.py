@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 import torch
-from safetensors.torch import save
+from safetensors.torch import save, save_file
 from sigmaflight.dataplane.client import Trajectory
 from sigmaflight.pipeline.models import ModelRegistry, weights_digest
 
@@ -432,3 +432,31 @@ def test_a_server_killed_mid_push_restarts_on_its_weights_with_nothing_stored_lo
         assert torch.equal(c.pull(ticket.id).latents, stored)  # by id: the new Flight port
         m = _metrics(c)
         assert m["sigmaflight_weights_staged_bytes"] == 0 and m["sigmaflight_weights_pushes_open"] == 0
+
+
+def test_a_same_host_file_push_is_checked_and_swapped_like_a_stream(tmp_path):
+    allowed, outside = tmp_path / "pushes", tmp_path / "elsewhere"
+    allowed.mkdir()
+    outside.mkdir()
+    base = _base()
+    new = _changed(base, _floats(base), 0.0625)
+    keys = _floats(base)
+    nan = {**new, keys[0]: torch.full_like(new[keys[0]], float("inf"))}
+    save_file(new, allowed / "new.safetensors")
+    save_file(nan, allowed / "nan.safetensors")
+    save_file(new, outside / "new.safetensors")
+    (allowed / "link.safetensors").symlink_to(outside / "new.safetensors")
+    save_file({keys[1]: new[keys[1]] + 1}, allowed / "one.safetensors")
+    with ServerProcess("--weights-file-dir", str(allowed), "--workers", "1") as s, Client(s.rest_url) as c:
+        digest, version = _served(c)
+        for name, where in (("nan.safetensors", allowed), ("new.safetensors", outside), ("link.safetensors", allowed)):
+            with pytest.raises(ApiError) as refused:
+                c.push_weights_file(MODEL, str(where / name))
+            assert refused.value.status == 422, name
+            assert refused.value.details[0]["loc"] == (["body", keys[0]] if name == "nan.safetensors" else
+                                                       ["body", "path"]), refused.value.details
+        assert _served(c) == (digest, version)
+        result = c.push_weights_file(MODEL, str(allowed / "new.safetensors"))
+        assert result == _digest(new) and result.weights_version == version + 1
+        part = c.push_weights_file(MODEL, str(allowed / "one.safetensors"), partial=True)
+        assert part == _digest({**new, keys[1]: new[keys[1]] + 1})
