@@ -460,3 +460,12 @@ def test_a_same_host_file_push_is_checked_and_swapped_like_a_stream(tmp_path):
         assert result == _digest(new) and result.weights_version == version + 1
         part = c.push_weights_file(MODEL, str(allowed / "one.safetensors"), partial=True)
         assert part == _digest({**new, keys[1]: new[keys[1]] + 1})
+
+
+def test_progress_shows_bytes_and_rate_when_asked(server, client, capsys):
+    new = _changed(_base(), _floats(_base())[:2], 0.75)
+    client.push_weights(MODEL, new, progress=True, chunk_bytes=1024)
+    err = capsys.readouterr().err
+    assert f"push {MODEL}" in err and "B/s" in err and "100%" in err
+    client.push_weights(MODEL, _changed(new, _floats(new)[:1], 0.5), progress=False)
+    assert capsys.readouterr().err == ""
