@@ -19,7 +19,9 @@ from sigmaflight.control.jobs.backend import Backend
 from sigmaflight.control.jobs.manager import JobManager, NotFinished
 from sigmaflight.control.node import Node, NodeConfig
 from sigmaflight.control.settings import Settings
+from sigmaflight.control.weights_sink import ServiceWeightsSink
 from sigmaflight.dataplane.auth import TokenSet
+from sigmaflight.dataplane.weights import WeightsPushes
 from sigmaflight.pipeline.models import Policy
 
 log = logging.getLogger("sigmaflight.service")
@@ -55,6 +57,9 @@ class Service:
         self._change_lock = threading.Lock()
         """One change of weights (or of tokens) at a time, registry and workers together (workers
         see the same order)."""
+        self.weights_sink = ServiceWeightsSink(self)
+        self.weights_pushes = WeightsPushes(self.weights_sink, expire_s=settings.weights_push_timeout_s)
+        """Streamed weights pushes over this node's Flight do_put (taken once the service starts)."""
 
     def _result_unavailable(self, rollout_id: str, reason: str) -> None:
         """The backend lost a finished trajectory (its file truncated or corrupted): REST stops
@@ -80,6 +85,20 @@ class Service:
             new = self.registry.replace_weights(model_id, state)
             self._check_workers("load_weights", model_id, new.digest, self.backend.load_weights(model_id, state))
             return new
+
+    def push_tensors(self, model_id: str, tensors: Mapping[str, torch.Tensor], *, expected_base: str | None = None,
+                     known_crcs: tuple[str, Mapping[str, str]] | None = None) -> tuple[str, Policy]:
+        """Some of the transformer's tensors, already checked as they streamed in (the others kept):
+        the registry's `replace_tensors`, then every remote worker gets the whole new state dict.
+        Returns (the base digest before, the new Policy), read under this change's lock."""
+        with self._change_lock:
+            before = self.registry.get(model_id).policy().base_digest
+            new = self.registry.replace_tensors(model_id, tensors, expected_base=expected_base,
+                                                known_crcs=known_crcs)
+            if self.settings.backend == "ray":
+                state = self.registry.get(model_id).base_transformer().state_dict()
+                self._check_workers("load_weights", model_id, new.digest, self.backend.load_weights(model_id, state))
+            return before, new
 
     def push_lora(self, model_id: str, tensors: Mapping[str, torch.Tensor], lora_config: dict[str, Any]) -> Policy:
         """A LoRA adapter (replacing any): the service's registry (`load_lora`, which checks it and
@@ -125,6 +144,7 @@ class Service:
     def start(self) -> None:
         model = self.registry.get(self.settings.model)
         log.info("model loaded", extra={"model": model.id, "digest": model.digest, "device": str(model.device)})
+        self.flight.accept_weights(self.weights_pushes)
         self.flight.start()
         self.jobs.start()
         self.ready = True

@@ -113,6 +113,14 @@ class Settings(BaseSettings):
         2, ge=1, description="PUT .../weights and .../lora bodies taken at once (each up to --max-weights-bytes); "
         "429 beyond, before the body is read."
     )
+    weights_file_dir: Path | None = Field(
+        None, description="A directory whose safetensors files a same-host trainer may push by path "
+        "(POST /v1/models/{id}/weights/file); files under --shm-dir may be pushed too."
+    )
+    weights_push_timeout_s: float = Field(
+        300.0, gt=0, description="Seconds a streamed weights push (Flight do_put) that no stream feeds (cut, "
+        "client gone) keeps its staging for a resume; then it is dropped and its memory freed."
+    )
     header_timeout_s: float = Field(
         10.0, gt=0, description="Seconds a connection may take to send a request's line and headers (from its "
         "first byte, or from connecting); the connection is closed beyond (with a 408)."
@@ -126,7 +134,8 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_format: Literal["json", "text"] = Field("json", description="Log line format.")
 
-    @field_validator("model_dir", "data_dir", "shm_dir", "token_file", "tls_cert", "tls_key", mode="before")
+    @field_validator("model_dir", "data_dir", "shm_dir", "token_file", "tls_cert", "tls_key", "weights_file_dir",
+                     mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value

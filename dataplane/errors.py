@@ -2,7 +2,8 @@
 in pyarrow's `FlightError.extra_info`, so clients branch on its type, never on message text.
 
     {"type": "not_found" | "failed" | "cancelled" | "released" | "expired" | "closed"
-             | "too_many_streams" | "bad_request" | "unauthenticated",
+             | "too_many_streams" | "bad_request" | "unauthenticated"
+             | "bad_weights" | "conflict"  (a weights push: dataplane/weights.py),
      "rollout": id or null, ...}  (plus "reason", "stream", "ended" where they apply)
 
 The Flight error class follows the type (FlightInternalError for a failed rollout,
@@ -27,7 +28,7 @@ from sigmaflight.dataplane.tickets import TicketNotFound
 __all__ = ["ERROR_TYPES", "error_info", "flight_error", "not_found", "rollout_ended", "server_message", "server_words"]
 
 ERROR_TYPES = ("not_found", "failed", "cancelled", "released", "expired", "closed", "too_many_streams",
-               "bad_request", "unauthenticated")
+               "bad_request", "unauthenticated", "bad_weights", "conflict")
 
 _CLASSES: dict[str, type[flight.FlightError]] = {
     "failed": flight.FlightInternalError,

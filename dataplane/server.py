@@ -30,6 +30,7 @@ from sigmaflight.dataplane.errors import flight_error, not_found, rollout_ended
 from sigmaflight.dataplane.store import Entry, ResultStore, RolloutEnded, StreamNotFound, TicketNotFound
 from sigmaflight.dataplane.streams import EXTRA_STREAMS
 from sigmaflight.dataplane.tickets import stream_ticket
+from sigmaflight.dataplane.weights import WEIGHTS_STATUS_ACTION, PushRefused, WeightsPushes
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ ACTIONS = {
     'Answers JSON {"id", "cancelled": bool}.',
     "release": 'Release a finished rollout (memory and file). Body: the rollout id (UTF-8) or JSON {"id": ...}. '
     'Answers JSON {"id", "released": bool}.',
+    WEIGHTS_STATUS_ACTION: "The byte ranges a weights push (do_put) has received so far, to resume it. Body: the push "
+    'id (UTF-8). Answers JSON {"push_id", "model", "received": {tensor: [[start, end], ...]}, ...}.',
 }
 
 
@@ -138,6 +141,8 @@ class FlightDataServer(flight.FlightServerBase):
         self.bytes_served = 0
         self.streams_served = 0
         self._thread: threading.Thread | None = None
+        self.weights: WeightsPushes | None = None
+        """Weights pushes (do_put), once the control plane gives a sink (`accept_weights`)."""
         self._stop = threading.Event()
         """This server's own: stop() ends its waiting streams, never the store's (a later
         server on the same store serves on; only ResultStore.close sets the store's)."""
@@ -163,6 +168,8 @@ class FlightDataServer(flight.FlightServerBase):
         its call open forever (its write is blocked on flow control): after ``timeout``
         seconds we stop waiting, so SIGTERM still exits in time."""
         self._stop.set()
+        if self.weights is not None:
+            self.weights.close()
         self.store.wake_all()
         closer = threading.Thread(target=self.shutdown, name="flight-shutdown", daemon=True)
         closer.start()
@@ -174,6 +181,17 @@ class FlightDataServer(flight.FlightServerBase):
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+    def accept_weights(self, pushes: WeightsPushes) -> None:
+        """Take weights pushes over do_put from now on (dataplane/weights.py), into `pushes`' sink."""
+        self.weights = pushes.start()
+
+    def do_put(self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor,
+               reader: flight.MetadataRecordBatchReader, writer: flight.FlightMetadataWriter) -> None:
+        """A weights push (the only thing this server takes in): see dataplane/weights.py."""
+        if self.weights is None:
+            raise flight_error("bad_request", "this Flight server takes no weights pushes (no control plane)")
+        self.weights.receive(descriptor, reader, writer)
 
     def __enter__(self) -> FlightDataServer:
         return self.start()
@@ -382,6 +400,14 @@ class FlightDataServer(flight.FlightServerBase):
         kind = action.type
         if kind not in ACTIONS:
             raise flight_error("bad_request", f"unknown action {kind[:40]!r}; known: {sorted(ACTIONS)}")
+        if kind == WEIGHTS_STATUS_ACTION:
+            push_id = action.body.to_pybytes().decode("utf-8", "replace") if action.body is not None else ""
+            if self.weights is None:
+                raise flight_error("bad_request", "this Flight server takes no weights pushes (no control plane)")
+            try:
+                return iter([json.dumps(self.weights.status(push_id)).encode()])
+            except PushRefused as exc:
+                raise flight_error("not_found", exc.message, reason=exc.reason, push_id=push_id[:200]) from None
         rid = _action_id(action.body.to_pybytes() if action.body is not None else b"")
         if kind == "cancel":
             if self._on_cancel is None:

@@ -10,6 +10,15 @@ kernel's high-water mark (VmHWM), reset to the current RSS before each push
 
     .venv/bin/python ops/bench_weights.py                    # small-sd3, rank 32, 3 pushes each
     .venv/bin/python ops/bench_weights.py --model tiny-sd3 --rank 4
+
+`--stream`: the streamed push (Client.push_weights over Flight do_put) of an SD3 transformer of
+about --size-mib MiB (random weights, saved as a local diffusers dir, served with --model-dir):
+full push time and GB/s against a bare Flight do_put of the same chunks to a sink server and
+against memcpy; the server's peak RSS during each push over its RSS before, as a multiple of the
+model's bytes; a push after changing tensors holding about 1% of the bytes, the same tensors with
+partial=True, and a push where nothing changed, each against the full push.
+
+    .venv/bin/python ops/bench_weights.py --stream --size-mib 1024
 """
 
 from __future__ import annotations
@@ -57,7 +66,12 @@ def main() -> int:
     ap.add_argument("--model", default="small-sd3")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--stream", action="store_true", help="the streamed push against a served --model-dir model")
+    ap.add_argument("--size-mib", type=int, default=1024, help="--stream: the transformer's size")
+    ap.add_argument("--arrow-pool", default=None, help="--stream: the server's ARROW_DEFAULT_MEMORY_POOL")
     args = ap.parse_args()
+    if args.stream:
+        return stream_main(args)
 
     import json
 
@@ -106,6 +120,148 @@ def main() -> int:
     print(f"LoRA push:         {lora_t * 1e3:.1f} ms, peak RSS +{lora_peak:.1f} MiB")
     print(f"LoRA / full: wall time {lora_t / full_t:.3f}, peak RSS {lora_peak / max(full_peak, 1e-9):.3f}")
     print(f"weights_version after the run: {model.weights_version}")
+    return 0
+
+
+# ------------------------------------------------------------------ streamed push (Flight do_put)
+
+_SINK = """
+import sys, pyarrow.flight as flight
+class Sink(flight.FlightServerBase):
+    def do_put(self, context, descriptor, reader, writer):
+        n = 0
+        for chunk in reader:
+            n += chunk.data.nbytes
+        writer.write(str(n).encode())
+s = Sink("grpc+tcp://127.0.0.1:0")
+print(s.port, flush=True)
+s.wait()
+"""
+
+
+def _proc_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/{pid}/status")
+
+
+def _big_model_dir(root: Path, mib: int) -> tuple[Path, int]:
+    """A local diffusers SD3 pipeline whose transformer holds about `mib` MiB (fp32, random
+    weights; the tiny built-in's text encoders and VAE), saved under root/big-sd3."""
+    import torch
+    from sigmaflight.pipeline.builtins import _build_sd3
+
+    per_layer = 36 * 1024 * 1024 * 4  # about 36 D^2 parameters per joint block at D = 1024, fp32
+    layers = max(1, round(mib * MiB / per_layer))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        pipe = _build_sd3(dim_heads=64, heads=16, layers=layers)
+    path = root / "big-sd3"
+    pipe.save_pretrained(path)
+    return path, sum(v.nbytes for v in pipe.transformer.state_dict().values())
+
+
+def stream_main(args: argparse.Namespace) -> int:
+    import subprocess
+    import tempfile
+
+    import pyarrow.flight as flight
+    import torch
+    from safetensors.torch import load_file
+    from sigmaflight.dataplane.weights import SCHEMA, chunk_batch
+
+    from sigmaflight import Client
+    from sigmaflight.launcher import ServerProcess
+    from sigmaflight.weights import DEFAULT_CHUNK_BYTES
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-weights-"))
+    t0 = time.perf_counter()
+    model_dir, nbytes = _big_model_dir(tmp, args.size_mib)
+    state = load_file(str(model_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
+    print(f"SD3 transformer: {len(state)} tensors, {nbytes / MiB:.0f} MiB fp32 (built and saved in "
+          f"{time.perf_counter() - t0:.0f} s)", flush=True)
+    g = torch.Generator().manual_seed(1)
+    new = {k: v + 0.01 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v.clone()
+           for k, v in state.items()}
+
+    # memcpy of the same bytes
+    flat = [v.reshape(-1) for v in new.values()]
+    dst = [torch.zeros_like(v) for v in flat]  # touched: the copy below pays no page faults
+    t = time.perf_counter()
+    for d, s in zip(dst, flat, strict=True):
+        d.copy_(s)
+    memcpy_s = time.perf_counter() - t
+    del dst
+
+    # a bare Flight do_put of the same chunks to a sink server (its own process, like the server)
+    sink = subprocess.Popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sink.stdout is not None
+        port = int(sink.stdout.readline())
+        with flight.FlightClient(f"grpc+tcp://127.0.0.1:{port}") as fc:
+            t = time.perf_counter()
+            writer, reader = fc.do_put(flight.FlightDescriptor.for_command(b"sink"), SCHEMA)
+            for name, v in new.items():
+                b = v.reshape(-1).view(torch.uint8).numpy()
+                for off in range(0, b.size, DEFAULT_CHUNK_BYTES):
+                    writer.write_batch(chunk_batch(name, off, b[off:off + DEFAULT_CHUNK_BYTES]))
+            writer.done_writing()
+            reader.read()
+            writer.close()
+            bare_s = time.perf_counter() - t
+    finally:
+        sink.kill()
+        sink.wait()
+
+    changed = {}
+    for k in sorted(new, key=lambda k: new[k].nbytes):  # the smallest tensors until about 1% of the bytes
+        if sum(v.nbytes for v in changed.values()) >= nbytes // 100:
+            break
+        if new[k].is_floating_point():
+            changed[k] = new[k] + 0.01
+    one_pct = {**new, **changed}
+
+    env = {"ARROW_DEFAULT_MEMORY_POOL": args.arrow_pool} if args.arrow_pool else None
+    with ServerProcess("--model-dir", str(tmp), "--model", "big-sd3", "--workers", "1", env=env,
+                       timeout=600) as server, \
+            Client(server.rest_url) as client:
+        pid = server.proc.pid
+        client.weights_manifest("big-sd3")  # the manifest is made once per served digest
+        rows = []
+
+        def push(label: str, sd: dict, **kw: object) -> float:
+            Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+            before = _proc_kib(pid, "VmRSS")
+            t = time.perf_counter()
+            r = client.push_weights("big-sd3", sd, **kw)
+            s = time.perf_counter() - t
+            peak = (_proc_kib(pid, "VmHWM") - before) * 1024
+            rows.append((label, s, r.bytes_sent, peak, r.seconds, float(r.answer.get("commit_seconds", 0.0))))
+            return s
+
+        full_s = push("full push (only_changed=False)", new, only_changed=False)
+        pct_s = push(f"{len(changed)} tensors changed ({sum(v.nbytes for v in changed.values()) / nbytes:.1%} "
+                     "of the bytes), only_changed", one_pct)
+        part_s = push("the same tensors, partial=True", {k: v + 0.01 for k, v in changed.items()}, partial=True)
+        same_s = push("nothing changed", {**one_pct, **{k: v + 0.01 for k, v in changed.items()}})
+    gbs = nbytes / 1e9
+    print(f"memcpy of the same bytes: {memcpy_s:.2f} s ({gbs / memcpy_s:.2f} GB/s)")
+    print(f"bare Flight do_put to a sink server, {DEFAULT_CHUNK_BYTES >> 20} MiB chunks: {bare_s:.2f} s "
+          f"({gbs / bare_s:.2f} GB/s)")
+    print("| push | seconds | server: header to commit (of which the commit) | GB/s | bytes sent | server peak RSS "
+          "over before (x model bytes) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for label, s, sent, peak, server_s, commit_s in rows:
+        print(f"| {label} | {s:.3f} | {server_s:.3f} ({commit_s:.3f}) | {sent / 1e9 / s:.2f} | {sent / MiB:.1f} MiB | "
+              f"{peak / nbytes:.2f}x |")
+    print(f"full push / bare do_put: {bare_s / full_s:.2f}x the throughput; full push / memcpy: "
+          f"{memcpy_s / full_s:.2f}x")
+    print(f"1%-changed / full: {pct_s / full_s:.3f}; partial / full: {part_s / full_s:.3f}; nothing changed / full: "
+          f"{same_s / full_s:.3f}")
+    import shutil
+
+    shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

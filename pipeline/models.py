@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import torch
 from sigmaflight.pipeline.builtins import _BUILTINS, _CLIP_LEN, _T5_LEN, ModelDefaults
 from sigmaflight.pipeline.families import family_of_pipeline
@@ -45,6 +46,7 @@ __all__ = [
     "Policy",
     "HubSnapshot",
     "check_hub_id",
+    "StaleWeights",
     "check_hub_model",
     "combine_digests",
     "component_digest",
@@ -56,6 +58,7 @@ __all__ = [
     "resolve_hub_model",
     "revision_problem",
     "state_digest",
+    "tensor_crc",
     "weights_digest",
 ]
 
@@ -64,6 +67,15 @@ _ = _BUILTINS  # re-exported: control/plot.py reads sigmaflight.pipeline.models.
 
 class ModelLoadError(ValueError):
     """A local model directory sigmaflight cannot serve (the message names the directory and why)."""
+
+
+class StaleWeights(ValueError):
+    """A change made against other base weights than the model serves now."""
+
+    def __init__(self, expected: str, digest: str) -> None:
+        super().__init__(f"the push was made against weights {expected[:12]}..., the model serves {digest[:12]}... "
+                         "now; fetch the manifest again and push what differs from it")
+        self.expected, self.digest = expected, digest
 
 
 class LoraNotLoaded(LookupError):
@@ -146,14 +158,23 @@ def component_digest(name: str, module: torch.nn.Module) -> str:
     return state_digest(name, module.state_dict())
 
 
-def state_digest(name: str, state: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over the tensors of component `name`: for each, sorted by key,
-    "<name>.<key>:<dtype>:<shape>\\n" and then its raw bytes."""
-    h = hashlib.sha256()
+def tensor_crc(tensor: torch.Tensor) -> str:
+    """A tensor's checksum: CRC32C (Castagnoli) of its raw C-order bytes on the CPU, 8 hex digits
+    (the weights manifest's per-tensor value; hardware CRC32C, about 7x sha256's speed here)."""
+    t = tensor.detach().to("cpu").contiguous()
+    return f"{crc32c.crc32c(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b''):08x}"
+
+
+def state_digest(name: str, state: Mapping[str, torch.Tensor], known: Mapping[str, str] | None = None) -> str:
+    """sha256 over "sigmaflight/tensors/v1\n" and, for each tensor sorted by key,
+    "<name>.<key>:<dtype>:<shape>:<tensor_crc>\n": a component's digest derives from its per-tensor
+    checksums (the weights manifest's), so a change of weights costs a CRC32C pass, not a sha256
+    over every byte. `known`: tensor_crc of some keys, already computed (tensors a change kept)."""
+    known = known or {}
+    h = hashlib.sha256(b"sigmaflight/tensors/v1\n")
     for key, tensor in sorted(state.items()):
-        t = tensor.detach().to("cpu").contiguous()
-        h.update(f"{name}.{key}:{t.dtype}:{tuple(t.shape)}\n".encode())
-        h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")
+        crc = known.get(key) or tensor_crc(tensor)
+        h.update(f"{name}.{key}:{tensor.dtype}:{tuple(tensor.shape)}:{crc}\n".encode())
     return h.hexdigest()
 
 
@@ -164,9 +185,9 @@ def component_digests(pipeline: Any) -> dict[str, str]:
 
 
 def combine_digests(components: Mapping[str, str]) -> str:
-    """The weights digest from the per-component ones: sha256 over "sigmaflight/weights/v2\\n" and
+    """The weights digest from the per-component ones: sha256 over "sigmaflight/weights/v3\\n" and
     "<name>:<digest>\\n" per component, sorted by name."""
-    h = hashlib.sha256(b"sigmaflight/weights/v2\n")
+    h = hashlib.sha256(b"sigmaflight/weights/v3\n")
     for name in sorted(components):
         h.update(f"{name}:{components[name]}\n".encode())
     return h.hexdigest()
@@ -524,22 +545,56 @@ class ModelRegistry:
             bad = check_state_dict(base.state_dict(), state_dict)
             if bad is not None:
                 raise RolloutInputError(*bad)
-            new = {k: v.detach().to(model.device) for k, v in state_dict.items()}
-            transformer = share_tensors_copy(base)
-            transformer.load_state_dict(new, strict=True, assign=True)
-            transformer.eval()
-            transformer.requires_grad_(False)
-            del new
-            current = model.base_pipeline if model.base_pipeline is not None else model.pipeline
-            pipeline = _with_transformer(current, transformer)
-            components = {**model.base_components, "transformer": component_digest("transformer", transformer)}
-            digest = combine_digests(components)
-            with model.lock:
-                model.pipeline, model.base_pipeline, model.lora = pipeline, None, None
-                model.digest = model.base_digest = digest
-                model.components, model.base_components = components, dict(components)
-                model.weights_version += 1
-            return model.policy()
+            return self._swap_transformer(model, base, state_dict)
+
+    def replace_tensors(self, model_id: str, tensors: Mapping[str, torch.Tensor], *,
+                        expected_base: str | None = None,
+                        known_crcs: tuple[str, Mapping[str, str]] | None = None) -> Policy:
+        """Replace some of the transformer's tensors (the others stay as served), as one swap like
+        `replace_weights`; drops any LoRA. The caller has checked each tensor (key, shape, dtype,
+        finite values) as it arrived (a streamed push, dataplane/weights.py) and hands them over.
+        `expected_base`: the base digest the kept tensors must come from (StaleWeights otherwise,
+        before anything changes). `known_crcs`: (a base digest, the tensor_crc of its tensors), used
+        for the kept tensors when that digest is still the served one, so only the new tensors are
+        checksummed. Returns the new Policy (weights_version + 1)."""
+        model = self.get(model_id)
+        with model.push_lock:
+            if expected_base is not None and model.base_digest != expected_base:
+                raise StaleWeights(expected_base, model.base_digest)
+            base = model.base_transformer()
+            current = base.state_dict()
+            bad = next(((k, "not a parameter or buffer of this model's transformer") for k in sorted(tensors)
+                        if k not in current), None)
+            if bad is not None:
+                raise RolloutInputError(*bad)
+            kept = None
+            if known_crcs is not None and known_crcs[0] == model.base_digest:
+                kept = {k: c for k, c in known_crcs[1].items() if k not in tensors}
+            return self._swap_transformer(model, base, {**current, **tensors}, kept)
+
+    @staticmethod
+    def _swap_transformer(model: LoadedModel, base: Any, state_dict: Mapping[str, torch.Tensor],
+                          known_crcs: Mapping[str, str] | None = None) -> Policy:
+        """The one swap point of a change of the transformer's weights (model.push_lock held): a
+        copy of `base` sharing its modules takes `state_dict` (assigned, no copy on the model's
+        device), then pipeline, digest and version change together under model.lock."""
+        new = {k: v.detach().to(model.device) for k, v in state_dict.items()}
+        transformer = share_tensors_copy(base)
+        transformer.load_state_dict(new, strict=True, assign=True)
+        transformer.eval()
+        transformer.requires_grad_(False)
+        del new
+        current = model.base_pipeline if model.base_pipeline is not None else model.pipeline
+        pipeline = _with_transformer(current, transformer)
+        components = {**model.base_components,
+                      "transformer": state_digest("transformer", transformer.state_dict(), known_crcs)}
+        digest = combine_digests(components)
+        with model.lock:
+            model.pipeline, model.base_pipeline, model.lora = pipeline, None, None
+            model.digest = model.base_digest = digest
+            model.components, model.base_components = components, dict(components)
+            model.weights_version += 1
+        return model.policy()
 
     def load_weights(self, model_id: str, state_dict: Mapping[str, torch.Tensor]) -> str:
         """`replace_weights(...).digest` (the older API)."""

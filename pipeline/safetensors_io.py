@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from sigmaflight.pipeline.spec import RolloutInputError
 
-__all__ = ["read_safetensors", "lora_config_from_metadata", "MAX_HEADER_BYTES"]
+__all__ = ["MAX_HEADER_BYTES", "lora_config_from_metadata", "parse_header", "read_safetensors"]
 
 MAX_HEADER_BYTES = 100 << 20
 """The reference implementation's limit on the JSON header."""
@@ -73,8 +73,29 @@ def read_safetensors(body: bytes | bytearray | memoryview) -> tuple[dict[str, to
     n = int.from_bytes(view[:8], "little")
     if n > MAX_HEADER_BYTES or 8 + n > len(view):
         raise _bad(f"not a safetensors file: header size {n} does not fit the body of {len(view)} bytes")
+    data = view[8 + n:]
+    entries, raw_meta = parse_header(bytes(view[8:8 + n]), len(data))
+    out: dict[str, torch.Tensor] = {}
+    for key, (dtype, shape, start, end) in entries.items():
+        size = end - start
+        if size == 0:
+            out[key] = torch.empty(shape, dtype=dtype)
+            continue
+        with warnings.catch_warnings():  # read-only bytes: torch warns that it cannot mark the tensor read-only
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=start)
+        if start % dtype.itemsize:
+            flat = flat.clone()  # an unaligned view would be slow or refused by some kernels
+        out[key] = flat.view(dtype).view(shape)
+    return out, raw_meta
+
+
+def parse_header(raw: bytes, data_len: int) -> tuple[dict[str, tuple[torch.dtype, list[int], int, int]], dict[str, str]]:
+    """The JSON header of a safetensors file whose data section holds `data_len` bytes, checked:
+    ({key: (dtype, shape, start, end)} with offsets into the data section, metadata). Used by
+    `read_safetensors` and by the streamed PUT .../weights, which reads the header first."""
     try:
-        header = json.loads(bytes(view[8:8 + n]))
+        header = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:
         raise _bad(f"not a safetensors file: the header is not JSON ({exc})") from None
     except RecursionError:  # e.g. "[" * 100000: json's decoder recurses once a nesting level
@@ -84,9 +105,8 @@ def read_safetensors(body: bytes | bytearray | memoryview) -> tuple[dict[str, to
     raw_meta = header.pop("__metadata__", None) or {}
     if not isinstance(raw_meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw_meta.items()):
         raise _bad("the header's __metadata__ must map strings to strings", "__metadata__")
-    data = view[8 + n:]
     spans: list[tuple[int, int, str]] = []
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
     for key, entry in header.items():
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise _bad("header entry must hold exactly dtype, shape and data_offsets", key)
@@ -101,22 +121,14 @@ def read_safetensors(body: bytes | bytearray | memoryview) -> tuple[dict[str, to
             raise _bad(f"shape {_shown(shape)} is too large: its sizes and strides do not fit in 64 bits", key)
         if (not isinstance(offsets, list) or len(offsets) != 2
                 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1] <= len(data)):
-            raise _bad(f"data_offsets {_shown(offsets)} do not fit the {len(data)} data bytes", key)
+                or not 0 <= offsets[0] <= offsets[1] <= data_len):
+            raise _bad(f"data_offsets {_shown(offsets)} do not fit the {data_len} data bytes", key)
         start, end = offsets
         size = math.prod(shape) * dtype.itemsize
         if end - start != size:
             raise _bad(f"data_offsets span {end - start} bytes, shape {shape} of {entry['dtype']} needs {size}", key)
         spans.append((start, end, key))
-        if size == 0:
-            out[key] = torch.empty(shape, dtype=dtype)
-            continue
-        with warnings.catch_warnings():  # read-only bytes: torch warns that it cannot mark the tensor read-only
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=start)
-        if start % dtype.itemsize:
-            flat = flat.clone()  # an unaligned view would be slow or refused by some kernels
-        out[key] = flat.view(dtype).view(shape)
+        out[key] = (dtype, shape, start, end)
     spans.sort()
     for (_, a_end, a_key), (b_start, _, b_key) in zip(spans, spans[1:], strict=False):
         if b_start < a_end:

@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # torch and the data plane's torch side load on first use: `s
     from sigmaflight.dataplane.client import Trajectory, TrajectoryClient
     from sigmaflight.pipeline.spec import RolloutSpec
     from sigmaflight.stream import Stream
+    from sigmaflight.weights import PushResult
 
 __all__ = [
     "ApiError", "Client", "NotFound", "RolloutCancelled", "RolloutFailed", "ServerUnreachable", "Unauthorized",
@@ -180,18 +181,32 @@ class Client:
         """GET /v1/models: id, family, dtype, device, digest, defaults, ... per model."""
         return self._call(rest.models())
 
-    def push_weights(self, model_id: str, state_dict: Mapping[str, torch.Tensor]) -> str:
-        """PUT the transformer's state dict (safetensors); returns the server's new weights digest."""
-        from safetensors.torch import save
+    def push_weights(self, model_id: str, state_dict: Mapping[str, torch.Tensor], *, only_changed: bool = True,
+                     partial: bool = False, **options: Any) -> PushResult:
+        """Stream the transformer's state dict to the server (Flight do_put, checked, atomic,
+        resumed after a cut); by default only the tensors whose checksum differs from the served
+        ones. Returns the new digest (a str) with weights_version and bytes sent/skipped;
+        WeightsPushError when the server refuses it. See sigmaflight.weights.push_weights."""
+        from sigmaflight.weights import push_weights
 
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-        r = self._send(
-            "PUT",
-            rest.model_path(model_id, "weights"),
-            content=save(tensors),
-            headers={"content-type": "application/octet-stream"},
-        )
-        return str(r.json()["digest"])
+        result = push_weights(self, model_id, state_dict, only_changed=only_changed, partial=partial, **options)
+        self.pushed_versions[model_id] = result.weights_version  # a Flight commit: rest.check_answer never sees it
+        return result
+
+    def push_weights_file(self, model_id: str, path: str, *, partial: bool = False) -> PushResult:
+        """Same host: the server reads the safetensors file at `path` (inside its --weights-file-dir
+        or --shm-dir), checked and swapped in as a streamed push. See sigmaflight.weights."""
+        from sigmaflight.weights import push_weights_file
+
+        result = push_weights_file(self, model_id, path, partial=partial)
+        self.pushed_versions[model_id] = result.weights_version
+        return result
+
+    def weights_manifest(self, model_id: str) -> dict[str, str]:
+        """{tensor key: CRC32C hex} of the served transformer (GET .../weights/manifest)."""
+        from sigmaflight.weights import weights_manifest
+
+        return dict(weights_manifest(self, model_id)["tensors"])
 
     def push_lora(self, model_id: str, adapter: Mapping[str, torch.Tensor], lora_config: Any) -> dict[str, Any]:
         """PUT a LoRA adapter: `adapter` as `peft.get_peft_model_state_dict` gives it, `lora_config`

@@ -22,11 +22,15 @@ from sigmaflight.control.http.errors import EXCEPTION_HANDLERS, HttpError, inval
 from sigmaflight.control.http.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from sigmaflight.control.http.openapi import openapi_document
 from sigmaflight.control.http.weights import (
+    FILE_PATH,
     LORA_PATH,
+    MANIFEST_PATH,
     WEIGHTS_PATH,
     WEIGHTS_PATH_REGEX,
     PushSlots,
     delete_lora,
+    get_manifest,
+    post_weights_file,
     put_lora,
     put_weights,
 )
@@ -342,6 +346,8 @@ ROUTES = [
     Route("/v1/rollouts/{rollout_id}", delete_rollout, methods=["DELETE"], name="delete_rollout"),
     Route("/v1/models", list_models, methods=["GET"], name="list_models"),
     Route(WEIGHTS_PATH, put_weights, methods=["PUT"], name="put_weights"),
+    Route(MANIFEST_PATH, get_manifest, methods=["GET"], name="get_weights_manifest"),
+    Route(FILE_PATH, post_weights_file, methods=["POST"], name="post_weights_file"),
     Route(LORA_PATH, put_lora, methods=["PUT"], name="put_lora"),
     Route(LORA_PATH, delete_lora, methods=["DELETE"], name="delete_lora"),
     Route("/healthz", healthz, methods=["GET"], name="healthz"),

@@ -112,3 +112,28 @@ class ServiceCollector(Collector):
         yield store_bytes
         yield GaugeMetricFamily("sigmaflight_store_entries", "Trajectories in the result store.",
                                 value=store["entries"])
+        yield from _weights_metrics(service)
+
+
+def _weights_metrics(service: Service) -> Iterator[Metric]:
+    """Streamed weights pushes (Flight do_put, dataplane/weights.py)."""
+    pushes = service.weights_pushes
+    with pushes._lock:
+        pushed, seconds, commits, failures = (pushes.pushed_bytes, pushes.push_seconds, pushes.commits,
+                                              dict(pushes.failures))
+    yield CounterMetricFamily("sigmaflight_weights_pushed_bytes", "Tensor bytes received by streamed weights "
+                              "pushes (every chunk that landed, committed or not).", value=pushed)
+    yield CounterMetricFamily("sigmaflight_weights_skipped_bytes", "Tensor bytes committed pushes did not send "
+                              "(unchanged, or kept by a partial push).", value=service.weights_sink.skipped_bytes)
+    yield CounterMetricFamily("sigmaflight_weights_push_seconds", "Seconds from start to commit, summed over "
+                              "committed pushes.", value=seconds)
+    yield CounterMetricFamily("sigmaflight_weights_commits", "Streamed weights pushes committed.", value=commits)
+    failed = CounterMetricFamily("sigmaflight_weights_push_failures", "Streamed weights pushes refused or "
+                                 "ended early, by reason.", labels=["reason"])
+    for reason, n in sorted(failures.items()):
+        failed.add_metric([reason], n)
+    yield failed
+    yield GaugeMetricFamily("sigmaflight_weights_staged_bytes", "Bytes held in staging by pushes under way.",
+                            value=pushes.staged_bytes())
+    yield GaugeMetricFamily("sigmaflight_weights_pushes_open", "Streamed weights pushes under way (or cut and "
+                            "waiting for a resume).", value=pushes.active())

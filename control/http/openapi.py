@@ -41,7 +41,8 @@ def _errors(*codes: int) -> dict[str, Any]:
         401: "Bearer token missing or wrong.",
         404: "Unknown rollout id (or model id).",
         408: "The request body did not arrive within --body-timeout-s.",
-        409: "Idempotency-Key reused with another body, or expected_digest is not the model's digest (stale_policy).",
+        409: "Idempotency-Key reused with another body, expected_digest is not the model's digest (stale_policy), "
+             "or a streamed weights push to the model is under way (push_in_progress).",
         413: "Request body, or the trajectory it asks for, is too large.",
         415: "The body is not sent as Content-Type: application/json.",
         422: "Validation error; details name each bad field and why.",
@@ -128,9 +129,40 @@ def openapi_document(*, auth: bool = False) -> dict[str, Any]:
                 "summary": "Replace the model's transformer weights (safetensors of its state dict; drops any LoRA "
                            "adapter); answers the new digest and weights_version.",
                 "parameters": [mid],
-                "requestBody": _binary("safetensors of the transformer's whole state dict (--max-weights-bytes)."),
+                "requestBody": _binary("safetensors of the transformer's whole state dict (--max-weights-bytes); "
+                                       "with a Content-Length it is staged and checked as it arrives."),
                 "responses": {"200": _change("Loaded; the next rollouts run on these weights.", "tensors"),
-                              **_errors(*secured, 404, 408, 413, 422, 429)},
+                              **_errors(*secured, 404, 408, 409, 413, 422, 429)},
+            }
+        },
+        "/v1/models/{model_id}/weights/manifest": {
+            "get": {
+                "operationId": "get_weights_manifest",
+                "summary": "The served base transformer's per-tensor CRC32C (hex) with its digest and weights_version, "
+                           "and the Flight locations a streamed push (do_put) goes to; a trainer pushes only the "
+                           "tensors whose checksum differs.",
+                "parameters": [mid],
+                "responses": {"200": {"description": "The manifest.", "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["id", "digest", "weights_version", "tensors"],
+                    "properties": {"id": {"type": "string"}, "digest": {"type": "string"},
+                                   "weights_version": {"type": "integer"}, "base_digest": {"type": "string"},
+                                   "algorithm": {"type": "string"},
+                                   "tensors": {"type": "object", "additionalProperties": {"type": "string"}},
+                                   "flight": {"type": "object"}}}}}},
+                              **_errors(*secured, 404)},
+            }
+        },
+        "/v1/models/{model_id}/weights/file": {
+            "post": {
+                "operationId": "post_weights_file",
+                "summary": "Same host: push the safetensors file at `path` (inside --weights-file-dir or --shm-dir), "
+                           "memory-mapped and checked as a streamed push; `partial` keeps the tensors it lacks.",
+                "parameters": [mid],
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["path"],
+                    "properties": {"path": {"type": "string"}, "partial": {"type": "boolean"}}}}}},
+                "responses": {"200": _change("Loaded; the next rollouts run on these weights.", "tensors"),
+                              **_errors(*secured, 404, 409, 415, 422)},
             }
         },
         "/v1/models/{model_id}/lora": {

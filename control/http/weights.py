@@ -1,12 +1,16 @@
 """Changes of a model's weights over REST: a full push and a LoRA adapter.
 
 `PUT /v1/models/{model_id}/weights`: the body is a safetensors file
-(`safetensors.torch.save(transformer.state_dict())`), sent as `application/octet-stream`. It is
-read into one buffer that grows as the bytes arrive (`read_body`), parsed with
-`read_safetensors` (tensors are views of that buffer: no copy) and handed to
-`ModelRegistry.replace_weights`, which checks every tensor against the base transformer (same
-keys, shapes and dtypes, finite values) before anything changes; a bad one is a 422 naming the
-key. Rollouts already running finish on the old weights, the next ones run on the new.
+(`safetensors.torch.save(transformer.state_dict())`), sent as `application/octet-stream`. With a
+Content-Length it is streamed (`_stream_weights`): the header is read and checked against the
+base transformer (same keys, shapes and dtypes), then each tensor's bytes go straight into a
+staging copy as they arrive, checked for finite values (the streamed push's staging,
+dataplane/weights.py), and the push commits with the same swap; no buffer holds the body. A
+chunked body (no Content-Length) is read into one buffer (`read_body`), parsed with
+`read_safetensors` and handed to `ModelRegistry.replace_weights`. Either way a bad tensor is a
+422 naming the key and nothing changes; a streamed PUT while a Flight push to the model is
+under way is a 409 `push_in_progress`. Rollouts already running finish on the old weights, the
+next ones run on the new.
 
 `PUT /v1/models/{model_id}/lora`: the body is a safetensors file of the adapter, keyed as
 `peft.get_peft_model_state_dict` gives them (with or without `base_model.model.`), with the
@@ -22,17 +26,30 @@ routes keep `--max-body-bytes`); at most `--max-weights-pushes` of them are take
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
+import stat
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 from sigmaflight.control.http.errors import HttpError
-from sigmaflight.pipeline.safetensors_io import lora_config_from_metadata, read_safetensors
+from sigmaflight.dataplane.weights import PushRefused, dtype_name
+from sigmaflight.pipeline.safetensors_io import (
+    MAX_HEADER_BYTES,
+    lora_config_from_metadata,
+    parse_header,
+    read_safetensors,
+)
 from sigmaflight.pipeline.spec import RolloutInputError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 WEIGHTS_PATH = "/v1/models/{model_id:path}/weights"
+MANIFEST_PATH = "/v1/models/{model_id:path}/weights/manifest"
+FILE_PATH = "/v1/models/{model_id:path}/weights/file"
 LORA_PATH = "/v1/models/{model_id:path}/lora"
 """`:path`: a hub model's id has a "/" (org/name)."""
 WEIGHTS_PATH_REGEX = r"/v1/models/.+/(?:weights|lora)"
@@ -133,12 +150,246 @@ async def _push(request: Request, load: Callable[[Any, str, bytearray], JSONResp
         slots.give_back()
 
 
+class _BodyFeeder:
+    """Splits a safetensors body's data section, as it arrives, into whole-element pieces of each
+    tensor and stages them (WeightsPushes.write): bytes between tensors are skipped, an element
+    split across two network chunks waits in `carry` (less than one element)."""
+
+    def __init__(self, pushes: Any, staging: Any, entries: dict[str, tuple[Any, list[int], int, int]]) -> None:
+        self.pushes, self.staging = pushes, staging
+        self.spans = sorted((start, end, key, dtype.itemsize) for key, (dtype, _, start, end) in entries.items()
+                            if end > start)
+        self.i = 0
+        self.pos = 0
+        self.carry = bytearray()
+        self.carry_off = 0
+
+    def feed(self, data: bytes | bytearray) -> None:
+        mv = memoryview(data)
+        while len(mv):
+            while self.i < len(self.spans) and self.spans[self.i][1] <= self.pos:
+                self.i += 1
+            if self.i == len(self.spans):
+                self.pos += len(mv)
+                return
+            start, end, key, item = self.spans[self.i]
+            if self.pos < start:
+                skip = min(start - self.pos, len(mv))
+                self.pos, mv = self.pos + skip, mv[skip:]
+                continue
+            take = min(end - self.pos, len(mv))
+            piece, off = mv[:take], self.pos - start
+            self.pos, mv = self.pos + take, mv[take:]
+            if self.carry:
+                add = piece[: item - len(self.carry)]
+                self.carry += add
+                piece, off = piece[len(add):], off + len(add)
+                if len(self.carry) == item:
+                    self.pushes.write(self.staging, key, self.carry_off, memoryview(bytes(self.carry)))
+                    self.carry.clear()
+            whole = len(piece) - len(piece) % item
+            if whole:
+                self.pushes.write(self.staging, key, off, piece[:whole])
+            if whole < len(piece):
+                self.carry, self.carry_off = bytearray(piece[whole:]), off + whole
+
+
+_INLINE_BYTES = 1 << 20
+"""A network chunk up to this size is staged on the event loop (uvicorn hands over about 64 KiB
+at a time: tens of microseconds each); a larger one in a worker thread."""
+
+
+def _refused(exc: PushRefused) -> Exception:
+    if exc.reason in ("push_in_progress", "stale_base"):
+        return HttpError(409, exc.reason, exc.message)
+    return _body_key(RolloutInputError(exc.tensor or "body", exc.message))
+
+
+async def _stream_weights(request: Request, length: int) -> Response:
+    """PUT .../weights with a Content-Length: the header first (checked against the model), then
+    each tensor's bytes straight into a staging copy as they arrive (the streamed push's staging,
+    dataplane/weights.py), committed by the same swap; no buffer holds the body."""
+    service, model_id = request.state.service, request.path_params["model_id"]
+    await run_in_threadpool(_known_model, service, model_id)
+    chunks = request.stream().__aiter__()
+    buf = bytearray()
+
+    async def fill(n: int) -> None:
+        while len(buf) < n:
+            try:
+                buf.extend(await chunks.__anext__())
+            except StopAsyncIteration:
+                raise _body_key(RolloutInputError("body", f"not a safetensors file: the body ended after {len(buf)} "
+                                                  "bytes, inside its header")) from None
+
+    await fill(8)
+    n = int.from_bytes(buf[:8], "little")
+    if n > MAX_HEADER_BYTES or 8 + n > length:
+        raise _body_key(RolloutInputError("body", f"not a safetensors file: header size {n} does not fit the body "
+                                          f"of {length} bytes"))
+    await fill(8 + n)
+    try:
+        entries, _ = parse_header(bytes(buf[8:8 + n]), length - 8 - n)
+    except RolloutInputError as exc:
+        raise _body_key(exc) from None
+    header = {"sigmaflight.weights": 1, "model": model_id, "push_id": f"put-{uuid.uuid4().hex}", "partial": False,
+              "base_digest": None, "tensors": {k: {"dtype": dtype_name(d), "shape": list(shape)}
+                                                for k, (d, shape, _, _) in entries.items()}}
+    pushes = service.weights_pushes
+    try:
+        staging = await run_in_threadpool(pushes.begin, header)
+    except PushRefused as exc:
+        raise _refused(exc) from None
+    feeder = _BodyFeeder(pushes, staging, entries)
+    try:
+        feeder.feed(buf[8 + n:])
+        buf.clear()
+        async for chunk in chunks:
+            if len(chunk) > _INLINE_BYTES:
+                await run_in_threadpool(feeder.feed, chunk)
+            else:
+                feeder.feed(chunk)
+        answer = await run_in_threadpool(pushes.commit, staging)
+    except PushRefused as exc:
+        pushes.abort(staging, exc.reason)
+        raise _refused(exc) from None
+    except BaseException:
+        pushes.abort(staging, "cut")
+        raise
+    return JSONResponse({"id": model_id, "digest": answer["digest"], "weights_version": answer["weights_version"],
+                         "tensors": len(entries)})
+
+
+_FILE_PIECE = 8 << 20
+"""Bytes of a pushed file staged at a time (whole elements)."""
+
+
+def _allowed_dirs(settings: Any) -> list[str]:
+    return [os.path.realpath(d) for d in (settings.weights_file_dir, settings.shm_dir) if d is not None]
+
+
+def _open_allowed(settings: Any, path: object) -> int:
+    """An fd of `path`, a regular file inside --weights-file-dir or --shm-dir (checked on the
+    opened file itself, so a symlink swapped in meanwhile cannot lead outside); 422 otherwise."""
+    roots = _allowed_dirs(settings)
+    if not roots:
+        raise HttpError(422, "validation_error", "this server takes no weights files: start it with "
+                        "--weights-file-dir (or --shm-dir)", [{"loc": ["body", "path"], "msg": "not allowed",
+                                                             "type": "value_error"}])
+    if not isinstance(path, str) or not os.path.isabs(path):
+        raise RolloutInputError("path", "must be an absolute path to a safetensors file", loc=("path",))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RolloutInputError("path", f"cannot open {path!r}: {exc.strerror}", loc=("path",)) from None
+    real = os.path.realpath(f"/proc/self/fd/{fd}")
+    if not stat.S_ISREG(os.fstat(fd).st_mode) or not any(real.startswith(r + os.sep) for r in roots):
+        os.close(fd)
+        raise RolloutInputError("path", f"{path!r} is not a regular file inside {' or '.join(roots)} "
+                                "(--weights-file-dir, --shm-dir)", loc=("path",))
+    return fd
+
+
+def _push_file(service: Any, model_id: str, path: object, partial: bool) -> JSONResponse:
+    """The file memory-mapped and staged tensor by tensor with the stream's checks, then one swap."""
+    _known_model(service, model_id)
+    fd = _open_allowed(service.settings, path)
+    try:
+        size = os.fstat(fd).st_size
+        if size < 8:
+            raise _body_key(RolloutInputError("body", f"not a safetensors file: {size} bytes"))
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        try:
+            n = int.from_bytes(mm[:8], "little")
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise _body_key(RolloutInputError("body", f"not a safetensors file: header size {n} does not fit "
+                                                  f"the file of {size} bytes"))
+            try:
+                entries, _ = parse_header(mm[8:8 + n], size - 8 - n)
+            except RolloutInputError as exc:
+                raise _body_key(exc) from None
+            header = {"sigmaflight.weights": 1, "model": model_id, "push_id": f"file-{uuid.uuid4().hex}",
+                      "partial": partial, "base_digest": None,
+                      "tensors": {k: {"dtype": dtype_name(d), "shape": list(shape)}
+                                  for k, (d, shape, _, _) in entries.items()}}
+            pushes = service.weights_pushes
+            try:
+                staging = pushes.begin(header)
+            except PushRefused as exc:
+                raise _refused(exc) from None
+            view = memoryview(mm)
+            try:
+                for key, (dtype, _, start, end) in entries.items():
+                    step = max(dtype.itemsize, _FILE_PIECE - _FILE_PIECE % dtype.itemsize)
+                    for off in range(0, end - start, step):
+                        piece = view[8 + n + start + off:8 + n + min(start + off + step, end)]
+                        pushes.write(staging, key, off, piece)
+                        del piece
+                view.release()
+                answer = pushes.commit(staging)
+            except PushRefused as exc:
+                pushes.abort(staging, exc.reason)
+                raise _refused(exc) from None
+            except BaseException:
+                pushes.abort(staging, "commit_failed")
+                raise
+        finally:
+            with contextlib.suppress(BufferError):  # a refusal's traceback still holds a view: the map goes with it
+                mm.close()
+    finally:
+        os.close(fd)
+    return JSONResponse({"id": model_id, "digest": answer["digest"], "weights_version": answer["weights_version"],
+                         "tensors": len(entries), "bytes_sent": answer["bytes_sent"]})
+
+
+async def post_weights_file(request: Request) -> Response:
+    """POST .../weights/file {"path": "/abs/file.safetensors", "partial": false}: a same-host push
+    without a socket; the file is memory-mapped and checked as a stream's chunks are."""
+    media = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise HttpError(415, "unsupported_media_type", "the body must be JSON sent with Content-Type: "
+                        "application/json")
+    try:
+        body = await request.json()
+    except ValueError:
+        raise RolloutInputError("body", "must be a JSON object {\"path\": ..., \"partial\": false}") from None
+    if not isinstance(body, dict) or set(body) - {"path", "partial"}:
+        raise RolloutInputError("body", "must be a JSON object with path (and partial) only")
+    partial = body.get("partial", False)
+    if not isinstance(partial, bool):
+        raise RolloutInputError("partial", "must be true or false", loc=("partial",))
+    return await run_in_threadpool(_push_file, request.state.service, request.path_params["model_id"],
+                                   body.get("path"), partial)
+
+
 async def put_weights(request: Request) -> Response:
-    return await _push(request, _load)
+    length = request.headers.get("content-length", "")
+    if not length.isdigit():  # a chunked body: read whole, as before
+        return await _push(request, _load)
+    slots: PushSlots = request.app.state.push_slots
+    if not slots.try_take():
+        raise too_many_pushes(slots)
+    try:
+        return await _stream_weights(request, int(length))
+    finally:
+        slots.give_back()
 
 
 async def put_lora(request: Request) -> Response:
     return await _push(request, _load_lora)
+
+
+def _manifest(service: Any, model_id: str) -> JSONResponse:
+    _known_model(service, model_id)
+    body = service.weights_sink.manifest(model_id)
+    return JSONResponse({**body, "flight": {"locations": service.flight.locations}})
+
+
+async def get_manifest(request: Request) -> Response:
+    """GET .../weights/manifest: {"id", "digest", "weights_version", "base_digest", "algorithm":
+    "crc32c", "tensors": {key: crc32c hex}, "flight": {"locations"}}: the served base transformer's
+    per-tensor checksums and where to stream a push (control/weights_sink.py)."""
+    return await run_in_threadpool(_manifest, request.state.service, request.path_params["model_id"])
 
 
 async def delete_lora(request: Request) -> Response:

@@ -1,0 +1,253 @@
+"""Pushing a transformer's weights to the server: streamed over Flight `do_put`, checked chunk by
+chunk, committed whole or not at all, resumed after a cut, and only the tensors that changed.
+
+    from sigmaflight import Client
+    with Client(url) as client:
+        result = client.push_weights("tiny-sd3", transformer.state_dict())   # a str: the new digest
+        result.weights_version, result.bytes_sent, result.bytes_skipped
+
+`Client.push_weights` and `Client.weights_manifest` are thin calls into this module. The stream's
+schema and the server's checks are in sigmaflight/dataplane/weights.py; docs/trainers.md has the
+fine-tuning loop, docs/dataplane.md the schema.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import crc32c
+from pyarrow import flight
+
+from sigmaflight import rest
+from sigmaflight.dataplane.auth import bearer_header
+from sigmaflight.errors import ApiError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from sigmaflight.client import Client
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "PushResult", "WeightsPushError", "push_weights", "push_weights_file", "tensor_crc",
+           "weights_manifest"]
+
+DEFAULT_CHUNK_BYTES = 8 << 20
+"""Bytes per chunk (one record batch) of a push."""
+
+
+_STATUS = {"bad_weights": 422, "conflict": 409, "not_found": 404, "unauthenticated": 401, "bad_request": 400}
+
+
+class WeightsPushError(ApiError):
+    """The server refused a push, and nothing changed there. An ApiError as a REST refusal is:
+    `status` (422 for bad weights, 409 for a conflict, 404, 401), `type` ("bad_weights",
+    "conflict", "not_found", ...), `message` naming the tensor, `details` [{"loc": ["body", key],
+    "msg", "type": reason}]; plus `reason` ("checksum", "shape", "dtype", "offset", "overlap",
+    "non_finite", "unknown_tensor", "missing_tensor", "push_in_progress", "stale_base", ...),
+    `tensor` (the key, when it is about one) and `push_id`."""
+
+    def __init__(self, type_: str, reason: str, message: str, *, tensor: str | None = None,
+                 push_id: str | None = None) -> None:
+        loc = ["body", tensor] if tensor is not None else ["body"]
+        super().__init__(_STATUS.get(type_, 400), type_, message, [{"loc": loc, "msg": message, "type": reason}])
+        self.reason, self.tensor, self.push_id = reason, tensor, push_id
+
+
+class PushResult(str):
+    """The server's new weights digest (a str, as push_weights always returned), with the rest of
+    its answer: weights_version, tensors and bytes sent, bytes skipped (unchanged), seconds."""
+
+    weights_version: int
+    tensors: int
+    bytes_sent: int
+    bytes_skipped: int
+    seconds: float
+    push_id: str | None
+    answer: dict[str, Any]
+
+    @classmethod
+    def of(cls, answer: dict[str, Any]) -> PushResult:
+        out = cls(str(answer["digest"]))
+        out.answer = dict(answer)
+        out.weights_version = int(answer["weights_version"])
+        out.tensors = int(answer.get("tensors", 0))
+        out.bytes_sent = int(answer.get("bytes_sent", 0))
+        out.bytes_skipped = int(answer.get("bytes_skipped", 0))
+        out.seconds = float(answer.get("seconds", 0.0))
+        out.push_id = answer.get("push_id")
+        return out
+
+
+def _flat(t: torch.Tensor) -> np.ndarray:
+    """The raw C-order bytes of a CPU tensor, as a numpy uint8 view (no copy)."""
+    import numpy as np
+    import torch
+
+    if not t.numel():
+        return np.empty(0, np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def tensor_crc(t: torch.Tensor) -> str:
+    """CRC32C (8 hex digits) of a tensor's raw bytes: what the manifest gives per tensor."""
+    return f"{crc32c.crc32c(_flat(t.detach().to('cpu').contiguous()).data):08x}"
+
+
+def weights_manifest(client: Client, model_id: str) -> dict[str, Any]:
+    """GET /v1/models/{id}/weights/manifest: the whole answer (tensors, digest, flight, ...)."""
+    return dict(client._send("GET", rest.model_path(model_id, "weights/manifest")).json())
+
+
+def _error(exc: flight.FlightError, push_id: str) -> WeightsPushError | None:
+    """The typed push error in a Flight error; None for a broken connection (worth a retry)."""
+    from sigmaflight.dataplane.errors import error_info
+
+    info = error_info(exc)
+    if info is None or info["type"] not in ("bad_weights", "conflict", "not_found", "bad_request",
+                                            "unauthenticated"):
+        return None
+    message = str(exc).split("Detail:")[0].strip()
+    for prefix in ("Flight returned internal error, with message: ", "with message: "):
+        if prefix in message:
+            message = message.split(prefix, 1)[1]
+    return WeightsPushError(info["type"], str(info.get("reason") or info["type"]), message,
+                            tensor=info.get("tensor"), push_id=push_id)
+
+
+def push_weights(
+    client: Client,
+    model_id: str,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    only_changed: bool = True,
+    partial: bool = False,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    progress: bool | None = None,
+    retries: int = 3,
+    push_id: str | None = None,
+) -> PushResult:
+    """Stream `state_dict` (the transformer's, keyed as its `state_dict()`) to the server.
+
+    only_changed (default): fetch the served per-tensor checksums and send only the tensors whose
+    CRC32C differs (a push where nothing changed answers the current digest at once, no stream).
+    partial: `state_dict` holds only some tensors; send those and keep the others as served.
+    Without either, every tensor is sent. progress: a tqdm bar (bytes, bytes/s); default when
+    stderr is a terminal. A cut connection is resumed from what the server acknowledges, up to
+    `retries` times; `push_id` resumes a push another process started (the same tensors and
+    options), sending only what the server has not received. Returns the new digest as a PushResult (a str with weights_version, bytes).
+    Raises WeightsPushError (an ApiError: 422 naming the tensor, 409 for a push under way) when
+    the push is refused (nothing changed on the server), ValueError for a bad argument here."""
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    manifest = weights_manifest(client, model_id)
+    served: dict[str, str] = manifest["tensors"]
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    if partial:
+        send = sorted(tensors)
+    else:
+        missing = sorted(set(served) - set(tensors))
+        if missing:  # refused here as the server refuses a full push without it
+            raise WeightsPushError("bad_weights", "missing_tensor", f"tensor {missing[0]!r} is missing from a full "
+                                   f"push ({len(missing)} in all); send every tensor, or partial=True to keep the "
+                                   "others as served", tensor=missing[0])
+        send = sorted(k for k in tensors if not only_changed or served.get(k) != tensor_crc(tensors[k]))
+    total = sum(t.nbytes for t in tensors.values())
+    if not send:
+        return PushResult.of({"digest": manifest["digest"], "weights_version": manifest["weights_version"],
+                              "tensors": 0, "bytes_sent": 0, "bytes_skipped": total})
+    resume = push_id is not None
+    push_id = push_id or uuid.uuid4().hex
+    header: dict[str, Any] = {"sigmaflight.weights": 1, "model": model_id, "push_id": push_id, "partial": partial,
+              "base_digest": manifest["base_digest"] if only_changed and not partial else None,
+              "tensors": {k: {"dtype": str(tensors[k].dtype).removeprefix("torch."),
+                              "shape": list(tensors[k].shape)} for k in send}}
+    descriptor = flight.FlightDescriptor.for_command(json.dumps(header).encode())
+    options = flight.FlightCallOptions(headers=[(k.encode(), v.encode()) for k, v in bearer_header(client.token).items()])
+    fc = client.flight(manifest["flight"]["locations"][0]).flight_client
+    from tqdm import tqdm
+
+    nbytes = sum(tensors[k].nbytes for k in send)
+    bar = tqdm(total=nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc=f"push {model_id}",
+               disable=not (progress if progress is not None else sys.stderr.isatty()))
+    received = _received(fc, options, push_id) if resume else {}
+    try:
+        for attempt in range(retries + 1):
+            try:
+                answer = _stream(fc, options, descriptor, {k: tensors[k] for k in send}, received, chunk_bytes, bar)
+                answer.setdefault("bytes_skipped", total - nbytes)
+                return PushResult.of(answer)
+            except flight.FlightError as exc:
+                err = _error(exc, push_id)
+                if err is not None and err.reason != "incomplete":
+                    raise err from None
+                if attempt == retries:
+                    raise
+            except OSError:  # a connection that broke below Flight's error types
+                if attempt == retries:
+                    raise
+            time.sleep(min(0.1 * 2 ** attempt, 2.0))
+            received = _received(fc, options, push_id)
+            bar.reset(total=nbytes)
+            bar.update(sum(e - s for ranges in received.values() for s, e in ranges))
+    finally:
+        bar.close()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def push_weights_file(client: Client, model_id: str, path: str, *, partial: bool = False) -> PushResult:
+    """A same-host push without a socket: the server memory-maps `path` (a safetensors file of the
+    transformer's state dict, inside its --weights-file-dir or --shm-dir) and stages it with the
+    stream's checks, then swaps it in. Refusals are ApiErrors (422 naming the key or the path)."""
+    import os
+
+    r = client._send("POST", rest.model_path(model_id, "weights/file"), json={"path": os.path.abspath(path),
+                                                                         "partial": partial})
+    return PushResult.of(r.json())
+
+
+def _received(fc: flight.FlightClient, options: flight.FlightCallOptions, push_id: str) -> dict[str, list[list[int]]]:
+    """The byte ranges the server holds for `push_id` (weights_push_status); {} when it holds none."""
+    from sigmaflight.dataplane.weights import WEIGHTS_STATUS_ACTION
+
+    try:
+        (result,) = list(fc.do_action(flight.Action(WEIGHTS_STATUS_ACTION, push_id.encode()), options))
+    except flight.FlightError:
+        return {}
+    return dict(json.loads(result.body.to_pybytes())["received"])
+
+
+def _covered(ranges: list[list[int]], start: int, end: int) -> bool:
+    return any(s <= start and end <= e for s, e in ranges)
+
+
+def _stream(fc: flight.FlightClient, options: flight.FlightCallOptions, descriptor: flight.FlightDescriptor,
+            tensors: Mapping[str, torch.Tensor], received: Mapping[str, list[list[int]]], chunk_bytes: int,
+            bar: Any) -> dict[str, Any]:
+    """One do_put stream: every chunk the server has not acknowledged, then the commit's answer."""
+    from sigmaflight.dataplane.weights import SCHEMA, chunk_batch
+
+    writer, reader = fc.do_put(descriptor, SCHEMA, options)
+    try:  # a refusal ends the call: close() raises the server's typed error
+        for name, t in tensors.items():
+            flat = _flat(t)
+            have = received.get(name, [])
+            for off in range(0, flat.size, chunk_bytes):
+                end = min(off + chunk_bytes, flat.size)
+                if _covered(have, off, end):
+                    continue
+                writer.write_batch(chunk_batch(name, off, flat[off:end]))
+                bar.update(end - off)
+        writer.done_writing()
+        buf = reader.read()
+    except (flight.FlightError, OSError):
+        writer.close()
+        raise
+    writer.close()
+    if buf is None:
+        raise flight.FlightUnavailableError("the server closed the push without an answer")
+    return dict(json.loads(buf.to_pybytes()))
