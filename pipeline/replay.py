@@ -30,6 +30,23 @@ from sigmaflight.pipeline.validation import requested_sde_steps, validate_spec
 __all__ = ["ReplayItem", "Replayer", "ReplayResult", "step_log_prob"]
 
 
+class _NoGrad:
+    """A text encoder called under `torch.no_grad()` in a replay with gradients: a trainer's own
+    pipeline (`from_pretrained`) has every parameter requiring grad, and with autograd on, torch's
+    CPU attention takes another kernel for them (CLIP's pooled output moved by ~1e-6), so the prompt
+    embeddings would not be the rollout's bits. The policy's graph runs through the transformer."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return self._module(*args, **kwargs)
+
+
 class _ReplayMember:
     """One replayed trajectory inside the call: its rows [first, end) and what it replays from."""
 
@@ -195,7 +212,12 @@ class Replayer:
         driver = _ReplayDriver(members)
         pipeline, _ = self.model.snapshot()
         scheduler = make_rollout_scheduler(pipeline.scheduler, driver)
-        pipe = per_call_pipeline(pipeline, scheduler, call_overrides(self.model, pipeline, per_sample_model_calls))
+        overrides = call_overrides(self.model, pipeline, per_sample_model_calls)
+        if grad:  # the text encoders stay out of the graph and compute the rollout's bits (see _NoGrad)
+            for name, comp in pipeline.components.items():
+                if name.startswith("text_encoder") and isinstance(comp, torch.nn.Module):
+                    overrides[name] = _NoGrad(overrides.get(name, comp))
+        pipe = per_call_pipeline(pipeline, scheduler, overrides)
         conditioning: list[Mapping[str, torch.Tensor]] | None = None
         if all(item.conditioning is not None for item in items):
             conditioning = [item.conditioning for item in items if item.conditioning is not None]
