@@ -20,7 +20,12 @@ import torch
 from sigmaflight.pipeline.batch import batch_key
 from sigmaflight.pipeline.calls import batch_call_kwargs, call_overrides
 from sigmaflight.pipeline.conditioning import branch_conditioning, check_conditioning
-from sigmaflight.pipeline.kernels import step_log_prob, stochastic_transitions
+from sigmaflight.pipeline.kernels import (
+    gaussian_log_prob,
+    kernel_mean_std,
+    step_log_prob,
+    stochastic_transitions,
+)
 from sigmaflight.pipeline.models import LoadedModel
 from sigmaflight.pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
 from sigmaflight.pipeline.spec import RolloutSpec
@@ -63,6 +68,8 @@ class _ReplayMember:
         self.sde_steps = stochastic_transitions(requested_sde_steps(spec), item.sigmas, sampler=spec.sampler)
         self.log_probs = torch.full((len(self.seeds), self.T), float("nan"), dtype=torch.float32)
         self.velocities: dict[int, torch.Tensor] = {}
+        self.means: dict[int, torch.Tensor] = {}
+        self.stds: dict[int, torch.Tensor] = {}
 
     def step(self, scheduler: RolloutScheduler, i: int, sample: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
         if i in self.latents:
@@ -77,9 +84,10 @@ class _ReplayMember:
         if self.grad:
             x_next = x_next.detach()  # x_{i+1} is data: gradients flow only through this step's velocity
         if stochastic and i in self.latents and (i + 1) in self.latents:
-            self.log_probs[:, i] = step_log_prob(
-                sample, x_next, velocity, self.sigmas, i, sampler=self.spec.sampler
-            ).to("cpu")
+            # step_log_prob's two halves, so the kernel's mean and std are kept too (same bits)
+            mean, std = kernel_mean_std(sample, velocity, self.sigmas, i, sampler=self.spec.sampler)
+            self.log_probs[:, i] = gaussian_log_prob(x_next, mean, std, self.spec.sampler.log_prob).to("cpu")
+            self.means[i], self.stds[i] = mean, std
         return x_next
 
 
@@ -113,6 +121,11 @@ class ReplayResult:
     velocities: dict[int, torch.Tensor]
     """Absolute step i -> float32 [B, *latent_shape] (CPU): the CFG-combined velocity the replay
     computed at every captured step i < T (compare with the rollout's `StepCapture.velocity`)."""
+    means: dict[int, torch.Tensor]
+    """Scored transition i -> float32 [B, *latent_shape] on the model's device: the mean of the
+    Gaussian kernel p(x_{i+1} | x_i) (with a graph to the model under `grad=True`)."""
+    stds: dict[int, torch.Tensor]
+    """Scored transition i -> float32 0-d: the kernel's std (it depends on the schedule only)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,4 +258,5 @@ class Replayer:
         else:
             with torch.inference_mode():
                 pipe(**kwargs)
-        return [ReplayResult(log_probs=m.log_probs, velocities=m.velocities) for m in members]
+        return [ReplayResult(log_probs=m.log_probs, velocities=m.velocities, means=m.means, stds=m.stds)
+                for m in members]

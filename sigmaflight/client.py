@@ -388,7 +388,8 @@ def replay_log_probs(
     strict: bool = False,
     check_weights: bool = True,
     conditioning: Mapping[str, torch.Tensor] | None = None,
-) -> torch.Tensor:
+    with_means: bool = False,
+) -> Any:
     """log p(x_{i+1} | x_i) [B, T] recomputed with `pipeline` on `traj`.
 
     `pipeline`: the trainer's own stock diffusers pipeline, as it loaded it (`from_pretrained`,
@@ -411,6 +412,11 @@ def replay_log_probs(
     `conditioning`: the rollout's "conditioning/v1" tensors (`Client.pull_conditioning`): the
     prompts are not encoded, so the pipeline's text encoders may be None.
 
+    `with_means=True` returns `(log_probs, means, stds)`: for each scored transition i, the mean
+    (float32 [B, *latent_shape], with the graph under `grad=True`) and std (0-d) of the Gaussian
+    kernel p(x_{i+1} | x_i), as dicts keyed by i: what a KL term against a reference policy needs
+    (`((means[i] - ref_means[i]) ** 2 / (2 * stds[i] ** 2))`, the two kernels sharing the std).
+
     It runs a diffusers model: diffusers must be installed (the trainer's own, or the `train`
     extra). Scoring transitions from velocities you computed needs only torch: `step_log_prob`."""
     try:
@@ -424,7 +430,7 @@ def replay_log_probs(
     model = _replay_model(pipeline, traj)
     if check_weights:
         _check_weights(model, traj, strict=strict)
-    return Replayer(model).log_probs(
+    result = Replayer(model).replay(
         rollout_spec(traj),
         latents=traj.latents,
         steps=[int(s) for s in traj.steps],
@@ -435,6 +441,7 @@ def replay_log_probs(
         grad=grad,
         conditioning=conditioning,
     )
+    return (result.log_probs, result.means, result.stds) if with_means else result.log_probs
 
 
 _RESOLVED = ("height", "width", "guidance_scale", "num_frames")
