@@ -389,6 +389,7 @@ def replay_log_probs(
     check_weights: bool = True,
     conditioning: Mapping[str, torch.Tensor] | None = None,
     with_means: bool = False,
+    scheduler: Any = None,
 ) -> Any:
     """log p(x_{i+1} | x_i) [B, T] recomputed with `pipeline` on `traj`.
 
@@ -412,6 +413,11 @@ def replay_log_probs(
     `conditioning`: the rollout's "conditioning/v1" tensors (`Client.pull_conditioning`): the
     prompts are not encoded, so the pipeline's text encoders may be None.
 
+    Instead of a pipeline, its transformer (peft-wrapped or not) with `scheduler=` its scheduler: the
+    family's stock pipeline is built around the two (no VAE, no text encoders), so `conditioning`
+    is required. Without a VAE the pipeline takes the usual scale factor 8 (every SD3, FLUX and Wan
+    checkpoint); the built-in tiny models' VAEs scale by 2, so tiny-flux replays from its pipeline.
+
     `with_means=True` returns `(log_probs, means, stds)`: for each scored transition i, the mean
     (float32 [B, *latent_shape], with the graph under `grad=True`) and std (0-d) of the Gaussian
     kernel p(x_{i+1} | x_i), as dicts keyed by i: what a KL term against a reference policy needs
@@ -427,6 +433,11 @@ def replay_log_probs(
         raise ModuleNotFoundError("replay_log_probs runs a diffusers model and diffusers is not installed: "
                                   "pip install 'sigmaflight[train]' (or your own diffusers)", name=exc.name) from exc
 
+    if scheduler is not None:
+        if conditioning is None:
+            raise ValueError("conditioning: a transformer and scheduler replay on the rollout's conditioning stream "
+                             "(Client.pull_conditioning); pass conditioning=, or pass the whole pipeline")
+        pipeline = _pipeline_around(pipeline, scheduler)
     model = _replay_model(pipeline, traj)
     if check_weights:
         _check_weights(model, traj, strict=strict)
@@ -446,6 +457,34 @@ def replay_log_probs(
 
 _RESOLVED = ("height", "width", "guidance_scale", "num_frames")
 """The `call` keys that are ModelDefaults fields; the others are the model's fixed call keywords."""
+
+
+_PIPELINE_OF = {
+    "SD3Transformer2DModel": "StableDiffusion3Pipeline",
+    "FluxTransformer2DModel": "FluxPipeline",
+    "WanTransformer3DModel": "WanPipeline",
+}
+"""The stock pipeline class around a transformer class (the families sigmaflight serves)."""
+
+
+def _pipeline_around(transformer: Any, scheduler: Any) -> Any:
+    """The family's stock diffusers pipeline holding `transformer` and `scheduler` and nothing else."""
+    import inspect
+
+    import diffusers
+
+    base = transformer.get_base_model() if hasattr(transformer, "get_base_model") else transformer  # a PeftModel
+    name = _PIPELINE_OF.get(type(base).__name__)
+    if name is None:
+        raise TypeError(f"a transformer with scheduler= must be one of {', '.join(sorted(_PIPELINE_OF))}, got "
+                        f"{type(base).__name__}; pass the whole pipeline instead")
+    cls = getattr(diffusers, name)
+    params = inspect.signature(cls.__init__).parameters
+    missing = {k: None for k, p in params.items() if k not in ("self", "transformer", "scheduler")
+               and p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD}
+    pipe = cls(transformer=transformer, scheduler=scheduler, **missing)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 def _replay_model(pipeline: Any, traj: Trajectory) -> Any:

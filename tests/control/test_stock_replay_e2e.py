@@ -128,3 +128,27 @@ def test_a_pipeline_argument_that_is_not_a_pipeline_is_a_type_error(server, save
     traj.metadata = old
     with pytest.raises(ValueError, match="`call`"):
         replay_log_probs(stock(saved, "tiny-sd3"), traj)
+
+
+@pytest.mark.timeout(240)
+def test_a_transformer_and_scheduler_replay_on_the_conditioning_stream(server, saved):
+    """The transformer (peft-wrapped) and scheduler alone, as a trainer that loaded only those holds them."""
+    pipe = stock(saved, "tiny-sd3")
+    config = LoraConfig(r=2, lora_alpha=4, init_lora_weights="gaussian", target_modules=["attn.to_q", "attn.to_v"])
+    transformer = get_peft_model(pipe.transformer, config)
+    with torch.no_grad():
+        for n, p in transformer.named_parameters():
+            if "lora_B" in n:
+                p.fill_(0.02)
+    with Client(server.rest_url) as client:
+        digest = client.push_lora("tiny-sd3", get_peft_model_state_dict(transformer), config)["digest"]
+        try:
+            traj = rollout(client, "tiny-sd3", expected_digest=digest, return_={"conditioning": True})
+            cond = client.pull_conditioning(traj.rollout_id)
+        finally:
+            client.delete_lora("tiny-sd3")
+    sde = list(traj.sde_steps)
+    logp = replay_log_probs(transformer, traj, scheduler=pipe.scheduler, conditioning=cond, grad=True, strict=True)
+    assert torch.equal(logp.detach()[:, sde], traj.log_probs[:, sde])
+    with pytest.raises(ValueError, match="conditioning"):
+        replay_log_probs(transformer, traj, scheduler=pipe.scheduler)
