@@ -121,8 +121,11 @@ def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, c
 
 def kl_to_base(means: dict[int, torch.Tensor], ref_means: dict[int, torch.Tensor], stds: dict[int, torch.Tensor],
                steps: list[int]) -> torch.Tensor:
-    """Flow-GRPO's KL term: the two Gaussian transition kernels share their std, so per transition
-    KL = ||mean - mean_ref||^2 / (2 std^2), averaged over latent elements, transitions and samples."""
+    """The KL term against the base policy, as Flow-GRPO forms it: the squared difference of the two
+    transition kernels' means, averaged over latent elements, transitions and samples, over twice a
+    variance. The kernels share their std, so with the kernel's own variance (used here) this is the
+    exact Gaussian KL per element; Flow-GRPO divides by its noise coefficient squared, without the
+    step's dt, which scales its beta by 1 / dt."""
     terms = [((means[i] - ref_means[i]) ** 2).flatten(1).mean(dim=1) / (2 * stds[i] ** 2) for i in steps]
     return torch.stack(terms, dim=1).mean()
 
