@@ -124,8 +124,8 @@ def kl_to_base(means: dict[int, torch.Tensor], ref_means: dict[int, torch.Tensor
     """The KL term against the base policy, as Flow-GRPO forms it: the squared difference of the two
     transition kernels' means, averaged over latent elements, transitions and samples, over twice a
     variance. The kernels share their std, so with the kernel's own variance (used here) this is the
-    exact Gaussian KL per element; Flow-GRPO divides by its noise coefficient squared, without the
-    step's dt, which scales its beta by 1 / dt."""
+    exact Gaussian KL per element; Flow-GRPO divides by its noise coefficient squared, the kernel's
+    variance without the step's |dt|, so its term is this one times |dt|."""
     terms = [((means[i] - ref_means[i]) ** 2).flatten(1).mean(dim=1) / (2 * stds[i] ** 2) for i in steps]
     return torch.stack(terms, dim=1).mean()
 
