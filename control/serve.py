@@ -2,8 +2,9 @@
 
 Imported only by the `serve` command (sigmaflight/cli.py), so the users' side never loads
 the server. Flags come from pydantic-settings' CLI source over `Settings`. Startup mistakes
-(control/startup.py: ports in use, a bad --shm-dir, --backend ray without Ray, an unknown
---model, a bad --model-dir, an unusable --token-file; and any invalid value) end in one line on
+(control/startup.py: ports in use, a --host that is no address here, a bad --shm-dir, --backend
+ray without Ray, an unknown --model, a bad --model-dir or hub id, an unusable --token-file or a
+--token of no token, half a TLS pair or unusable TLS files; and any invalid value) end in one line on
 stderr and exit status 2, before any model loads. SIGHUP re-reads --token-file (both planes,
 every Ray worker); a file that is now missing, unreadable or empty changes nothing (an error
 line; the old tokens stay). A SIGHUP while the server starts is held until it is ready.
@@ -53,7 +54,7 @@ def _add_setting_argument(parser: argparse.ArgumentParser, *names: str, **kwargs
 def _cli_source(prog: str = "sigmaflight serve") -> CliSettingsSource[argparse.ArgumentParser]:
     """pydantic-settings' CLI source for Settings: one --kebab-case flag per field, bools as
     --flag/--no-flag, flags above SIGMAFLIGHT_<NAME> above the default."""
-    parser = argparse.ArgumentParser(prog=prog, description=SERVE_DESCRIPTION)
+    parser = argparse.ArgumentParser(prog=prog, description=SERVE_DESCRIPTION, allow_abbrev=False)
     return CliSettingsSource(
         Settings,
         root_parser=parser,
@@ -164,16 +165,21 @@ def serve(settings: Settings) -> int:
             scheme = "https" if tls else "http"
             service = app.state.service if hasattr(app.state, "service") else None
             flight = getattr(service, "flight", None)
-            # Always shown, whatever --log-level: tools wait for this line.
+            rest_url = f"{scheme}://{settings.host}:{port}"
+            token = ' --token "$SIGMAFLIGHT_TOKEN"' if settings.tokens() else ""
+            # Always shown, whatever --log-level: tools wait for this line. It says where the API
+            # page is and gives one command to try.
             log.log(
                 max(logging.INFO, logging.getLogger().level),
                 "sigmaflight ready",
                 extra={
-                    "rest_url": f"{scheme}://{settings.host}:{port}",
+                    "rest_url": rest_url,
                     "flight_url": flight.locations[0] if flight else None,
                     "model": settings.model,
                     "auth": bool(settings.tokens()),
                     "data_dir": str(settings.data_dir) if settings.data_dir else None,
+                    "docs": f"{rest_url}/docs",
+                    "try": f"sigmaflight submit --url {rest_url}{token} -p 'a red cube' --steps 4 --wait",
                 },
             )
 

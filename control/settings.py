@@ -143,17 +143,27 @@ class Settings(BaseSettings):
     def tokens(self) -> list[str]:
         """All configured bearer tokens (file and variable); empty = no auth (neither is set).
 
-        A --token-file that is missing, unreadable or holds no token raises TokenFileError:
-        naming a token file asks for auth, so it never silently turns auth off."""
+        A --token-file that is missing, unreadable or holds no token raises TokenFileError, and a
+        --token / SIGMAFLIGHT_TOKEN that holds no token (empty, or only commas and spaces) raises
+        TokenError: naming a token asks for auth, so it never silently turns auth off."""
         found: list[str] = []
         if self.token is not None:
-            found += [t.strip() for t in self.token.get_secret_value().split(",") if t.strip()]
+            given = [t.strip() for t in self.token.get_secret_value().split(",") if t.strip()]
+            if not given:
+                raise TokenError("--token (SIGMAFLIGHT_TOKEN): holds no token (it is empty, or only commas and "
+                                 "spaces); refusing to start without auth. Give a token, or unset it to serve "
+                                 "without auth")
+            found += given
         if self.token_file is not None:
             found += read_token_file(self.token_file)
         return found
 
 
-class TokenFileError(ValueError):
+class TokenError(ValueError):
+    """A token setting the server cannot use; the message names the setting and why (never a token)."""
+
+
+class TokenFileError(TokenError):
     """A --token-file the server cannot use; the message names the file and why (never a token)."""
 
 

@@ -3,7 +3,12 @@
 `preflight(settings)` raises `StartupError` (serve.py prints "sigmaflight serve: <message>" and exits
 2) for, in this order, the cheap checks first:
 
-- a --token-file that is missing, unreadable or holds no token (auth would silently be off);
+- a --token-file that is missing, unreadable or holds no token, or a --token (SIGMAFLIGHT_TOKEN) that
+  holds none, only commas and spaces (auth would silently be off);
+- --tls-cert without --tls-key or the reverse (plain http would be served), a file of the two
+  that does not exist or cannot be read, or a pair that is not a PEM certificate and its key;
+- a --host that is not an address of this machine (bound here with port 0 too), or that cannot be
+  put in a Flight location (an IPv6 address);
 - --port / --flight-port already in use on --host (another `sigmaflight serve`, say), or the same
   port for both planes: both binds are tried here, before the model loads (the real binds come
   later: REST after the model loads, Flight while it loads);
@@ -14,8 +19,10 @@
   load the built-ins and --model-dir only);
 - a --model-dir that does not exist or holds no pipeline, or a pipeline there whose scheduler is not
   flow-match;
-- a hub --model (org/name[@revision]) that is neither in the Hugging Face cache nor on the hub
-  (HF_HUB_OFFLINE=1: the cache only), is not a diffusers pipeline, or is not flow-match;
+- a hub --model (org/name[@revision]) whose id huggingface_hub refuses or whose revision is no ref
+  name (it would name a path), whose cache entry is broken, that is neither complete in the Hugging
+  Face cache nor on the hub (asked once, no retries; HF_HUB_OFFLINE=1: the cache only), is not a
+  diffusers pipeline, or is not flow-match;
 - an unknown --model (the line lists the known ones).
 """
 
@@ -29,7 +36,7 @@ import os
 import socket
 from pathlib import Path
 
-from sigmaflight.control.settings import Settings, TokenFileError
+from sigmaflight.control.settings import Settings, TokenError
 
 log = logging.getLogger("sigmaflight")
 
@@ -43,9 +50,10 @@ class StartupError(Exception):
 def preflight(settings: Settings) -> None:
     """Refuse settings the server cannot start with, naming the flag and the reason (StartupError)."""
     try:
-        settings.tokens()  # a --token-file that is missing, unreadable or empty: fail closed
-    except TokenFileError as exc:
+        settings.tokens()  # a --token-file that is missing, unreadable or empty, a --token of none: fail closed
+    except TokenError as exc:
         raise StartupError(str(exc)) from None
+    check_tls(settings.tls_cert, settings.tls_key)
     check_ports(settings.host, settings.port, settings.flight_port)
     if settings.shm_dir is not None:
         check_shm_dir(settings.shm_dir)
@@ -63,7 +71,8 @@ def preflight(settings: Settings) -> None:
 
 def _bind_error(host: str, port: int) -> OSError | None:
     """Why `host:port` cannot be bound now (None when it can). SO_REUSEADDR as uvicorn binds, so a
-    port left in TIME_WAIT is not "in use"; a listening socket is."""
+    port left in TIME_WAIT is not "in use"; a listening socket is. A host that is no address or
+    name at all (a space, a label over 63 characters, a NUL) is a `socket.gaierror` too."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -71,16 +80,33 @@ def _bind_error(host: str, port: int) -> OSError | None:
             s.bind((host, port))
         except OSError as exc:
             return exc
+        except (UnicodeError, ValueError, TypeError) as exc:  # cannot even be encoded (idna), or holds a NUL
+            return socket.gaierror(socket.EAI_NONAME, str(exc))
     return None
 
 
+def check_flight_host(host: str) -> None:
+    """--host can be written in a Flight location, grpc+tcp://HOST:PORT (an IPv6 address cannot)."""
+    import pyarrow as pa
+    import pyarrow.flight as flight
+
+    if not host:
+        raise StartupError("--host '': empty (0.0.0.0 binds every IPv4 address of this machine)")
+    try:
+        flight.Location(f"grpc+tcp://{host}:0")
+    except (pa.ArrowException, ValueError):
+        raise StartupError(f"--host {host}: cannot be put in a Flight location (grpc+tcp://{host}:PORT does not "
+                           "parse; IPv6 addresses are not supported: use an IPv4 address or a host name)") from None
+
+
 def check_ports(host: str, port: int, flight_port: int) -> None:
-    """Both planes' ports can be bound on `host` (0 = any free one: nothing to check)."""
+    """--host is an address of this machine and both planes' ports can be bound on it. A port of 0
+    (any free one) is bound too: it checks the host."""
     if port and port == flight_port:
         raise StartupError(f"--port and --flight-port are both {port}: the REST and Flight planes need a port each")
     problems = []
     for flag, p in (("--port", port), ("--flight-port", flight_port)):
-        exc = _bind_error(host, p) if p else None
+        exc = _bind_error(host, p)
         if exc is None:
             continue
         if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
@@ -94,6 +120,37 @@ def check_ports(host: str, port: int, flight_port: int) -> None:
     if problems:
         raise StartupError("; ".join(problems) + " (is another sigmaflight serve running? choose other ports, "
                            "or 0 for free ones)")
+    check_flight_host(host)
+
+
+# ---------------------------------------------------------------------------------------- TLS
+
+def check_tls(cert: Path | None, key: Path | None) -> None:
+    """Both or neither of --tls-cert and --tls-key, each a readable file, together a PEM certificate
+    and its private key (loaded as uvicorn will load them)."""
+    import ssl
+
+    if cert is None and key is None:
+        return
+    if cert is None or key is None:
+        given, path, missing = ("--tls-cert", cert, "--tls-key") if key is None else ("--tls-key", key, "--tls-cert")
+        raise StartupError(f"{given} {path}: needs {missing} too (without both the server would serve plain "
+                           "http and grpc+tcp)")
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
+        try:
+            with open(path, "rb"):
+                pass
+        except FileNotFoundError:
+            raise StartupError(f"{flag} {path}: no such file") from None
+        except IsADirectoryError:
+            raise StartupError(f"{flag} {path}: is a directory, not a file") from None
+        except OSError as exc:
+            raise StartupError(f"{flag} {path}: cannot be read ({exc.strerror or exc})") from None
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except (ssl.SSLError, OSError) as exc:
+        raise StartupError(f"--tls-cert {cert} --tls-key {key}: not a PEM certificate and its private key "
+                           f"({exc.reason if isinstance(exc, ssl.SSLError) and exc.reason else exc})") from None
 
 
 # ---------------------------------------------------------------------------------------- --shm-dir
@@ -190,7 +247,7 @@ def check_models(settings: Settings) -> None:
         local = [sub.name for sub in dirs]
     if parse_hub_id(settings.model) is not None:
         try:
-            check_hub_model(settings.model)  # model_index.json only: in the cache (or on the hub), flow-match
+            check_hub_model(settings.model)  # model_index.json: in the cache, complete (or on the hub), flow-match
         except ModelLoadError as exc:
             raise StartupError(f"--model {exc}") from None
         return

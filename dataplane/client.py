@@ -33,6 +33,7 @@ import pyarrow.flight as flight
 import torch
 from sigmaflight.dataplane.auth import bearer_header
 from sigmaflight.dataplane.codec import StepTensors, batch_to_tensors
+from sigmaflight.dataplane.errors import server_words
 from sigmaflight.dataplane.samehost import (
     FileChanged,
     LocalFile,
@@ -55,12 +56,17 @@ from sigmaflight.dataplane.transport import Transport, check_transport
 
 log = logging.getLogger(__name__)
 _UNKNOWN = object()
+DEFAULT_IDLE_TIMEOUT_S = 3600.0
+"""A pull's default idle timeout: an hour without a record batch on a started stream."""
 _OFFERED_MAX = 1024
 """Tickets whose offered file a client remembers (oldest forgotten first)."""
 
 
 class TrajectoryClient:
-    """One FlightClient (one connection) for many pulls."""
+    """One FlightClient (one connection) for many pulls.
+
+    A refusal is the Flight error the server raised (its class, its `extra_info`), with the
+    server's message alone: none of the debug context pyarrow appends (sigmaflight.dataplane.errors)."""
 
     def __init__(
         self,
@@ -71,10 +77,23 @@ class TrajectoryClient:
         generic_options: list[tuple[str, Any]] | None = None,
         transport: Transport = "auto",
         host: str | None = None,
+        idle_timeout: float | None = DEFAULT_IDLE_TIMEOUT_S,
     ) -> None:
         """``transport="flight"`` always streams over gRPC; ``"auto"`` reads a finished
         rollout's shared-memory file when its location names this host (``host``: this
-        host's id, default ``sigmaflight.dataplane.shm.host_id()``) and the file can be opened."""
+        host's id, default ``sigmaflight.dataplane.shm.host_id()``) and the file can be opened.
+
+        ``idle_timeout``: seconds a pull (``pull``, ``iter_steps``, ``iter_chunks``,
+        ``iter_batches``, ``iter_steps_parallel``) waits for the next record batch once its
+        stream has started; past it the stream is cancelled and ``TimeoutError`` raised. The
+        wait of a queued rollout to start is not counted, nor the time your code spends between
+        batches. A running rollout is silent while it computes the steps it does not return
+        (a ``return.steps`` of only the last step: the whole rollout), hence the generous
+        default (DEFAULT_IDLE_TIMEOUT_S, an hour); None waits as long as the stream is open.
+        ``reader()`` is the raw pyarrow stream, never timed."""
+        if idle_timeout is not None and not idle_timeout > 0:
+            raise ValueError(f"idle_timeout must be a positive number of seconds or None, got {idle_timeout!r}")
+        self.idle_timeout = idle_timeout
         self.transport = check_transport(transport)
         self.host = host if host is not None else host_id()
         self._client = flight.FlightClient(
@@ -107,7 +126,8 @@ class TrajectoryClient:
             d = flight.FlightDescriptor.for_path(DESCRIPTOR_ROOT, rollout_id)
         else:
             d = flight.FlightDescriptor.for_path(DESCRIPTOR_ROOT, rollout_id, "partitions", str(partitions))
-        return self._client.get_flight_info(d, self._options)
+        with server_words():
+            return self._client.get_flight_info(d, self._options)
 
     def info(self, rollout_id: str) -> dict[str, Any]:
         fi = self.flight_info(rollout_id)
@@ -129,7 +149,8 @@ class TrajectoryClient:
 
     def _action(self, kind: str, rollout_id: str) -> dict[str, Any]:
         body = json.dumps({"id": rollout_id}).encode()
-        results = list(self._client.do_action(flight.Action(kind, body), self._options))
+        with server_words():
+            results = list(self._client.do_action(flight.Action(kind, body), self._options))
         return json.loads(results[0].body.to_pybytes()) if results else {}
 
     def cancel(self, rollout_id: str) -> bool:
@@ -145,10 +166,11 @@ class TrajectoryClient:
         return self._client.do_get(self._ticket(ticket_or_id), self._options)
 
     def iter_batches(self, ticket_or_id: str | bytes | flight.Ticket) -> Iterator[pa.RecordBatch]:
-        return flight_batches(self.reader(ticket_or_id))
+        return flight_batches(self.reader(ticket_or_id), self.idle_timeout)
 
     def schema(self, ticket_or_id: str | bytes | flight.Ticket) -> pa.Schema:
-        return self.reader(ticket_or_id).schema
+        with server_words():
+            return self.reader(ticket_or_id).schema
 
     def local_file(self, ticket_or_id: str | bytes | flight.Ticket) -> LocalFile | None:
         """The rollout's shared-memory file (schema, memory-mapped batches, the open file) when
@@ -208,16 +230,18 @@ class TrajectoryClient:
                 except FileChanged as e:
                     log.debug("%s; streaming over gRPC", e)
                     self._offered.pop(_name(ticket_or_id), None)
-        reader = self.reader(ticket_or_id)
-        return Trajectory.from_batches(reader.schema, flight_batches(reader), out=out)
+        with server_words():
+            reader = self.reader(ticket_or_id)
+            return Trajectory.from_batches(reader.schema, flight_batches(reader, self.idle_timeout), out=out)
 
     def _batches(self, ticket_or_id: str | bytes | flight.Ticket) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
         local = self.local_file(ticket_or_id)
         if local is not None:
             local.source.close()  # views need only the mapping
             return local.schema, iter(local.batches)
-        reader = self.reader(ticket_or_id)
-        return reader.schema, flight_batches(reader)
+        with server_words():
+            reader = self.reader(ticket_or_id)
+            return reader.schema, flight_batches(reader, self.idle_timeout)
 
     def iter_steps(self, ticket_or_id: str | bytes | flight.Ticket, *, copy: bool = False) -> Iterator[StepTensors]:
         """One StepTensors per step, as the stream delivers it (memory stays flat).
@@ -262,7 +286,8 @@ class TrajectoryClient:
             extra = [flight.FlightClient(self._location, tls_root_certs=self._tls_root_certs) for _ in fi.endpoints[1:]]
             clients = [self._client, *extra]
             yield from _round_robin(
-                [(c, ep.ticket) for c, ep in zip(clients, fi.endpoints, strict=True)], self._options, prefetch
+                [(c, ep.ticket) for c, ep in zip(clients, fi.endpoints, strict=True)], self._options, prefetch,
+                self.idle_timeout,
             )
         finally:
             for c in extra:
@@ -276,11 +301,13 @@ def _name(ticket_or_id: str | bytes | flight.Ticket) -> str:
 
 
 def _round_robin(
-    sources: list[tuple[flight.FlightClient, flight.Ticket]], options: flight.FlightCallOptions, prefetch: int
+    sources: list[tuple[flight.FlightClient, flight.Ticket]], options: flight.FlightCallOptions, prefetch: int,
+    idle_timeout: float | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Pull every (client, ticket) concurrently, one thread each; yield batch j from source
     j % n (the partition tickets' order). On the way out (end, error or the consumer
-    closing it) the streams are cancelled and the threads joined."""
+    closing it) the streams are cancelled and the threads joined. TimeoutError when the next
+    batch takes longer than ``idle_timeout`` seconds to come."""
     n = len(sources)
     queues: list[queue.Queue[Any]] = [queue.Queue(maxsize=prefetch) for _ in range(n)]
     stop = threading.Event()
@@ -294,11 +321,15 @@ def _round_robin(
     k = 0
     try:
         while True:
-            item = queues[k].get()
+            try:
+                item = queues[k].get(timeout=idle_timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no record batch for {idle_timeout:g} s (idle_timeout): the streams were "
+                                   "cancelled") from None
             if item is _DONE:
                 # batch j lives on source j % n: once one source ends, all later ones end
                 for j in range(1, n):
-                    if queues[(k + j) % n].get() is not _DONE:
+                    if queues[(k + j) % n].get(timeout=idle_timeout) is not _DONE:
                         raise RuntimeError("partitioned stream ended out of order")
                 return
             if isinstance(item, BaseException):
@@ -358,6 +389,6 @@ def _pump(
 
 
 __all__ = [
-    "StepTensors", "Trajectory", "TrajectoryClient", "Transition", "Transport", "check_transport", "empty_hugepages",
+    "DEFAULT_IDLE_TIMEOUT_S", "StepTensors", "Trajectory", "TrajectoryClient", "Transition", "Transport", "check_transport", "empty_hugepages",
     "iter_step_tensors", "pull_file",
 ]

@@ -9,19 +9,22 @@ The Flight error class follows the type (FlightInternalError for a failed rollou
 FlightUnavailableError for too many streams, FlightUnauthenticatedError for a refused token,
 FlightServerError otherwise; never FlightCancelledError: pyarrow turns an ArrowCancelled
 raised inside `reader.read_all()` into a SIGINT, i.e. a KeyboardInterrupt in the trainer).
-The message is for people; `error_info` reads the object back on the client side.
+The message is for people; `error_info` reads the object back on the client side, and
+`server_message` the server's own words (pyarrow appends gRPC's debug context to them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pyarrow.flight as flight
 from sigmaflight.dataplane.entry import RolloutEnded
 from sigmaflight.dataplane.tickets import TicketNotFound
 
-__all__ = ["ERROR_TYPES", "error_info", "flight_error", "not_found", "rollout_ended"]
+__all__ = ["ERROR_TYPES", "error_info", "flight_error", "not_found", "rollout_ended", "server_message", "server_words"]
 
 ERROR_TYPES = ("not_found", "failed", "cancelled", "released", "expired", "closed", "too_many_streams",
                "bad_request", "unauthenticated")
@@ -73,6 +76,33 @@ def error_info(exc: BaseException) -> dict[str, Any] | None:
     except (ValueError, UnicodeDecodeError):
         return None
     return info if isinstance(info, dict) and isinstance(info.get("type"), str) else None
+
+
+_DEBUG_TAILS = (". Detail:", ". gRPC client debug context", "gRPC client debug context", ". Client context:")
+_PREFIXES = ("Flight returned internal error, with message: ", "with message: ")
+
+
+def server_message(exc: BaseException) -> str:
+    """The server's own message out of a pyarrow Flight error: what pyarrow adds after it
+    ("Detail: ...", "gRPC client debug context: ...", "Client context: ...") and before it
+    ("Flight returned ... with message: ") cut off."""
+    text = str(exc)
+    for cut in _DEBUG_TAILS:
+        text = text.split(cut, 1)[0]
+    for prefix in _PREFIXES:
+        if prefix in text:
+            text = text.split(prefix, 1)[1]
+    return text.strip()
+
+
+@contextlib.contextmanager
+def server_words() -> Iterator[None]:
+    """Re-raise a Flight error raised inside as the same class with the same `extra_info`, its
+    message `server_message` (no gRPC debug context): what a data-plane client shows its user."""
+    try:
+        yield
+    except flight.FlightError as exc:
+        raise type(exc)(server_message(exc), extra_info=exc.extra_info) from None
 
 
 def clip(message: str, limit: int = MAX_MESSAGE) -> str:

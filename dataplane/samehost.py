@@ -8,9 +8,12 @@ checks that it holds the endpoint's trajectory (its ticket in the footer, the sa
 ``pull`` then reads the latents from the same descriptor with a few ``preadv`` calls straight
 into the ``[B, K, ...]`` tensor (the kernel copies; no page faults on the mapping).
 
-What a same-host read does not detect (docs/dataplane.md): bytes changed in place after the
-server wrote them (unless ``verify=True``), and a file truncated between the map and a read of
-the mapping (SIGBUS, as for any memory-mapped reader; ``preadv`` itself sees a short read).
+``pull`` never reads the mapping itself: the columns it needs come with ``pread``, the latents
+with ``preadv``, so a file truncated after the map is a short read there (``FileChanged``: the
+pull streams over gRPC instead), never a SIGBUS. What a same-host read does not detect
+(docs/dataplane.md): bytes changed in place after the server wrote them (unless
+``verify=True``); the zero-copy views of ``iter_chunks`` / ``iter_steps`` ARE the mapping, and
+a file truncated under them faults (SIGBUS) as for any memory-mapped reader.
 """
 
 from __future__ import annotations
@@ -127,6 +130,53 @@ class FileSource:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def check_size(self) -> None:
+        """FileChanged when the file is now shorter than what was mapped (truncated since)."""
+        now = os.fstat(self.fd).st_size
+        if now < self.size:
+            raise FileChanged(f"{self.path}: {now} bytes now, {self.size} when mapped (truncated since it was checked)")
+
+    def pread(self, offset: int, n: int) -> bytes:
+        """``n`` bytes at file ``offset``, read from the descriptor (never through the mapping: a
+        truncated file is a FileChanged here, where the mapping would fault with SIGBUS)."""
+        if offset < 0 or offset + n > self.size:
+            raise ValueError(f"{self.path}: bytes {offset}..{offset + n} outside the file ({self.size} bytes)")
+        parts, got = [], 0
+        while got < n:
+            part = os.pread(self.fd, n - got, offset + got)
+            if not part:
+                raise FileChanged(f"{self.path}: ends before offset {offset + got} (truncated since it was checked)")
+            parts.append(part)
+            got += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def read_columns(self, batches: list[pa.RecordBatch], columns: list[int], out: list[np.ndarray[Any, Any]]) -> None:
+        """Columns ``columns`` (fixed-width numbers: int32, int64, float32) of the mapped
+        ``batches``, concatenated into ``out`` (one numpy array per column, as many rows as the
+        batches hold; a null is NaN), read with ``pread``: one call per batch, as those columns'
+        buffers lie together in its body (a few KiB). Nothing of a pull reads the mapping itself."""
+        base, r0 = self.base_address, 0
+        for batch in batches:
+            n = batch.num_rows
+            if n == 0:
+                continue
+            cols = [batch.column(i) for i in columns]
+            bufs = [c.buffers() for c in cols]
+            lo = min(b.address for bs in bufs for b in bs if b is not None and b.size) - base
+            hi = max(b.address + b.size for bs in bufs for b in bs if b is not None and b.size) - base
+            region = np.frombuffer(self.pread(lo, hi - lo), np.uint8)
+            for col, (validity, data), dst in zip(cols, bufs, out, strict=True):
+                if col.null_count == n:
+                    dst[r0 : r0 + n] = np.nan
+                    continue
+                start = data.address - base - lo + col.offset * dst.itemsize
+                dst[r0 : r0 + n] = region[start : start + n * dst.itemsize].view(dst.dtype)
+                if col.null_count:  # the validity bitmap, bit (offset + row), LSB first
+                    at = validity.address - base - lo
+                    bits = np.unpackbits(region[at : at + validity.size], bitorder="little")
+                    dst[r0 : r0 + n][bits[col.offset : col.offset + n] == 0] = np.nan
+            r0 += n
 
     def read_rows(self, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any], row_bytes: int) -> None:
         """Copy ``row_bytes`` from file offset ``src[r]`` to address ``dst[r]``, for every r.
@@ -297,8 +347,8 @@ def verify_read(source: FileSource, batches: list[pa.RecordBatch], latent_rows: 
                 if buf.address == latent.address and buf.size == sum(r.nbytes for r in latent_rows[i]):
                     for row in latent_rows[i]:
                         crc = crc32c.crc32c(row, value=crc)
-                else:
-                    crc = crc32c.crc32c(memoryview(buf), value=crc)
+                else:  # read from the descriptor, never through the mapping (see FileSource.pread)
+                    crc = crc32c.crc32c(source.pread(buf.address - source.base_address, buf.size), value=crc)
         if crc != want:
             raise CorruptTrajectoryFile(
                 f"{source.path}: checksum mismatch in batch {i} (crc32c {crc:08x}, written {want:08x}): "

@@ -189,9 +189,13 @@ def latent_dtype_of(schema: pa.Schema) -> torch.dtype:
     field = schema.field("latent")
     meta = field.metadata or {}
     name = meta.get(KEY_DTYPE.encode())
+    storage = getattr(field.type.storage_type, "value_type", None) if isinstance(field.type, pa.BaseExtensionType) else None
     if name is not None:
-        return torch_dtype(name.decode())
-    storage = field.type.storage_type.value_type if isinstance(field.type, pa.ExtensionType) else None
+        dtype = torch_dtype(name.decode(errors="replace"))
+        if storage is not None and storage != _DTYPES[dtype][0]:  # the bytes would be read as another type
+            raise ValueError(f"latent: field metadata {KEY_DTYPE} is {name.decode()!r}, which travels as "
+                             f"{_DTYPES[dtype][0]} values, but the column holds {storage} values")
+        return dtype
     for dt, (vt, _, _) in _DTYPES.items():
         if storage == vt and dt is not torch.bfloat16:
             return dt
@@ -217,11 +221,12 @@ def header_from_schema(schema: pa.Schema) -> TrajectoryHeader:
     parent_sample = None
     if isinstance(parent, dict) and "parent_sample" in schema.names:
         parent_sample = tuple(int(j) for j in parent.get("samples", ()) for _ in range(n))
+    sigmas, timesteps = _schedule(meta)
     return TrajectoryHeader(
         rollout_id=str(rollout.get("id", "")),
-        sigmas=torch.from_numpy(np.asarray(meta[KEY_SIGMAS], dtype=np.float32)),
-        timesteps=torch.from_numpy(np.asarray(meta[KEY_TIMESTEPS], dtype=np.float32)),
-        steps=tuple(int(s) for s in meta[KEY_STEPS]),
+        sigmas=torch.from_numpy(sigmas),
+        timesteps=torch.from_numpy(timesteps),
+        steps=_steps(meta, len(timesteps)),
         sde_steps=tuple(int(s) for s in meta.get(KEY_SDE_STEPS, ())),
         seeds=seeds,
         num_outputs_per_prompt=n,
@@ -234,3 +239,44 @@ def header_from_schema(schema: pa.Schema) -> TrajectoryHeader:
         parent=parent if isinstance(parent, dict) else None,
         velocities="velocity" in schema.names,
     )
+
+
+def _schedule(meta: dict[str, Any]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """float32 sigmas [T+1] and timesteps [T] from the metadata, as the contract states them:
+    T+1 finite sigmas ending in 0 (ValueError naming the key otherwise)."""
+    for key in (KEY_SIGMAS, KEY_TIMESTEPS):
+        if not isinstance(meta.get(key), list):
+            raise ValueError(f"{key} must be a JSON list of numbers, got {type(meta.get(key)).__name__}")
+    try:
+        sigmas = np.asarray(meta[KEY_SIGMAS], dtype=np.float32).reshape(-1)
+        timesteps = np.asarray(meta[KEY_TIMESTEPS], dtype=np.float32).reshape(-1)
+    except (TypeError, ValueError):
+        raise ValueError(f"{KEY_SIGMAS} and {KEY_TIMESTEPS} must be lists of numbers") from None
+    t = len(timesteps)
+    if len(sigmas) != t + 1:
+        raise ValueError(f"{KEY_SIGMAS} has {len(sigmas)} values, expected T+1 = {t + 1} ({KEY_TIMESTEPS} has T = {t})")
+    bad = ~np.isfinite(sigmas)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"{KEY_SIGMAS}[{i}] is {str(sigmas[i])}, not a finite number")
+    if sigmas[-1] != 0:
+        raise ValueError(f"{KEY_SIGMAS} ends in {str(sigmas[-1])}, not 0 (the terminal sigma)")
+    return sigmas, timesteps
+
+
+def _steps(meta: dict[str, Any], t: int) -> tuple[int, ...]:
+    """``sigmaflight.steps``: absolute indices in 0..T, each once, ascending (ValueError naming
+    the step that is not)."""
+    raw = meta.get(KEY_STEPS)
+    if not isinstance(raw, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in raw):
+        raise ValueError(f"{KEY_STEPS} must be a JSON list of integers")
+    seen: set[int] = set()
+    for s in raw:
+        if s in seen:
+            raise ValueError(f"{KEY_STEPS} lists step {s} more than once")
+        if not 0 <= s <= t:
+            raise ValueError(f"{KEY_STEPS} lists step {s}, outside 0..T = 0..{t}")
+        seen.add(s)
+    if raw != sorted(raw):
+        raise ValueError(f"{KEY_STEPS} is not ascending: {raw[:20]}")
+    return tuple(raw)

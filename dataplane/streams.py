@@ -144,7 +144,11 @@ def column_tensor(table: pa.Table, column: str) -> torch.Tensor:
     field = table.schema.field(column)
     arr = table.column(column).combine_chunks()
     values = np.asarray(arr.to_numpy_ndarray())
-    name = (field.metadata or {}).get(KEY_DTYPE.encode(), b"").decode()
+    name = (field.metadata or {}).get(KEY_DTYPE.encode(), b"").decode(errors="replace")
+    travels = np.dtype(np.uint16) if name == "bfloat16" else next((d for d, (_, n) in _NUMPY.items() if n == name), None)
+    if travels is not None and values.dtype != travels:  # the bytes would be read as another type
+        raise ValueError(f"column {column!r}: field metadata {KEY_DTYPE} is {name!r}, which travels as {travels} "
+                         f"values, but the column holds {values.dtype} values")
     t = torch.from_numpy(values.copy())
     if name == "bfloat16":
         return t.view(torch.bfloat16)

@@ -7,6 +7,8 @@ table or a memory-mapped file) into one ``[B, K, *latent_shape]`` tensor with on
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +19,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import torch
 from sigmaflight.dataplane.codec import StepTensors, batch_to_tensors
+from sigmaflight.dataplane.errors import server_words
 from sigmaflight.dataplane.files import read_trajectory
 from sigmaflight.dataplane.record import TrajectoryHeader
 from sigmaflight.dataplane.samehost import FileSource, empty_hugepages, verify_read
@@ -46,6 +49,8 @@ class Trajectory:
 
     ``latents[:, k]`` is x_{steps[k]}; use ``latent(i)`` to look up by absolute index.
     sigmas / timesteps are the full schedule (never filtered by a step selection).
+    ``velocities`` (a rollout asked with ``return={"velocities": True}``, else None) is laid out
+    as ``latents``, float32; ``velocity(i)`` looks up by absolute index.
     """
 
     def __init__(
@@ -55,9 +60,11 @@ class Trajectory:
         log_probs: torch.Tensor,
         metadata: dict[str, Any],
         schema: pa.Schema,
+        velocities: torch.Tensor | None = None,
     ) -> None:
         self.header = header
         self.latents = latents  # [B, K, *latent_shape]
+        self.velocities = velocities  # [B, K, *latent_shape] float32, NaN at i = T; None without the column
         self.log_probs = log_probs  # [B, T] float32, NaN where null
         self.steps = torch.tensor(header.steps, dtype=torch.int64)  # [K]
         self.sigmas = header.sigmas  # [T+1] float32
@@ -100,6 +107,17 @@ class Trajectory:
             raise KeyError(f"step {i} is not in this trajectory (steps {list(self.header.steps)})")
         return self.latents[:, self._pos[i]]
 
+    def velocity(self, i: int) -> torch.Tensor:
+        """The velocity step i stepped with (the ``velocity`` column), [B, *latent_shape] float32 by
+        absolute step index; NaN at i = T, where no step leaves. Owned, writable memory: the
+        assembly copied it out of the stream once, as it did the latents."""
+        if self.velocities is None:
+            raise ValueError(f"trajectory {self.rollout_id} has no velocity column; ask the rollout for "
+                             'return={"velocities": True}')
+        if i not in self._pos:
+            raise KeyError(f"step {i} is not in this trajectory (steps {list(self.header.steps)})")
+        return self.velocities[:, self._pos[i]]
+
     def transitions(self, steps: Iterable[int] | None = None) -> Iterator[Transition]:
         """Transitions i (x_i -> x_{i+1}) where both latents are present, ascending."""
         wanted = range(self.num_steps) if steps is None else sorted(set(steps))
@@ -125,7 +143,8 @@ class Trajectory:
         out: torch.Tensor | None = None,
         verify: bool = False,
     ) -> Trajectory:
-        """Assemble (one copy per latent into one aligned, writable tensor).
+        """Assemble (one copy per latent into one aligned, writable tensor; the same for the
+        velocities when the stream has the ``velocity`` column).
 
         Where every row goes is known from the metadata (steps, B): a step-major stream's row r
         is x_{steps[r // B]} of sample r % B. A stream's batches are copied as they come; with
@@ -189,8 +208,14 @@ class _Assembly:
         names = schema.names
         self.i_step, self.i_sample = names.index("step"), names.index("sample")
         self.i_lp, self.i_lat = names.index("log_prob"), names.index("latent")
-        self.step = np.empty(self.rows_total, np.int32)  # each row's step and sample, in stream order
+        self.i_seed = names.index("seed")
+        self.i_vel = names.index("velocity") if "velocity" in names else None
+        self.velocities = torch.empty(shape, dtype=torch.float32) if self.i_vel is not None else None
+        self.vdest = (None if self.velocities is None  # [B, K, elements]: the velocities, float32
+                      else self.velocities.view(self.b, self.k, -1).numpy())
+        self.step = np.empty(self.rows_total, np.int32)  # each row's step, sample and seed, in stream order
         self.sample = np.empty(self.rows_total, np.int32)
+        self.seed = np.empty(self.rows_total, np.int64)
         self.lp = np.full(self.rows_total, np.nan, np.float32)
         self.rows = 0
 
@@ -200,16 +225,33 @@ class _Assembly:
         values = storage.values
         return values.buffers()[1], (values.offset + storage.offset * self.elems) * self.itemsize
 
+    def _check_nulls(self, part: pa.RecordBatch | pa.Table) -> None:
+        """ValueError naming a non-nullable column that holds a null (the schema says none may)."""
+        for i in (self.i_step, self.i_sample, self.i_seed, self.i_lat):
+            col = part.column(i)
+            if col.null_count:
+                raise ValueError(f"trajectory {self.header.rollout_id}: column {self.schema.names[i]!r} holds "
+                                 f"{col.null_count} null(s); it is not nullable")
+        chunks = part.column(self.i_lat).chunks if isinstance(part, pa.Table) else [part.column(self.i_lat)]
+        for chunk in chunks:
+            if chunk.storage.values.null_count:
+                raise ValueError(f"trajectory {self.header.rollout_id}: column 'latent' holds null values "
+                                 "inside a latent; it is not nullable")
+
     def _take_columns(self, r0: int, part: pa.RecordBatch | pa.Table) -> None:
-        n = part.num_rows
-        step = part.column(self.i_step).to_numpy(zero_copy_only=False)
-        sample = part.column(self.i_sample).to_numpy(zero_copy_only=False)
+        self._check_nulls(part)
+        self._take(r0, part.num_rows, *(part.column(i) for i in (self.i_step, self.i_sample, self.i_seed, self.i_lp)))
+
+    def _take(self, r0: int, n: int, step_col: Any, sample_col: Any, seed_col: Any, lp: Any) -> None:
+        """Rows r0..r0+n's step, sample, seed and log_prob columns (arrays or chunked arrays)."""
+        step = step_col.to_numpy(zero_copy_only=False)
+        sample = sample_col.to_numpy(zero_copy_only=False)
         if r0 + n > self.rows_total:  # a row twice, or a step not listed: say which
             self._destinations(np.concatenate([self.step[:r0], step]), np.concatenate([self.sample[:r0], sample]))
             raise ValueError(f"trajectory {self.header.rollout_id}: more rows than B x steps = {self.rows_total}")
         self.step[r0 : r0 + n] = step
         self.sample[r0 : r0 + n] = sample
-        lp = part.column(self.i_lp)
+        self.seed[r0 : r0 + n] = seed_col.to_numpy(zero_copy_only=False)
         if lp.null_count != n:
             self.lp[r0 : r0 + n] = lp.to_numpy(zero_copy_only=False)  # nulls -> NaN
 
@@ -226,12 +268,41 @@ class _Assembly:
             take = min(n - i, self.b - b)
             self.dest[b : b + take, k] = src[i : i + take]
             i, b, k = i + take, 0, k + 1
+        self._take_velocities(r0, batch)
         self.rows = r0 + n
+
+    def _take_velocities(self, r0: int, batch: pa.RecordBatch) -> None:
+        """The batch's velocity rows copied to their places (rows r0...), NaN where null (i = T)."""
+        if self.vdest is None or self.i_vel is None:
+            return
+        n = batch.num_rows
+        storage = batch.column(self.i_vel).storage
+        if storage.null_count == n:
+            src = np.full((n, self.elems), np.nan, np.float32)
+        else:
+            values = storage.values
+            offset = (values.offset + storage.offset * self.elems) * 4
+            src = np.frombuffer(values.buffers()[1], np.float32, count=n * self.elems, offset=offset)
+            src = src.reshape(n, self.elems)
+            if storage.null_count:
+                src = np.where(storage.is_valid().to_numpy(zero_copy_only=False)[:, None], src, np.float32(np.nan))
+        b, k, i = r0 % self.b, r0 // self.b, 0
+        while i < n:
+            take = min(n - i, self.b - b)
+            self.vdest[b : b + take, k] = src[i : i + take]
+            i, b, k = i + take, 0, k + 1
 
     def read_file(self, batches: list[pa.RecordBatch], source: FileSource, verify: bool) -> None:
         """Every batch of a mapped file at once: the columns in one pass each, the latents by
         preadv from ``source`` (file offset of each row -> address of its destination row)."""
-        self._take_columns(0, pa.Table.from_batches(batches, schema=self.schema))
+        source.check_size()
+        self._check_nulls(pa.Table.from_batches(batches, schema=self.schema))  # null counts: batch metadata
+        n = sum(b.num_rows for b in batches)
+        if n > self.rows_total:
+            raise ValueError(f"trajectory {self.header.rollout_id}: more rows than B x steps = {self.rows_total}")
+        cols = [np.empty(n, np.int32), np.empty(n, np.int32), np.empty(n, np.int64), np.empty(n, np.float32)]
+        source.read_columns(batches, [self.i_step, self.i_sample, self.i_seed, self.i_lp], cols)  # not the mapping
+        self._take(0, n, *(pa.array(c) for c in cols))
         counts = np.fromiter((b.num_rows for b in batches), np.int64, len(batches))
         offsets = np.zeros(len(batches), np.int64)
         for j, batch in enumerate(batches):  # the one step per batch: where its latents lie in the file
@@ -245,6 +316,10 @@ class _Assembly:
         source.read_rows(src, dst_row.astype(np.uint64) * np.uint64(self.row_bytes) + np.uint64(self.dest.ctypes.data),
                          self.row_bytes)
         self.rows = n
+        first = 0
+        for batch in batches:  # velocities (a rollout that asked for them): copied from the mapping
+            self._take_velocities(first, batch)
+            first += batch.num_rows
         if verify:
             flat = self.dest.reshape(self.rows_total, self.row_bytes)
             ends = np.cumsum(counts)
@@ -282,10 +357,23 @@ class _Assembly:
                 and (sa == np.arange(self.b)[None, :]).all()):
             self._reorder()
         h = self.header
+        self._check_seeds()
         log_probs = np.full((self.b, h.num_steps), np.nan, np.float32)  # [B, T]
         has = self.steps < h.num_steps  # no transition leaves x_T
         log_probs[:, self.steps[has]] = self.lp.reshape(self.k, self.b)[has].T
-        return cls(h, self.latents, torch.from_numpy(log_probs), dict(h.rollout), self.schema)
+        return cls(h, self.latents, torch.from_numpy(log_probs), dict(h.rollout), self.schema, self.velocities)
+
+    def _check_seeds(self) -> None:
+        """The seed column against ``sigmaflight.rollout.seeds`` (samples are known to be in
+        range here): ValueError naming the first row that disagrees."""
+        seeds = np.asarray(self.header.seeds, dtype=np.int64)
+        bad = self.seed[: self.rows] != seeds[self.sample[: self.rows]]
+        if bad.any():
+            r = int(np.argmax(bad))
+            j = int(self.sample[r])
+            raise ValueError(f"trajectory {self.header.rollout_id}: column 'seed' holds {int(self.seed[r])} for "
+                             f"sample {j} at step {int(self.step[r])}, but sigmaflight.rollout.seeds[{j}] is "
+                             f"{int(seeds[j])}")
 
     def _reorder(self) -> None:
         """Rows that came in another order than step-major: each moved from the place its
@@ -295,18 +383,85 @@ class _Assembly:
         r = np.arange(n)
         flat = self.dest.reshape(self.rows_total, self.row_bytes)
         flat[where] = flat[(r % self.b) * self.k + r // self.b]  # fancy indexing reads a copy first
+        if self.vdest is not None:
+            vflat = self.vdest.reshape(self.rows_total, self.elems)
+            vflat[where] = vflat[(r % self.b) * self.k + r // self.b]
         lp = np.empty(self.rows_total, np.float32)
         lp[(where % self.k) * self.b + where // self.k] = self.lp[:n]
         self.lp = lp
 
 
-def flight_batches(reader: flight.FlightStreamReader) -> Iterator[pa.RecordBatch]:
-    while True:
-        try:
-            chunk = reader.read_chunk()
-        except StopIteration:
-            return
-        yield chunk.data
+def flight_batches(reader: flight.FlightStreamReader, idle_timeout: float | None = None) -> Iterator[pa.RecordBatch]:
+    """The stream's record batches (a Flight error on the way carries the server's words alone).
+    ``idle_timeout``: seconds to wait for the next batch (the
+    time the consumer spends between batches does not count); past it the stream is cancelled
+    and TimeoutError raised. None: wait as long as the stream stays open."""
+    if idle_timeout is None:
+        while True:
+            try:
+                with server_words():
+                    chunk = reader.read_chunk()
+            except StopIteration:
+                return
+            yield chunk.data
+    watch = IdleWatch(reader, idle_timeout)
+    try:
+        while True:
+            try:
+                with watch, server_words():
+                    chunk = reader.read_chunk()
+            except StopIteration:
+                return
+            except (flight.FlightError, pa.ArrowException) as exc:
+                if watch.fired:
+                    raise TimeoutError(f"no record batch for {idle_timeout:g} s (idle_timeout): the stream was "
+                                       "cancelled") from exc
+                raise
+            yield chunk.data
+    finally:
+        watch.stop()
+
+
+class IdleWatch:
+    """Cancels ``reader`` when one read (``with watch: reader.read_chunk()``) waits longer than
+    ``idle_timeout`` seconds; ``fired`` says it did. One thread per stream, started on first use."""
+
+    def __init__(self, reader: flight.FlightStreamReader, idle_timeout: float) -> None:
+        if not idle_timeout > 0:
+            raise ValueError(f"idle_timeout must be a positive number of seconds or None, got {idle_timeout!r}")
+        self.reader, self.idle = reader, float(idle_timeout)
+        self.fired = False
+        self._since: float | None = None
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> IdleWatch:
+        self._since = time.monotonic()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="sigmaflight-idle-watch", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._since = None
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopped:
+            since = self._since
+            left = self.idle if since is None else since + self.idle - time.monotonic()
+            if since is not None and left <= 0:
+                self.fired = True
+                try:
+                    self.reader.cancel()
+                except (flight.FlightError, OSError):
+                    pass
+                return
+            self._wake.wait(left)
 
 
 def iter_step_tensors(

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ModelDefaults", "BUILTINS", "T5_LEN", "CLIP_LEN"]
+__all__ = ["ModelDefaults", "BUILTINS", "T5_LEN", "CLIP_LEN", "sd3_with_tiny_encoders"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,15 +98,16 @@ def _t5_encoder(d_model: int, vocab: int) -> Any:
     return T5EncoderModel(T5Config(**kwargs))
 
 
-def _tiny_vae(latent_channels: int, **kw: Any) -> Any:
+def _tiny_vae(latent_channels: int, blocks: int = 2, **kw: Any) -> Any:
+    """`blocks` down/up blocks of 4 channels: the pipeline's vae_scale_factor is 2 ** (blocks - 1)."""
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
         in_channels=3,
         out_channels=3,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-        block_out_channels=(4, 4),
+        down_block_types=("DownEncoderBlock2D",) * blocks,
+        up_block_types=("UpDecoderBlock2D",) * blocks,
+        block_out_channels=(4,) * blocks,
         layers_per_block=1,
         latent_channels=latent_channels,
         norm_num_groups=1,
@@ -152,6 +153,36 @@ def _build_sd3(*, dim_heads: int, heads: int, layers: int) -> Any:
         text_encoder_2=_clip_encoder(16, 16, _CLIP_LEN, clip_vocab, 1),
         tokenizer_2=_clip_tokenizer(_CLIP_LEN),
         text_encoder_3=_t5_encoder(32, t5_vocab),
+        tokenizer_3=_t5_tokenizer(_T5_LEN),
+    )
+
+
+def sd3_with_tiny_encoders(transformer_config: Mapping[str, Any], *, shift: float = 3.0) -> Any:
+    """A StableDiffusion3Pipeline whose transformer is `SD3Transformer2DModel(**transformer_config)`
+    (any size, e.g. a published checkpoint's dimensions) and whose text encoders, tokenizers and VAE
+    are the built-ins' tiny ones, sized to fit it: the T5 encoder's d_model is `joint_attention_dim`,
+    the two CLIP projections share `pooled_projection_dim`, the VAE has `in_channels` latent
+    channels and four blocks (vae_scale_factor 8, as a real SD3 VAE). So the transformer does the
+    real model's work and the rest is cheap. Weights are random: seed first (`torch.manual_seed`);
+    build under `with torch.device(...)` to allocate on an accelerator.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    cfg = dict(transformer_config)
+    clip_vocab = len(_clip_tokenizer(_CLIP_LEN).get_vocab())
+    t5_vocab = len(_t5_tokenizer(_T5_LEN).get_vocab())
+    pooled = int(cfg["pooled_projection_dim"])
+    transformer = SD3Transformer2DModel(**cfg)
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
+        vae=_tiny_vae(int(cfg["in_channels"]), blocks=4, use_quant_conv=False, use_post_quant_conv=False,
+                      shift_factor=0.0609, scaling_factor=1.5035),
+        text_encoder=_clip_encoder(16, pooled // 2, _CLIP_LEN, clip_vocab, 1),
+        tokenizer=_clip_tokenizer(_CLIP_LEN),
+        text_encoder_2=_clip_encoder(16, pooled - pooled // 2, _CLIP_LEN, clip_vocab, 1),
+        tokenizer_2=_clip_tokenizer(_CLIP_LEN),
+        text_encoder_3=_t5_encoder(int(cfg["joint_attention_dim"]), t5_vocab),
         tokenizer_3=_t5_tokenizer(_T5_LEN),
     )
 

@@ -114,6 +114,19 @@ class BatchMember:
     """Keep the captures in the result (False: only `on_step` sees them)."""
 
 
+@dataclass(frozen=True)
+class _HostStep:
+    """One step's tensors of the whole call on the host, each copied once (`_Driver._host`); None
+    where no member still running needs it."""
+
+    latent: torch.Tensor | None = None
+    """x_i [B, ...] in the capture dtype."""
+    velocity: torch.Tensor | None = None
+    """float32 [B, ...]: the CFG-combined velocity of step i."""
+    next_latent: torch.Tensor | None = None
+    """x_T [B, ...] after the last transition."""
+
+
 class _BatchOver(Exception):
     """Every member of the call has ended: stop the pipeline's loop."""
 
@@ -145,6 +158,8 @@ class _Run:
         self.sigmas: torch.Tensor | None = None
         self.whole = False
         """This member's rows are the whole call (a batch of one): stored tensors need no copy."""
+        self.lp: torch.Tensor | None = None
+        """The log-prob of the transition `step` just made (float32 [B_m], CPU), for `record`."""
 
     @property
     def ended(self) -> bool:
@@ -189,14 +204,11 @@ class _Run:
         if self.member.on_schedule is not None:
             self.member.on_schedule(self.snapshot)
 
-    def _own(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """x on CPU in `dtype`: a reference on CPU in that dtype when the rows are the whole call,
-        one copy otherwise (a member keeps its own rows, not a view of the call's tensor)."""
-        out = x.to("cpu", dtype).contiguous()
-        return out if self.whole or out.data_ptr() != x.data_ptr() else out.clone()
-
-    def _store(self, x: torch.Tensor) -> torch.Tensor:
-        return self._own(x, self.capture_dtype)
+    def _own(self, host: torch.Tensor) -> torch.Tensor:
+        """This member's rows of `host`, a tensor of the whole call on the host (`_Driver._host`):
+        `host` itself when the rows are the whole call, else a copy of the rows on the host (a
+        member keeps its own rows, not a view that would keep the whole call's tensor alive)."""
+        return host if self.whole else host[self.first:self.end].clone()  # [B_m, ...]
 
     def _emit(self, step: int, latent: torch.Tensor, log_prob: torch.Tensor | None,
               velocity: torch.Tensor | None = None) -> None:
@@ -208,37 +220,47 @@ class _Run:
 
     def step(self, scheduler: RolloutScheduler, i: int, sample: torch.Tensor, velocity: torch.Tensor,
              kernel: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """This member's transition i on its own rows: sample, velocity [B_m, ...]. `kernel`: the
-        transition's (mean [B_m, ...], std) when the driver computed it for the whole call."""
+        """This member's transition i on its own rows (on the model's device): sample, velocity
+        [B_m, ...]; returns x_{i+1} [B_m, ...] and records the log-prob. `kernel`: the transition's
+        (mean [B_m, ...], std) when the driver computed it for the whole call. `record` follows."""
         spec = self.member.spec
         assert self.sigmas is not None
-        stored_i = self._store(sample) if i in self.steps else None  # [B_m, ...]
         stochastic = i in self.sde_steps
         if stochastic and kernel is None:
             kernel = kernel_mean_std(sample, velocity, self.sigmas, i, sampler=spec.sampler)
         x_next = advance(scheduler, i, sample, velocity, self.sigmas, sampler=spec.sampler, seeds=self.seeds,
                          stochastic=stochastic, kernel=kernel)
-        lp: torch.Tensor | None = None
+        self.lp = None
         if stochastic and spec.return_log_probs:
             assert kernel is not None
             # Score the stored values as `step_log_prob` (the public replay function) does: its
             # kernel of (sample, velocity), then the Gaussian of x_next; the kernel made once.
-            lp = gaussian_log_prob(x_next, *kernel, spec.sampler.log_prob).to("cpu")  # [B_m]
+            lp = gaussian_log_prob(x_next, *kernel, spec.sampler.log_prob).to("cpu")  # [B_m], B_m floats
             if not bool(torch.isfinite(lp).all()):
                 raise RolloutNonFinite(i, "log_prob")
             self.log_probs[:, i] = lp
+            self.lp = lp
         if not bool(torch.isfinite(x_next).all()):
             raise RolloutNonFinite(i + 1, "latent")
-        if stored_i is not None:
-            v = self._own(velocity, torch.float32) if spec.return_velocities else None
-            self._emit(i, stored_i, lp, v)
+        return x_next
+
+    def record(self, i: int, host: _HostStep) -> None:
+        """After transition i of every member: emit x_i (and x_T after the last transition) from the
+        call's host copies, report progress, honour a stop."""
+        if i in self.steps:
+            assert host.latent is not None
+            v = None
+            if self.member.spec.return_velocities:
+                assert host.velocity is not None
+                v = self._own(host.velocity)
+            self._emit(i, self._own(host.latent), self.lp, v)
         if i == self.T - 1 and self.T in self.steps:
-            self._emit(self.T, self._store(x_next), None)
+            assert host.next_latent is not None
+            self._emit(self.T, self._own(host.next_latent), None)
         if self.member.on_progress is not None:
             self.member.on_progress(i + 1, self.T)
         if i + 1 < self.T and self.member.should_stop is not None and self.member.should_stop():
             raise RolloutCancelled(f"cancelled after step {i + 1} of {self.T}")
-        return x_next
 
     def result(self, final: torch.Tensor) -> RolloutResult:
         assert self.snapshot is not None
@@ -307,13 +329,6 @@ class _Driver:
     def step(self, scheduler: RolloutScheduler, i: int, sample: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
         if not self.started:
             self._start(scheduler, sample)
-        if len(self.runs) == 1:
-            run = self.runs[0]
-            try:
-                return run.step(scheduler, i, sample, velocity)
-            except Exception as exc:
-                run.close(exc)
-                raise _BatchOver from None
         kernel = self._kernel(i, sample, velocity)
         out = []
         for run in self.runs:
@@ -326,9 +341,34 @@ class _Driver:
                 except Exception as exc:
                     run.close(exc)
             out.append(torch.zeros_like(sample[rows]))  # an ended member's rows: ignored from now on
+        x_next = out[0] if len(out) == 1 else torch.cat(out, dim=0)  # [B, ...]
+        host = self._host(i, sample, velocity, x_next)
+        for run in self.runs:
+            if not run.ended:
+                try:
+                    run.record(i, host)
+                except Exception as exc:
+                    run.close(exc)
         if all(run.ended for run in self.runs):
             raise _BatchOver
-        return torch.cat(out, dim=0)
+        return x_next
+
+    def _host(self, i: int, sample: torch.Tensor, velocity: torch.Tensor, x_next: torch.Tensor) -> _HostStep:
+        """The step's host copies, each made once for the whole call and only when a member still
+        running captures it: x_i, the velocity, x_T. Explicit and blocking (`.to("cpu")`); none on
+        a CPU model whose capture dtype is its own (then the tensors themselves)."""
+        live = [r for r in self.runs if not r.ended]
+        if not live:
+            return _HostStep()
+        dtype = live[0].capture_dtype  # members share latent_dtype (batch_key)
+        capturing = [r for r in live if i in r.steps]
+        latent = sample.to("cpu", dtype).contiguous() if capturing else None  # [B, ...]
+        velocity_h = None
+        if any(r.member.spec.return_velocities for r in capturing):
+            velocity_h = velocity.to("cpu", torch.float32).contiguous()  # [B, ...]
+        last = i == live[0].T - 1 and any(r.T in r.steps for r in live)
+        next_latent = x_next.to("cpu", dtype).contiguous() if last else None  # [B, ...]
+        return _HostStep(latent=latent, velocity=velocity_h, next_latent=next_latent)
 
 
 def _json_config(config: Mapping[str, Any]) -> dict[str, Any]:

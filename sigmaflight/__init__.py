@@ -23,6 +23,7 @@ from sigmaflight.errors import (
 )
 
 if TYPE_CHECKING:
+    from sigmaflight.aclient import AsyncClient
     from sigmaflight.advantages import group_advantages
     from sigmaflight.client import Client, replay_log_probs, rollout_spec
     from sigmaflight.dataplane.client import Trajectory, Transition
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from sigmaflight.pipeline.replay import Replayer
 
 _LAZY = {
+    "AsyncClient": "sigmaflight.aclient",
     "group_advantages": "sigmaflight.advantages",  # numpy only
     "Client": "sigmaflight.client",
     "replay_log_probs": "sigmaflight.client",
@@ -42,6 +44,7 @@ _LAZY = {
 
 __all__ = [
     "ApiError",
+    "AsyncClient",
     "Client",
     "NotFound",
     "Replayer",

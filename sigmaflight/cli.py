@@ -1,13 +1,15 @@
 """`sigmaflight` command line: the client commands, and `serve`.
 
-The client commands (submit, status, pull, inspect, plot; sigmaflight/commands.py) load no
-server code; `serve` imports control/serve.py only when it runs (`sigmaflight serve --help`
-explains every flag).
+The client commands (submit, status, list, cancel, pull, inspect, plot, models;
+sigmaflight/commands.py) load no server code; `serve` imports control/serve.py only when it runs
+(`sigmaflight serve --help` explains every flag). No parser takes abbreviations: `--step` is an
+unknown flag, never `--steps`; an unknown flag prints the usage of the subcommand it was given to.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -21,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sigmaflight",
         description="Rollout service for diffusion RL: REST control plane + Arrow Flight data plane.",
+        allow_abbrev=False,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -58,6 +61,20 @@ def missing_for(extra: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`sigmaflight ...`; when stdout's reader goes away (`sigmaflight list | head`) it ends
+    quietly with 141, the status of a program that SIGPIPE ended, as `cat` in a pipe does."""
+    try:
+        rc = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the flush at exit finds somewhere to write
+        os.close(devnull)
+        return 141
+    return rc
+
+
+def _main(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
         missing = missing_for("server")
@@ -68,7 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from sigmaflight.control.serve import main as serve_main
 
         return serve_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the subcommand's own parser: its usage, not the top level's
+        subcommand = commands.subparser(parser, args.command)
+        subcommand.error(f"unrecognized arguments: {' '.join(unknown)}")
     if hasattr(args, "run"):
         return commands.run(args)
     return 2

@@ -20,13 +20,14 @@ from __future__ import annotations
 import json
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import pyarrow as pa
 from pyarrow import flight
 
+from sigmaflight import rest
 from sigmaflight.dataplane.auth import bearer_header
 from sigmaflight.dataplane.transport import Transport, check_transport
 from sigmaflight.errors import (
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # torch and the data plane's torch side load on first use: `s
 
     from sigmaflight.dataplane.client import Trajectory, TrajectoryClient
     from sigmaflight.pipeline.spec import RolloutSpec
+    from sigmaflight.stream import Stream
 
 __all__ = [
     "ApiError", "Client", "NotFound", "RolloutCancelled", "RolloutFailed", "ServerUnreachable", "Unauthorized",
@@ -54,37 +56,11 @@ __all__ = [
 ]
 
 
-def _raise_for(r: httpx.Response) -> None:
-    if r.status_code < 400:
-        return
-    try:
-        err = r.json()["error"]
-        type_, message, details = str(err["type"]), str(err["message"]), err.get("details")
-    except (ValueError, KeyError, TypeError):
-        type_, message, details = "http_error", r.text[:500], None
-    kind = {404: NotFound, 401: Unauthorized}.get(r.status_code, ApiError)
-    raise kind(r.status_code, type_, message, details)
-
-
-def _unreachable_reason(exc: httpx.TransportError, timeout: float) -> str:
-    """Why a REST call got no HTTP answer, in words that say what to check."""
-    if isinstance(exc, httpx.TimeoutException):
-        return f"no answer within {timeout:g} s ({type(exc).__name__})"
-    if isinstance(exc, httpx.RemoteProtocolError):
-        return (f"what answers there does not speak HTTP/1.1 ({exc}); is this the Flight port? The REST port is "
-                "`sigmaflight serve --port` (default 8000), Flight's is --flight-port (default 8815)")
-    return f"{exc or type(exc).__name__} (is `sigmaflight serve` running there?)"
-
-
 def _flight_message(exc: Exception) -> str:
     """The server's own message out of a pyarrow Flight error (no gRPC debug context)."""
-    text = str(exc)
-    for cut in (". Detail:", ". gRPC client debug context", "gRPC client debug context", ". Client context:"):
-        text = text.split(cut, 1)[0]
-    for prefix in ("Flight returned internal error, with message: ", "with message: "):
-        if prefix in text:
-            text = text.split(prefix, 1)[1]
-    return text.strip()
+    from sigmaflight.dataplane.errors import server_message
+
+    return server_message(exc)
 
 
 class Client:
@@ -98,10 +74,21 @@ class Client:
         timeout: float = 30.0,
         transport: Transport = "auto",
         host: str | None = None,
+        pull_idle_timeout: float | None = 3600.0,
     ) -> None:
         """``transport`` and ``host`` go to each TrajectoryClient: ``"auto"`` reads a finished
         rollout's shared-memory file (a server with --shm-dir on this host) instead of a
-        stream; ``"flight"`` always streams. ``host``: this host's id (default: computed)."""
+        stream; ``"flight"`` always streams. ``host``: this host's id (default: computed).
+
+        ``timeout`` is REST's (each request). ``pull_idle_timeout`` is the pulls' (``pull``,
+        ``pull_stream``, ``pull_outputs``, ``pull_conditioning``): seconds without a record
+        batch on a started stream before it is cancelled and ``TimeoutError`` raised (the wait
+        of a queued rollout to start is not counted; None: no limit). The default, an hour, is
+        the TrajectoryClient's (a running rollout is silent while it computes steps it does not
+        return)."""
+        if pull_idle_timeout is not None and not pull_idle_timeout > 0:
+            raise ValueError(f"pull_idle_timeout must be a positive number of seconds or None, got {pull_idle_timeout!r}")
+        self.pull_idle_timeout = pull_idle_timeout
         self.url = url.rstrip("/")
         self.token = token
         self.transport: Transport = check_transport(transport)
@@ -109,16 +96,17 @@ class Client:
         self.timeout = timeout
         self._http = httpx.Client(base_url=self.url, headers=bearer_header(token), timeout=timeout)
         self._flight: dict[str, TrajectoryClient] = {}
+        self.pushed_versions: dict[str, int] = {}
+        """model id -> the weights_version of the latest weights or LoRA change this client made."""
 
     def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """One REST call; ApiError (NotFound, Unauthorized) for a refusal, ServerUnreachable when
         nothing at `url` answers HTTP (httpx's transport errors never reach the caller)."""
-        try:
-            r = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise ServerUnreachable(self.url, _unreachable_reason(exc, self.timeout)) from exc
-        _raise_for(r)
-        return r
+        return self._call(rest.Call(method, path, lambda r: r, kwargs))
+
+    def _call(self, call: rest.Call[rest.T]) -> rest.T:
+        """Send one shared REST call (sigmaflight/rest.py) and read its answer."""
+        return rest.send(self._http, call, url=self.url, timeout=self.timeout, pushed=self.pushed_versions)
 
     def close(self) -> None:
         self._http.close()
@@ -135,11 +123,7 @@ class Client:
     # -- REST ----------------------------------------------------------------------------
     def submit(self, *, idempotency_key: str | None = None, **request: Any) -> Ticket:
         """POST /v1/rollouts with the RolloutRequest fields given as keywords; the 202 Ticket."""
-        if "return_" in request:
-            request["return"] = request.pop("return_")
-        headers = {"idempotency-key": idempotency_key} if idempotency_key else {}
-        r = self._send("POST", "/v1/rollouts", json=request, headers=headers)
-        return Ticket.model_validate(r.json())
+        return self._call(rest.submit(request, idempotency_key))
 
     def branch(
         self,
@@ -156,25 +140,19 @@ class Client:
         parent's x_step rows `samples` (None = all), on the parent's model, prompts and schedule.
         `sampler` and the other keywords (`seed`, `return_`, ...) are the branch's own; e.g.
         `sampler={"type": "sde", "sde_steps": [step]}` makes only transition `step` stochastic."""
-        body: dict[str, Any] = dict(request)
-        body["branch_from"] = {"rollout": _id(parent), "step": int(step),
-                               "samples": None if samples is None else [int(j) for j in samples]}
-        body["num_outputs_per_prompt"] = int(branches)
-        if sampler is not None:
-            body["sampler"] = dict(sampler)
+        body = rest.branch_body(parent, step, samples, branches, sampler, request)
         return self.submit(idempotency_key=idempotency_key, **body)
 
     def status(self, rollout_id: str | Ticket) -> RolloutStatus:
-        r = self._send("GET", f"/v1/rollouts/{_id(rollout_id)}")
-        return RolloutStatus.model_validate(r.json())
+        """GET /v1/rollouts/{id}; NotFound for an unknown id or a string that cannot be one."""
+        return self._call(rest.status(rollout_id))
 
     def rollouts(self, status: str | None = None, limit: int = 100, *, ticket: str | None = None) -> list[RolloutStatus]:
         """GET /v1/rollouts, newest first (optionally only one status, or only the rollout that a
         Flight ticket belongs to)."""
-        params: dict[str, Any] = {"limit": limit, **({"status": status} if status else {}),
-                                  **({"ticket": ticket} if ticket else {})}
-        r = self._send("GET", "/v1/rollouts", params=params)
-        return [RolloutStatus.model_validate(s) for s in r.json()["rollouts"]]
+        if ticket is not None and not rest.could_be_ticket(ticket):
+            return []  # no rollout holds a ticket the server would not even look up
+        return self._call(rest.rollouts(status, limit, ticket))
 
     def wait(
         self, ticket: str | Ticket, timeout: float = 300.0, *, poll_s: float = 0.05, max_poll_s: float = 1.0,
@@ -186,29 +164,21 @@ class Client:
         costs the server a poll a second, a short one is seen within tens of ms). Raises
         RolloutFailed (RolloutCancelled when cancelled) when it ended other than succeeded,
         unless `raise_on_failure=False`."""
-        deadline = time.monotonic() + timeout
-        pause = poll_s
+        waiting = rest.Waiting(timeout, poll_s, max_poll_s, raise_on_failure)
         while True:
             st = self.status(ticket)
-            if st.status in TERMINAL:
-                if raise_on_failure and st.status != "succeeded":
-                    raise RolloutFailed.from_status(st)
+            pause = waiting.pause_after(st)
+            if pause is None:
                 return st
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"rollout {st.id} still {st.status} after {timeout} s")
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, max(max_poll_s, poll_s))
+            time.sleep(pause)
 
     def cancel(self, rollout_id: str | Ticket) -> RolloutStatus:
         """DELETE: cancel a queued/running rollout, or release a finished one's result."""
-        r = self._send("DELETE", f"/v1/rollouts/{_id(rollout_id)}")
-        return RolloutStatus.model_validate(r.json())
+        return self._call(rest.cancel(rollout_id))
 
     def models(self) -> list[dict[str, Any]]:
         """GET /v1/models: id, family, dtype, device, digest, defaults, ... per model."""
-        r = self._send("GET", "/v1/models")
-        return list(r.json()["models"])
+        return self._call(rest.models())
 
     def push_weights(self, model_id: str, state_dict: Mapping[str, torch.Tensor]) -> str:
         """PUT the transformer's state dict (safetensors); returns the server's new weights digest."""
@@ -217,7 +187,7 @@ class Client:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
         r = self._send(
             "PUT",
-            f"/v1/models/{model_id}/weights",
+            rest.model_path(model_id, "weights"),
             content=save(tensors),
             headers={"content-type": "application/octet-stream"},
         )
@@ -231,14 +201,34 @@ class Client:
         config = lora_config.to_dict() if hasattr(lora_config, "to_dict") else dict(lora_config)
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter.items()}
         body = save(tensors, metadata={"lora_config": json.dumps(config, default=sorted)})
-        r = self._send("PUT", f"/v1/models/{model_id}/lora", content=body,
+        r = self._send("PUT", rest.model_path(model_id, "lora"), content=body,
                        headers={"content-type": "application/octet-stream"})
         return dict(r.json())
 
     def delete_lora(self, model_id: str) -> dict[str, Any]:
         """DELETE the model's LoRA adapter (ApiError 404 "lora_not_loaded" when there is none)."""
-        r = self._send("DELETE", f"/v1/models/{model_id}/lora")
-        return dict(r.json())
+        return self._call(rest.delete_lora(model_id))
+
+    def stream(
+        self,
+        requests: Iterable[Mapping[str, Any]],
+        *,
+        in_flight: int = 8,
+        outputs: bool = False,
+        max_staleness: int | None = None,
+        progress: bool | None = None,
+    ) -> Stream:
+        """Run `requests` (request dicts, a list or a generator) and yield each finished rollout
+        as it completes (sigmaflight.stream.Rollout: request, ticket, trajectory, outputs,
+        weights_version, digest, error), keeping at most `in_flight` submitted and unfinished.
+        `outputs=True` pulls the decoded outputs too (the requests ask `return.outputs`);
+        `max_staleness=k` resubmits a rollout more than k weights versions behind this client's
+        latest push; `progress` draws a tqdm bar (default: when stderr is a terminal). Closing
+        it (or Ctrl-C) cancels what is queued or running. See sigmaflight/stream.py."""
+        from sigmaflight.stream import Stream
+
+        return Stream(self, requests, in_flight=in_flight, outputs=outputs, max_staleness=max_staleness,
+                      progress=progress)
 
     # -- Flight --------------------------------------------------------------------------
     def flight(self, location: str) -> TrajectoryClient:
@@ -247,7 +237,8 @@ class Client:
 
         if location not in self._flight:
             self._flight[location] = TrajectoryClient(
-                location, token=self.token, transport=self.transport, host=self.host
+                location, token=self.token, transport=self.transport, host=self.host,
+                idle_timeout=self.pull_idle_timeout,
             )
         return self._flight[location]
 
@@ -259,12 +250,13 @@ class Client:
         rollout names the Flight location that holds it (under Ray, its worker's)."""
         if isinstance(ticket, Ticket):
             return ticket.flight.locations[0], ticket.flight.ticket
+        ticket = rest.ref(ticket, "ticket")
         try:
             st = self.status(ticket)
         except NotFound:
             owners = self.rollouts(limit=1, ticket=ticket)
             if not owners:
-                raise NotFound(404, "not_found", f"no rollout or ticket {ticket!r} on {self.url}") from None
+                raise rest.no_rollout(ticket, self.url) from None
             return owners[0].flight.locations[0], ticket
         return st.flight.locations[0], st.flight.ticket
 
@@ -291,9 +283,13 @@ class Client:
 
     def pull_stream(self, ticket: str | Ticket, stream: str) -> pa.Table:
         """One stream of a rollout as a pyarrow Table (waits while the rollout runs)."""
+        from sigmaflight.dataplane.trajectory import flight_batches
+
         location, flight_ticket = self.stream_ticket(ticket, stream)
         try:
-            return self.flight(location).reader(flight_ticket).read_all()
+            client = self.flight(location)
+            reader = client.reader(flight_ticket)
+            return pa.Table.from_batches(list(flight_batches(reader, client.idle_timeout)), schema=reader.schema)
         except flight.FlightError as exc:
             raise self.flight_error(ticket, exc) from None
 
@@ -330,10 +326,7 @@ class Client:
         message = _flight_message(exc)
         if kind == "unauthenticated" or isinstance(exc, flight.FlightUnauthenticatedError):
             return Unauthorized(401, "unauthorized", message)
-        try:
-            st = self.status(ticket)
-        except ApiError:
-            st = None
+        st = self._status_of(ticket)
         if st is not None and st.status in TERMINAL and st.status != "succeeded":
             return RolloutFailed.from_status(st, message)
         if kind == "failed":
@@ -344,9 +337,26 @@ class Client:
             return NotFound(None, "not_found", message)
         return ApiError(None, kind or "flight_error", message)
 
+    def _status_of(self, ticket: str | Ticket) -> RolloutStatus | None:
+        """The REST status of the rollout `ticket` names (a Ticket, a rollout id or a bare Flight
+        ticket, as `locate` takes them), None when REST does not know it: a pull answers the
+        same whichever handle the trainer holds."""
+        try:
+            return self.status(ticket)
+        except NotFound:
+            if not isinstance(ticket, str):
+                return None
+            try:
+                owners = self.rollouts(limit=1, ticket=ticket)
+            except ApiError:
+                return None
+            return owners[0] if owners else None
+        except ApiError:
+            return None
+
 
 def _id(ticket: str | Ticket) -> str:
-    return ticket.id if isinstance(ticket, Ticket) else ticket
+    return rest.ref(ticket, "ticket")
 
 
 def rollout_spec(traj: Trajectory) -> RolloutSpec:

@@ -170,6 +170,12 @@ def openapi_document(*, auth: bool = False) -> dict[str, Any]:
                           "responses": {"200": {"description": "HTML page.",
                                                 "content": {"text/html": {"schema": {"type": "string"}}}},
                                         **_errors(*secured)}}},
+        "/": {"get": {"operationId": "index", "summary": "Index: links to /docs, /openapi.json, /v1/rollouts, "
+                      "/v1/models, /healthz, /readyz, /metrics.",
+                      "responses": {"200": {"description": '{"service": "sigmaflight", "links": {name: path}, "try": '
+                                            "a command}.",
+                                            "content": {"application/json": {"schema": {"type": "object"}}}},
+                                    **_errors(*secured)}}},
     }
     doc: dict[str, Any] = {
         "openapi": "3.1.0",

@@ -5,7 +5,8 @@ sends nothing, or trickles its request line and headers a byte at a time, is hel
 only bounds their size, `h11_max_incomplete_event_size`, 16 KiB). Here the request line and
 headers must arrive within `header_timeout_s`: counted from the connection (for the first
 request) or from the first byte of the next one on a kept-alive connection. Past it the server
-answers 408 with the contract's error body and closes the connection. The body has its own
+answers 408 with the contract's error body and a new x-request-id (as every response carries
+one) and closes the connection. The body has its own
 limit in the app (BodyLimitMiddleware, --body-timeout-s).
 
 Passed to uvicorn as `uvicorn.Config(http=header_timeout_protocol(seconds))`.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from typing import Any
 
 import h11
@@ -62,9 +64,10 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         self._header_timer = None
         if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
             return
+        request_id = uuid.uuid4().hex  # as RequestIdMiddleware gives one: the caller's header was never read
         log.info("request headers too slow; connection closed with a 408",
                  extra={"client": f"{self.client[0]}:{self.client[1]}" if self.client else None,
-                        "timeout_s": self.header_timeout_s})
+                        "timeout_s": self.header_timeout_s, "request_id": request_id})
         body = json.dumps(error_body(
             "request_timeout",
             f"the request line and headers did not arrive within {self.header_timeout_s:g} s "
@@ -72,7 +75,7 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         try:
             self.transport.write(self.conn.send(h11.Response(status_code=408, reason=b"Request Timeout", headers=[
                 (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                (b"connection", b"close")])) or b"")
+                (b"x-request-id", request_id.encode()), (b"connection", b"close")])) or b"")
             self.transport.write(self.conn.send(h11.Data(data=body)) or b"")
             self.transport.write(self.conn.send(h11.EndOfMessage()) or b"")
         except h11.LocalProtocolError:  # h11 cannot answer in its state: closing is the answer

@@ -34,6 +34,7 @@ from sigmaflight.control.jobs.states import (
     JobView,
     ResultInfo,
 )
+from sigmaflight.dataplane.tickets import stream_ticket
 from sigmaflight.pipeline.spec import RolloutSpec
 
 log = logging.getLogger("sigmaflight.jobs")
@@ -242,6 +243,11 @@ def _samples(job: Job) -> int:
     return job.spec.num_samples if job.spec is not None else 1
 
 
+def _tickets(view: JobView) -> set[str]:
+    """The Flight tickets of a job: its rollout's, and each extra stream's it publishes."""
+    return {view.ticket} | {stream_ticket(view.ticket, name) for name in view.streams if name != TRAJECTORY}
+
+
 class JobManager:
     """Statuses, idempotency keys, the bounded queue, worker threads and the TTL reaper.
 
@@ -438,9 +444,10 @@ class JobManager:
 
     def list(self, status: str | None = None, limit: int = 100, ticket: str | None = None) -> list[JobView]:
         """Newest first, optionally of one status, optionally the one job whose Flight ticket is
-        `ticket` (or one of its extra streams' tickets, `<ticket>:<stream>`)."""
+        `ticket` or the ticket of one of the extra streams it publishes (`stream_ticket`), exactly:
+        `<ticket>:<anything else>` is no ticket of it."""
         views = [v for v in list(self._views.values()) if (status is None or v.status == status)
-                 and (ticket is None or (v.ticket != "" and (ticket == v.ticket or ticket.startswith(v.ticket + ":"))))]
+                 and (ticket is None or (v.ticket != "" and ticket in _tickets(v)))]
         views.sort(key=lambda v: v.created_at, reverse=True)
         return views[:limit]
 

@@ -213,7 +213,21 @@ def test_a_bare_flight_ticket_is_found_through_the_rollout_it_belongs_to():
         assert c.locate(raw) == (first.flight.locations[0], raw)
         assert c.pull(raw).rollout_id == first.id
         assert [r.id for r in c.rollouts(ticket=raw)] == [first.id]
-        assert [r.id for r in c.rollouts(ticket=raw + ":outputs")] == [first.id]  # a stream's ticket: its rollout's
+        assert c.rollouts(ticket=raw + ":outputs") == []  # the ticket of a stream it does not publish is none of its
         assert c.rollouts(ticket=raw[:-1]) == []  # a prefix of a ticket is no ticket
         r = httpx.get(f"{s.rest_url}/v1/rollouts", params={"ticket": ""})
         assert r.status_code == 422 and r.json()["error"]["details"][0]["loc"] == ["query", "ticket"]
+
+
+def test_a_released_rollout_pulled_by_any_handle_is_rollout_failed(server):
+    """One rollout, one answer: after a release (it becomes expired), a pull by its Ticket, its id
+    or its bare Flight ticket raises RolloutFailed carrying its last status, never NotFound."""
+    with Client(server.rest_url) as client:
+        ticket = client.submit(prompts=["a red cube"], num_inference_steps=2, seed=3)
+        client.wait(ticket, timeout=60)
+        assert client.cancel(ticket.id).status == "expired"
+        for handle in (ticket, ticket.id, ticket.flight.ticket):
+            with pytest.raises(RolloutFailed) as e:
+                client.pull(handle)
+            assert type(e.value) is RolloutFailed and e.value.rollout is not None
+            assert e.value.rollout.id == ticket.id and e.value.rollout.status == "expired"

@@ -281,3 +281,17 @@ def test_docs_serves_swagger_ui_from_local_assets_only(server):
         assert 'url: "/openapi.json"' in init and "validatorUrl: null" in init  # no online validator badge
         assert "SwaggerUIBundle" in http.get("/docs/static/swagger-ui-bundle.js").text
         assert http.get("/openapi.json").json()["paths"]["/docs"]["get"]["operationId"] == "docs"
+
+
+def test_docs_serves_only_the_files_its_page_loads(server):
+    """The bundle also ships a demo page (index.html, swagger-initializer.js) that loads the petstore
+    example from petstore.swagger.io: none of the bundle's other files is served."""
+    with server.client() as http:
+        for name in ("index.html", "swagger-initializer.js", "oauth2-redirect.html", "oauth2-redirect.js",
+                     "index.css", "swagger-ui.js", "swagger-ui-standalone-preset.js", "swagger-ui-bundle.js.map",
+                     "favicon-16x16.png", "", "./index.html", "../static/index.html"):
+            r = http.get(f"/docs/static/{name}")
+            assert r.status_code == 404 and "petstore" not in r.text, (name, r.status_code)
+            assert r.json()["error"]["type"] == "not_found", r.text
+        for name in ("swagger-ui.css", "swagger-ui-bundle.js", "favicon-32x32.png"):
+            assert http.get(f"/docs/static/{name}").status_code == 200, name

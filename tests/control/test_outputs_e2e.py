@@ -148,6 +148,26 @@ def test_a_stream_not_asked_for_is_not_found_naming_it(server):
         client.pull_outputs(t["id"])
 
 
+def test_a_ticket_lookup_matches_only_the_tickets_a_rollout_has(server):
+    """GET /v1/rollouts?ticket= finds a rollout by its ticket or the ticket of a stream it publishes,
+    exactly: its ticket with any other suffix, or a stream it did not ask for, finds nothing."""
+    with server.client() as c:
+        t = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2, "seed": 3,
+                                         "return": {"outputs": True}}).json()
+        raw, streams = t["flight"]["ticket"], t["flight"]["streams"]
+        assert set(streams) == {"trajectory", "outputs"}
+
+        def found(ticket: str) -> list[str]:
+            r = c.get("/v1/rollouts", params={"ticket": ticket})
+            assert r.status_code == 200, r.text
+            return [x["id"] for x in r.json()["rollouts"]]
+
+        assert found(raw) == [t["id"]]
+        assert found(streams["outputs"]["ticket"]) == [t["id"]]
+        for other in (f"{raw}:no-such-stream", f"{raw}:conditioning", f"{raw}:", f"{raw}:outputs:x", raw[:-1]):
+            assert found(other) == [], other
+
+
 def test_flight_info_list_and_release_of_the_outputs_stream(server):
     with server.client() as c:
         t = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2, "seed": 2,

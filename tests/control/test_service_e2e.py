@@ -259,7 +259,7 @@ def test_openapi_validates_and_matches_what_endpoints_return(client):
     check(gone.json(), "ErrorBody")
     assert set(doc["paths"]) == {"/v1/rollouts", "/v1/rollouts/{rollout_id}", "/v1/models", "/v1/models/{model_id}/weights",
                                  "/v1/models/{model_id}/lora", "/healthz", "/readyz", "/metrics", "/openapi.json",
-                                 "/docs"}
+                                 "/docs", "/"}
 
 
 def test_queue_full_answers_429_with_retry_after():

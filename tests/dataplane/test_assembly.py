@@ -165,3 +165,53 @@ def test_a_repeated_or_unlisted_step_is_a_clear_error() -> None:
     other = _table(build_header("twice", T=3, B=2, steps=(0, 2, 3)))
     with pytest.raises(ValueError, match=r"stream holds step 2, not listed in sigmaflight.steps"):
         Trajectory.from_table(pa.Table.from_batches(other.to_batches(), schema=table.schema))
+
+
+def _velocity_reference(table: pa.Table, steps: tuple[int, ...], b: int) -> np.ndarray:
+    """The velocity column [B, K, ...] float32 from plain pyarrow, NaN where it is null (i = T)."""
+    col = table.column("velocity").combine_chunks()
+    valid = col.is_valid().to_numpy(zero_copy_only=False)
+    out = np.full((b, len(steps), *col.type.shape), np.nan, np.float32)
+    k = np.searchsorted(np.asarray(steps), table.column("step").to_numpy())
+    sample = table.column("sample").to_numpy()
+    rows = np.asarray(col.filter(pa.array(valid)).to_numpy_ndarray())
+    out[sample[valid], k[valid]] = rows
+    return out
+
+
+@pytest.mark.parametrize("max_batch", [1 << 20, 40], ids=["one-batch-a-step", "split-steps"])
+def test_velocities_are_assembled_like_the_latents(tmp_path: Path, max_batch: int) -> None:
+    header = dataclasses.replace(build_header("vel", T=4, B=3, steps=(0, 1, 3, 4)), velocities=True)
+    g = torch.Generator().manual_seed(5)
+    steps = {i: dataclasses.replace(st, velocity=None if i == header.num_steps else
+                                    torch.randn((3, *header.latent_shape), generator=g))
+             for i, st in make_steps(header).items()}
+    shm, data = tmp_path / "shm", tmp_path / "data"
+    with ResultStore(memory_budget_bytes=1 << 30, shm_dir=shm, data_dir=data, max_batch_bytes=max_batch) as store, \
+            FlightDataServer(store) as srv:
+        w = store.create(header)
+        for i in header.steps:
+            w.append(steps[i])
+        w.finish()
+        ticket = store.ticket_for(header.rollout_id)
+        with flight.FlightClient(srv.locations[0]) as plain:
+            streamed = plain.do_get(flight.Ticket(ticket.encode())).read_all()
+        want = torch.from_numpy(_velocity_reference(streamed, header.steps, 3))
+        with TrajectoryClient(srv.locations[0], transport="flight") as over_grpc, \
+                TrajectoryClient(srv.locations[0]) as same_host:
+            pulled = [over_grpc.pull(ticket)]
+            served = srv.metrics()["streams_served"]
+            pulled.append(same_host.pull(ticket))
+            assert srv.metrics()["streams_served"] == served  # read from the shared-memory file, no stream
+    shuffled = streamed.take(pa.array(np.random.default_rng(1).permutation(streamed.num_rows)))
+    for traj in [*pulled, Trajectory.from_table(streamed), Trajectory.from_table(shuffled),
+                 Trajectory.from_file(data / "trajectories" / "vel.arrow")]:
+        assert traj.velocities is not None and traj.velocities.dtype == torch.float32
+        assert torch.equal(traj.velocities.nan_to_num(7.0), want.nan_to_num(7.0))
+        assert torch.isnan(traj.velocity(4)).all() and not torch.isnan(traj.velocities[:, :3]).any()
+        recorded = steps[3].velocity
+        assert recorded is not None and torch.equal(traj.velocity(3), recorded)  # what the rollout recorded, bit for bit
+    with pytest.raises(KeyError, match="step 2 is not in this trajectory"):
+        pulled[0].velocity(2)
+    with pytest.raises(ValueError, match=r'has no velocity column; ask the rollout for return=\{"velocities": True\}'):
+        Trajectory.from_table(_table(build_header("plain", T=2, B=1))).velocity(0)

@@ -274,3 +274,55 @@ def test_a_large_read_is_spread_over_the_threads_in_equal_parts_and_a_small_one_
     sizes = [sum(int(iov[a:b, 1].sum()) for a, b in g) for g in groups]
     assert sum(sizes) == 301 << 20 and max(sizes) - min(sizes) <= 1 << 20
     assert samehost._spread([(0, 3)], iov[:3], 3 << 20) == [[(0, 3)]]  # under THREADS_MIN_BYTES
+
+
+_TRUNCATED_PULL = r'''
+import os, sys
+from pathlib import Path
+import pyarrow.flight as flight
+from sigmaflight.dataplane.client import TrajectoryClient
+from sigmaflight.dataplane.server import FlightDataServer
+from sigmaflight.dataplane.store import ResultStore
+from tests.dataplane.helpers import build_header, fill
+
+tmp, keep = Path(sys.argv[1]), float(sys.argv[2])
+
+
+class TruncatingClient(TrajectoryClient):
+    """The real client; the offered file is truncated by "another process" right after it is mapped."""
+
+    def local_file(self, ticket_or_id):
+        local = super().local_file(ticket_or_id)
+        if local is not None:
+            os.truncate(local.source.path, int(local.source.size * keep))
+            print("truncated", flush=True)
+        return local
+
+
+header = build_header("cut", T=3, B=6, shape=(4, 16, 16))
+with ResultStore(memory_budget_bytes=1 << 30, shm_dir=tmp / "shm") as store, FlightDataServer(store) as srv:
+    fill(store, header)
+    with TruncatingClient(srv.locations[0]) as client:
+        try:
+            traj = client.pull("cut")
+            print("pulled", list(traj.latents.shape), flush=True)
+        except flight.FlightError as exc:
+            print("refused", type(exc).__name__, str(exc).splitlines()[0][:200], flush=True)
+'''
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.5, 0.98])
+def test_a_file_truncated_between_the_map_and_the_read_never_kills_the_client(tmp_path, keep):
+    """Another process truncates the served file after the client mapped it and before pull reads
+    it: the pull gives a typed Flight error (the server finds the file truncated too) or the data,
+    never a read of the mapping past the file's end (SIGBUS). In a child process, so a SIGBUS is a
+    failed test, not a dead pytest."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", _TRUNCATED_PULL, str(tmp_path), str(keep)], cwd=root,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"rc {proc.returncode} (-7 is SIGBUS)\n{proc.stdout}\n{proc.stderr[-2000:]}"
+    assert "truncated" in proc.stdout
+    assert "refused FlightInternalError" in proc.stdout and "truncated" in proc.stdout.split("refused", 1)[1], proc.stdout

@@ -124,3 +124,19 @@ def test_builder_names_bad_columns():
         stream_table("latents", header, {"x": np.zeros((4, 2), dtype=np.uint8)})
     with pytest.raises(ValueError, match="key column"):
         stream_table("outputs", header, {"seed": np.zeros((4, 2), dtype=np.uint8)})
+
+
+
+def test_a_tensor_column_whose_values_are_not_the_labelled_dtype_is_refused():
+    """float32 values labelled bfloat16 would be read as twice as many other numbers (and
+    labelled float16, cast without a word): ValueError naming the column and both types."""
+    header = _header("c9", ["conditioning"])
+    pooled = torch.randn(4, 6)
+    table = stream_table("conditioning", header, {"pooled": pooled})
+    assert torch.equal(column_tensor(table, "pooled"), pooled)  # as labelled: the values
+    i = table.schema.get_field_index("pooled")
+    for label in ("bfloat16", "float16"):
+        field = table.schema.field("pooled").with_metadata({b"sigmaflight.dtype": label.encode()})
+        with pytest.raises(ValueError, match=rf"column 'pooled': field metadata sigmaflight\.dtype is '{label}'.*"
+                                             r"holds float32 values"):
+            column_tensor(table.cast(table.schema.set(i, field)), "pooled")

@@ -10,6 +10,8 @@ directory with `StableDiffusion3Pipeline.from_pretrained`, called with the rollo
 from __future__ import annotations
 
 import json
+import os
+import socket
 from pathlib import Path
 
 import pyarrow.flight as flight
@@ -105,3 +107,76 @@ def test_a_hub_model_with_the_ray_backend_is_refused_at_start(hub):
     line = serve_refused("--port", "0", "--flight-port", "0", "--model", "org/tiny-sd3", "--backend", "ray",
                          env=hub)
     assert "--model org/tiny-sd3: a hub model is served by --backend local only" in line
+
+
+# ---------------------------------------------------------------------------------------- ids, revisions, caches
+
+@pytest.mark.parametrize("model", ["org/a..b", "org--x/name", "org/" + "n" * 5000, "org/name.git"],
+                         ids=["dot-dot", "dash-dash", "5000-characters", "dot-git"])
+def test_a_hub_id_huggingface_hub_rejects_is_refused_at_start(hub, model):
+    line = serve_refused("--port", "0", "--flight-port", "0", "--model", model, env=hub)
+    assert line.startswith(f"sigmaflight serve: --model {model[:100]}"), line[:300]
+    assert "not a valid Hugging Face hub id" in line and len(line) < 1000, line[:300]
+
+
+@pytest.mark.parametrize("revision", ["/{outside}", "../../../{outside_rel}", "main/../../x", "refs//main", ".hidden"])
+def test_a_revision_that_is_no_git_ref_name_is_refused_and_nothing_outside_the_cache_is_read(
+        hub, tmp_path, revision):
+    """The revision becomes a path under the cache's refs/ (huggingface_hub joins them): one that
+    is absolute or climbs out would read a file anywhere. It must be a git ref name or a commit."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("SECRET-CONTENT-0123456789")
+    cache_repo = Path(hub["HF_HUB_CACHE"]) / "models--org--tiny-sd3" / "refs"
+    revision = revision.format(outside=secret, outside_rel=os.path.relpath(secret, cache_repo))
+    before = secret.stat().st_atime_ns
+    line = serve_refused("--port", "0", "--flight-port", "0", "--model", f"org/tiny-sd3@{revision}", env=hub)
+    assert line.startswith(f"sigmaflight serve: --model org/tiny-sd3@{revision}: revision {revision!r} is not "
+                           "a branch, tag or commit name"), line
+    assert "SECRET" not in line and secret.stat().st_atime_ns == before
+
+
+def test_a_cache_entry_whose_ref_points_outside_the_cache_is_refused_without_a_traceback(hub, tmp_path):
+    outside = tmp_path / "outside"
+    ModelRegistry().get("tiny-sd3").pipeline.save_pretrained(outside)
+    repo = Path(hub["HF_HUB_CACHE"]) / "models--org--escape"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "snapshots").mkdir()
+    (repo / "refs" / "main").write_text(str(outside))
+    line = serve_refused("--port", "0", "--flight-port", "0", "--model", "org/escape", env=hub)
+    assert line.startswith("sigmaflight serve: --model org/escape: the Hugging Face cache entry "
+                           f"{repo} is broken: refs/main names {str(outside)!r}, not a snapshot in it"), line
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("online", [False, True], ids=["offline", "hub-unreachable"])
+def test_a_cached_model_index_without_the_pipelines_files_is_refused_at_start(hub, online):
+    repo = Path(hub["HF_HUB_CACHE"]) / "models--org--index-only"
+    snapshot = repo / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    (snapshot / "model_index.json").write_bytes((_snapshot(hub, "tiny-sd3") / "model_index.json").read_bytes())
+    (snapshot / "scheduler").mkdir(exist_ok=True)
+    (snapshot / "scheduler" / "scheduler_config.json").write_bytes(
+        (_snapshot(hub, "tiny-sd3") / "scheduler" / "scheduler_config.json").read_bytes())
+    env = {**hub, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"} if online else hub
+    line = serve_refused("--port", "0", "--flight-port", "0", "--model", "org/index-only", env=env)
+    assert line.startswith("sigmaflight serve: --model org/index-only: the Hugging Face cache holds its "
+                           "model_index.json but not all of its pipeline's files (text_encoder/: missing)"), line
+    assert ("and the hub cannot be reached (" if online else "and HF_HUB_OFFLINE is set") in line
+
+
+def test_a_hub_model_with_the_hub_unreachable_is_refused_at_once_without_retries(hub):
+    """Online mode, but the hub's address refuses connections: one attempt, one line. huggingface_hub
+    alone retries 5 times with backoff (about 20 s) and puts 11 warning lines on stderr, which
+    `serve_refused` (exactly one line) would see; the time is not asserted on this busy box."""
+    env = {**hub, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"}
+    line = serve_refused("--port", "0", "--flight-port", "0", "--model", "org/absent", env=env)
+    assert line.startswith("sigmaflight serve: --model org/absent: no model_index.json of it in the Hugging Face "
+                           f"cache ({hub['HF_HUB_CACHE']}) and the hub cannot be reached ("), line
+

@@ -111,6 +111,25 @@ def test_trickled_and_silent_connections_are_closed_after_the_header_timeout(ser
 
 
 @pytest.mark.timeout(120)
+def test_the_header_timeout_408_carries_a_request_id(server: ServerProcess) -> None:
+    """control.md: every response carries x-request-id, the 408 of a request whose headers never
+    came in full too (a new id: the caller's header, if any, was never read)."""
+    with contextlib.closing(_connect(server)) as a, contextlib.closing(_connect(server)) as b:
+        tricklers = [Trickler(a, b""), Trickler(b, REQUEST[:40])]
+        for t in tricklers:
+            t.start()
+        _wait_closed(tricklers, within=30)
+    ids = []
+    for t in tricklers:
+        assert _status(t.answer) == 408, t.answer[:200]
+        head = t.answer.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")[1:]
+        headers = dict(line.lower().split(": ", 1) for line in head)
+        assert len(headers.get("x-request-id", "")) >= 16, head
+        ids.append(headers["x-request-id"])
+    assert ids[0] != ids[1]
+
+
+@pytest.mark.timeout(120)
 def test_next_request_on_a_kept_alive_connection_has_the_same_header_timeout(server: ServerProcess) -> None:
     with contextlib.closing(_connect(server)) as s:
         s.sendall(b"GET /healthz HTTP/1.1\r\nhost: test\r\n\r\n")

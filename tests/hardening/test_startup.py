@@ -195,3 +195,65 @@ def test_sighup_while_starting_does_not_kill_the_server_and_rereads_the_tokens_o
 def _no_ray_address(monkeypatch):
     """A RAY_ADDRESS of the caller's must not reach these servers."""
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+# ---------------------------------------------------------------------------------------- --host
+
+@pytest.mark.parametrize("flags, env", [
+    (("--host", "10.9.9.9"), {}),  # an address, but not one of this machine's
+    ((), {"SIGMAFLIGHT_HOST": "not a host name!"}),
+    ((), {"SIGMAFLIGHT_HOST": "x" * 300}),  # longer than a DNS name can be
+], ids=["foreign-address", "junk-variable", "too-long"])
+def test_a_host_that_cannot_be_bound_is_refused_with_free_ports_too(flags, env):
+    """--port 0 / --flight-port 0 leave nothing to check about the ports, but the host still is."""
+    host = flags[1] if flags else env["SIGMAFLIGHT_HOST"]
+    line = serve_refused(*flags, "--port", "0", "--flight-port", "0", env=env)
+    assert line.startswith(f"sigmaflight serve: --host {host}: not an address of this machine ("), line
+
+
+# ---------------------------------------------------------------------------------------- TLS
+
+def test_tls_files_that_do_not_exist_are_refused_naming_the_flag(tmp_path, certificate):
+    cert, key = certificate
+    line = serve_refused("--port", "0", "--flight-port", "0", "--tls-cert", str(tmp_path / "no-cert.pem"),
+                         "--tls-key", str(key))
+    assert f"--tls-cert {tmp_path / 'no-cert.pem'}: no such file" in line
+    line = serve_refused("--port", "0", "--flight-port", "0", "--tls-cert", str(cert),
+                         "--tls-key", str(tmp_path / "no-key.pem"))
+    assert f"--tls-key {tmp_path / 'no-key.pem'}: no such file" in line
+
+
+def test_tls_files_that_are_not_a_certificate_and_its_key_are_refused(tmp_path, certificate):
+    cert, key = certificate
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not PEM\n")
+    line = serve_refused("--port", "0", "--flight-port", "0", "--tls-cert", str(junk), "--tls-key", str(key))
+    assert f"--tls-cert {junk} --tls-key {key}: not a PEM certificate and its private key" in line
+    line = serve_refused("--port", "0", "--flight-port", "0", "--tls-cert", str(cert), "--tls-key", str(cert))
+    assert f"--tls-cert {cert} --tls-key {cert}: not a PEM certificate and its private key" in line
+
+
+@pytest.mark.parametrize("given, missing", [("--tls-cert", "--tls-key"), ("--tls-key", "--tls-cert")])
+def test_half_a_tls_pair_is_refused_instead_of_serving_plain_http(certificate, given, missing):
+    cert, key = certificate
+    path = cert if given == "--tls-cert" else key
+    line = serve_refused("--port", "0", "--flight-port", "0", given, str(path))
+    assert f"{given} {path}: needs {missing} too" in line
+
+
+def test_half_a_tls_pair_from_the_environment_is_refused(certificate):
+    cert, _ = certificate
+    line = serve_refused("--port", "0", "--flight-port", "0", env={"SIGMAFLIGHT_TLS_CERT": str(cert)})
+    assert f"--tls-cert {cert}: needs --tls-key too" in line
+
+
+# ---------------------------------------------------------------------------------------- --token
+
+@pytest.mark.parametrize("flags, env", [
+    ((), {"SIGMAFLIGHT_TOKEN": " , ,"}),
+    (("--token", ",,"), {}),
+    (("--token", ""), {}),
+], ids=["variable-of-separators", "flag-of-commas", "empty-flag"])
+def test_a_token_setting_that_holds_no_token_fails_closed(flags, env):
+    line = serve_refused(*flags, "--port", "0", "--flight-port", "0", env=env)
+    assert "--token (SIGMAFLIGHT_TOKEN): holds no token" in line and "refusing to start without auth" in line

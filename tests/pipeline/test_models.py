@@ -50,3 +50,26 @@ def test_load_weights_swaps_digest_and_policy():
     after = run_rollout(model, spec)
     assert after.digest == new_digest and before.digest == old_digest
     assert not torch.equal(after.captures[1].latent, before.captures[1].latent)
+
+
+def test_a_model_built_in_memory_is_served_under_its_id_and_an_id_is_taken_once():
+    import dataclasses
+
+    import pytest
+    from sigmaflight.pipeline.builtins import sd3_with_tiny_encoders
+
+    registry = ModelRegistry()
+    base = registry.get("tiny-sd3")
+    config = {**dict(base.pipeline.transformer.config), "in_channels": 16, "out_channels": 16}
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    torch.manual_seed(0)
+    pipe = sd3_with_tiny_encoders(config)
+    assert pipe.vae_scale_factor == 8 and pipe.text_encoder_3.config.d_model == config["joint_attention_dim"]
+    mine = dataclasses.replace(base, id="mine", pipeline=pipe)
+    assert registry.add(mine) is registry.get("mine")
+    res = run_rollout(mine, RolloutSpec(model="mine", prompts=("a cat",), num_inference_steps=2, seed=1,
+                                        height=64, width=64))
+    assert res.final_latents.shape == (1, 16, 8, 8) and torch.isfinite(res.log_probs).all()
+    for taken in ("mine", "tiny-sd3"):
+        with pytest.raises(ValueError, match=f"model id '{taken}' is taken"):
+            registry.add(dataclasses.replace(mine, id=taken))

@@ -1,0 +1,196 @@
+"""`AsyncClient`: the trainer's client as coroutines, for asyncio trainers and orchestrators.
+
+    async with AsyncClient("http://127.0.0.1:8000") as client:
+        ticket = await client.submit(prompts=["a red cube"], num_inference_steps=8, seed=7)
+        await client.wait(ticket)
+        traj = await client.pull(ticket)
+        async with client.stream(requests, in_flight=8) as rollouts:
+            async for r in rollouts:
+                ...
+
+The REST calls are the very `Call`s `Client` sends (sigmaflight/rest.py: paths, bodies, error
+mapping, retries), sent with httpx.AsyncClient, so a thousand `wait`s cost no threads. Flight
+pulls, weights and LoRA pushes (serialising tensors, reading Arrow) run the blocking `Client`'s
+own methods in a thread (`asyncio.to_thread`); `stream` runs `Client.stream` and hands its
+rollouts over as an async iterator. The errors are the same typed errors (sigmaflight/errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from sigmaflight import rest
+from sigmaflight.client import Client
+from sigmaflight.dataplane.auth import bearer_header
+from sigmaflight.dataplane.transport import Transport
+from sigmaflight.wire import RolloutStatus, Ticket
+
+if TYPE_CHECKING:
+    import numpy as np
+    import pyarrow as pa
+    import torch
+
+    from sigmaflight.dataplane.client import Trajectory
+    from sigmaflight.stream import Rollout, Stream
+
+__all__ = ["AsyncClient", "AsyncStream"]
+
+
+class AsyncClient:
+    """`Client`'s surface as coroutines: submit, branch, status, rollouts, wait, cancel, models,
+    pull, pull_outputs, pull_conditioning, pull_stream, push_weights, push_lora, delete_lora, and
+    `stream` as an async iterator. Same arguments, same answers, same typed errors."""
+
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:8000",
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        transport: Transport = "auto",
+        host: str | None = None,
+    ) -> None:
+        self.sync = Client(url, token, timeout=timeout, transport=transport, host=host)
+        """The blocking Client that pulls, pushes and streams run on (in a thread)."""
+        self.url, self.token, self.timeout = self.sync.url, token, timeout
+        self._http = httpx.AsyncClient(base_url=self.url, headers=bearer_header(token), timeout=timeout)
+
+    @property
+    def pushed_versions(self) -> dict[str, int]:
+        """model id -> the weights_version of the latest weights or LoRA change this client made."""
+        return self.sync.pushed_versions
+
+    async def _call(self, call: rest.Call[rest.T]) -> rest.T:
+        return await rest.send_async(self._http, call, url=self.url, timeout=self.timeout,
+                                     pushed=self.sync.pushed_versions)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+        await asyncio.to_thread(self.sync.close)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- REST ----------------------------------------------------------------------------
+    async def submit(self, *, idempotency_key: str | None = None, **request: Any) -> Ticket:
+        return await self._call(rest.submit(request, idempotency_key))
+
+    async def branch(self, parent: str | Ticket, step: int, samples: list[int] | None = None, *, branches: int = 1,
+                     sampler: Mapping[str, Any] | None = None, idempotency_key: str | None = None,
+                     **request: Any) -> Ticket:
+        body = rest.branch_body(parent, step, samples, branches, sampler, request)
+        return await self.submit(idempotency_key=idempotency_key, **body)
+
+    async def status(self, rollout_id: str | Ticket) -> RolloutStatus:
+        return await self._call(rest.status(rollout_id))
+
+    async def rollouts(self, status: str | None = None, limit: int = 100, *,
+                       ticket: str | None = None) -> list[RolloutStatus]:
+        if ticket is not None and not rest.could_be_ticket(ticket):
+            return []
+        return await self._call(rest.rollouts(status, limit, ticket))
+
+    async def wait(self, ticket: str | Ticket, timeout: float = 300.0, *, poll_s: float = 0.05,
+                   max_poll_s: float = 1.0, raise_on_failure: bool = True) -> RolloutStatus:
+        waiting = rest.Waiting(timeout, poll_s, max_poll_s, raise_on_failure)
+        while True:
+            st = await self.status(ticket)
+            pause = waiting.pause_after(st)
+            if pause is None:
+                return st
+            await asyncio.sleep(pause)
+
+    async def cancel(self, rollout_id: str | Ticket) -> RolloutStatus:
+        return await self._call(rest.cancel(rollout_id))
+
+    async def models(self) -> list[dict[str, Any]]:
+        return await self._call(rest.models())
+
+    async def delete_lora(self, model_id: str) -> dict[str, Any]:
+        return await self._call(rest.delete_lora(model_id))
+
+    # -- in a thread: Flight pulls, tensor pushes -----------------------------------------
+    async def push_weights(self, model_id: str, state_dict: Mapping[str, torch.Tensor]) -> str:
+        return await asyncio.to_thread(self.sync.push_weights, model_id, state_dict)
+
+    async def push_lora(self, model_id: str, adapter: Mapping[str, torch.Tensor], lora_config: Any) -> dict[str, Any]:
+        return await asyncio.to_thread(self.sync.push_lora, model_id, adapter, lora_config)
+
+    async def pull(self, ticket: str | Ticket) -> Trajectory:
+        return await asyncio.to_thread(self.sync.pull, ticket)
+
+    async def pull_outputs(self, ticket: str | Ticket) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        return await asyncio.to_thread(self.sync.pull_outputs, ticket)
+
+    async def pull_conditioning(self, ticket: str | Ticket) -> dict[str, torch.Tensor]:
+        return await asyncio.to_thread(self.sync.pull_conditioning, ticket)
+
+    async def pull_stream(self, ticket: str | Ticket, stream: str) -> pa.Table:
+        return await asyncio.to_thread(self.sync.pull_stream, ticket, stream)
+
+    async def locate(self, ticket: str | Ticket) -> tuple[str, str]:
+        return await asyncio.to_thread(self.sync.locate, ticket)
+
+    def stream(self, requests: Iterable[Mapping[str, Any]], *, in_flight: int = 8, outputs: bool = False,
+               max_staleness: int | None = None, progress: bool | None = None) -> AsyncStream:
+        """`Client.stream` as an async iterator (`async for r in client.stream(...)`); leaving its
+        `async with` block, `aclose()` or cancelling the task that iterates cancels what is queued
+        or running."""
+        return AsyncStream(self.sync.stream(requests, in_flight=in_flight, outputs=outputs,
+                                            max_staleness=max_staleness, progress=progress))
+
+
+_DONE = object()
+
+
+class AsyncStream:
+    """A `sigmaflight.stream.Stream` as an async iterator of `Rollout`s."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+
+    def __aiter__(self) -> AsyncStream:
+        return self
+
+    async def __anext__(self) -> Rollout:
+        try:
+            item = await asyncio.to_thread(_next, self.stream)
+        except BaseException:  # the task was cancelled (or Ctrl-C): stop what still runs
+            self.stream.close()
+            raise
+        if item is _DONE:
+            raise StopAsyncIteration
+        return item  # type: ignore[return-value]
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.stream.close)
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def submitted(self) -> int:
+        return self.stream.submitted
+
+    @property
+    def resubmitted(self) -> int:
+        return self.stream.resubmitted
+
+    @property
+    def peak_in_flight(self) -> int:
+        return self.stream.peak_in_flight
+
+
+def _next(stream: Stream) -> Any:
+    """next() for a thread: StopIteration cannot travel through a Future."""
+    return next(stream, _DONE)

@@ -1,0 +1,297 @@
+"""The REST side that `Client` and `AsyncClient` share, without I/O: URL paths, request
+bodies, answers, error mapping and the back-off of refusals worth retrying.
+
+Each REST call is a `Call`: method, path, body and how to read the answer. `Client` sends it
+with httpx.Client (`send`), `AsyncClient` with httpx.AsyncClient (`send_async`); both map the
+answer the same way (`check_answer`) and retry the same refusals on the same schedule
+(`retry_delay`), so the two clients cannot drift apart.
+
+Ids are never put into a path as they are: a rollout id must look like one the server can give
+(`ROLLOUT_ID`, the data plane's id pattern) and a model id must be free of dot segments and
+control characters; anything else is `NotFound` before any request is made, and what passes is
+percent-encoded, so no string a caller gives can change which route a request reaches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+from urllib.parse import quote
+
+import httpx
+
+from sigmaflight.errors import ApiError, NotFound, RolloutFailed, ServerUnreachable, Unauthorized
+from sigmaflight.wire import TERMINAL, RolloutStatus, Ticket
+
+T = TypeVar("T")
+
+ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""Every rollout id a server can give (the data plane's id pattern): anything else is no rollout."""
+
+MAX_TICKET = 1024
+"""Longest Flight ticket the server looks up (`GET /v1/rollouts?ticket=`), in characters."""
+
+MAX_MODEL_ID = 1024
+"""Longest model id put into a path, in characters."""
+
+RETRY_STATUSES = frozenset({429, 503})
+"""Refusals that say "not now" (a full queue, too many pushes, a journal or worker briefly away)."""
+
+RETRY_FIRST_S = 0.05
+"""The first pause before retrying one of RETRY_STATUSES; it doubles up to the answer's Retry-After."""
+
+
+def ref(value: object, what: str = "rollout_id") -> str:
+    """The string of a Ticket or a str; TypeError naming `what` for anything else."""
+    if isinstance(value, Ticket):
+        return value.id
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str or a sigmaflight.wire.Ticket, not {type(value).__name__}")
+    return value
+
+
+def is_rollout_id(value: str) -> bool:
+    return ROLLOUT_ID.fullmatch(value) is not None
+
+
+def could_be_ticket(value: str) -> bool:
+    """Whether `value` can be a Flight ticket the server looks up: 1..MAX_TICKET printable characters."""
+    return 0 < len(value) <= MAX_TICKET and value.isprintable() and _utf8(value)
+
+
+def _utf8(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
+
+def shown(value: str) -> str:
+    """`value` for a message: repr, cut short when long."""
+    return repr(value) if len(value) <= 80 else f"{value[:60]!r}... ({len(value)} characters)"
+
+
+def no_rollout(value: str, url: str | None = None) -> NotFound:
+    """The NotFound of a string that names no rollout (404, as the server answers one)."""
+    return NotFound(404, "not_found", f"no rollout or ticket {shown(value)}" + (f" on {url}" if url else ""))
+
+
+def rollout_path(value: object) -> str:
+    """`/v1/rollouts/{id}` for a Ticket or rollout id; NotFound (no request made) for a string
+    that cannot be a rollout id."""
+    rollout_id = ref(value)
+    if not is_rollout_id(rollout_id):
+        raise no_rollout(rollout_id)
+    return "/v1/rollouts/" + quote(rollout_id, safe="")
+
+
+def model_path(model_id: object, tail: str) -> str:
+    """`/v1/models/{model_id}/{tail}`. Model ids may hold "/" (hub ids, `org/name@revision`); an
+    empty, "." or ".." segment, a control character or whitespace is no model (NotFound, no request
+    made), and everything but "/" is percent-encoded."""
+    if not isinstance(model_id, str):
+        raise TypeError(f"model_id must be a str, not {type(model_id).__name__}")
+    if (not 0 < len(model_id) <= MAX_MODEL_ID or not model_id.isprintable() or any(c.isspace() for c in model_id)
+            or any(part in ("", ".", "..") for part in model_id.split("/")) or not _utf8(model_id)):
+        raise NotFound(404, "not_found", f"no model {shown(model_id)}")
+    return f"/v1/models/{quote(model_id, safe='/')}/{tail}"
+
+
+def check_idempotency_key(key: str | None) -> dict[str, str]:
+    """The Idempotency-Key header, or ValueError naming it when it cannot be one (the server's
+    rule: 1..255 printable ASCII characters without spaces)."""
+    if key is None:
+        return {}
+    if not isinstance(key, str) or not 0 < len(key) <= 255 or not all(" " < c <= "~" for c in key):
+        raise ValueError("idempotency_key: must be 1..255 printable ASCII characters without spaces")
+    return {"idempotency-key": key}
+
+
+# ---- calls --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One REST call: what to send and how to read a 2xx answer. `retry`: back off the
+    RETRY_STATUSES refusals instead of raising them."""
+
+    method: str
+    path: str
+    parse: Callable[[httpx.Response], T]
+    options: Mapping[str, Any] = field(default_factory=dict)
+    retry: bool = False
+
+
+def submit(request: Mapping[str, Any], idempotency_key: str | None = None, *, retry: bool = False) -> Call[Ticket]:
+    """POST /v1/rollouts with the RolloutRequest fields (`return_` spelled `return`)."""
+    body = dict(request)
+    if "return_" in body:
+        body["return"] = body.pop("return_")
+    headers = check_idempotency_key(idempotency_key)
+    return Call("POST", "/v1/rollouts", lambda r: Ticket.model_validate(r.json()),
+                {"json": body, "headers": headers}, retry)
+
+
+def branch_body(parent: object, step: int, samples: list[int] | None, branches: int,
+                sampler: Mapping[str, Any] | None, request: Mapping[str, Any]) -> dict[str, Any]:
+    """The RolloutRequest fields of a branch rollout (contract, "Branch rollouts")."""
+    body: dict[str, Any] = dict(request)
+    body["branch_from"] = {"rollout": ref(parent, "parent"), "step": int(step),
+                           "samples": None if samples is None else [int(j) for j in samples]}
+    body["num_outputs_per_prompt"] = int(branches)
+    if sampler is not None:
+        body["sampler"] = dict(sampler)
+    return body
+
+
+def status(rollout_id: object) -> Call[RolloutStatus]:
+    return Call("GET", rollout_path(rollout_id), lambda r: RolloutStatus.model_validate(r.json()))
+
+
+def cancel(rollout_id: object) -> Call[RolloutStatus]:
+    return Call("DELETE", rollout_path(rollout_id), lambda r: RolloutStatus.model_validate(r.json()))
+
+
+def rollouts(status: str | None = None, limit: int = 100, ticket: str | None = None) -> Call[list[RolloutStatus]]:
+    params: dict[str, Any] = {"limit": limit, **({"status": status} if status else {}),
+                              **({"ticket": ticket} if ticket else {})}
+    return Call("GET", "/v1/rollouts",
+                lambda r: [RolloutStatus.model_validate(s) for s in r.json()["rollouts"]], {"params": params})
+
+
+def models() -> Call[list[dict[str, Any]]]:
+    return Call("GET", "/v1/models", lambda r: list(r.json()["models"]))
+
+
+def delete_lora(model_id: object) -> Call[dict[str, Any]]:
+    return Call("DELETE", model_path(model_id, "lora"), lambda r: dict(r.json()))
+
+
+class Waiting:
+    """The polling of `wait`, shared by both clients: after each status, the pause before the next
+    poll (`poll_s`, doubling up to `max_poll_s`), or None when the rollout is finished; RolloutFailed
+    (RolloutCancelled) when it ended other than succeeded unless `raise_on_failure=False`,
+    TimeoutError after `timeout` seconds."""
+
+    def __init__(self, timeout: float, poll_s: float, max_poll_s: float, raise_on_failure: bool) -> None:
+        self.timeout, self.deadline = timeout, time.monotonic() + timeout
+        self.pause, self.max_pause = poll_s, max(max_poll_s, poll_s)
+        self.raise_on_failure = raise_on_failure
+
+    def pause_after(self, st: RolloutStatus) -> float | None:
+        if st.status in TERMINAL:
+            if self.raise_on_failure and st.status != "succeeded":
+                raise RolloutFailed.from_status(st)
+            return None
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"rollout {st.id} still {st.status} after {self.timeout} s")
+        pause, self.pause = min(self.pause, left), min(self.pause * 2, self.max_pause)
+        return pause
+
+
+# ---- answers ------------------------------------------------------------------------------
+
+
+def raise_for(r: httpx.Response) -> None:
+    """The typed error of a refusal (the contract's error body), nothing for a 2xx/3xx."""
+    if r.status_code < 400:
+        return
+    try:
+        err = r.json()["error"]
+        type_, message, details = str(err["type"]), str(err["message"]), err.get("details")
+    except (ValueError, KeyError, TypeError):
+        type_, message, details = "http_error", r.text[:500], None
+    kind = {404: NotFound, 401: Unauthorized}.get(r.status_code, ApiError)
+    raise kind(r.status_code, type_, message, details)
+
+
+def check_answer(r: httpx.Response, pushed: MutableMapping[str, int] | None = None) -> httpx.Response:
+    """`r` when it is a 2xx, else its typed error. A 2xx answer to a weights or LoRA change
+    (`PUT`/`DELETE /v1/models/...`) records the model's new weights_version in `pushed`: the
+    latest version this client made (what `stream(max_staleness=)` measures staleness against)."""
+    raise_for(r)
+    if 300 <= r.status_code:
+        raise ApiError(r.status_code, "http_error", f"unexpected redirect to {r.headers.get('location')!r}")
+    if pushed is not None and r.request.method in ("PUT", "DELETE") and r.request.url.path.startswith("/v1/models/"):
+        try:
+            answer = r.json()
+            pushed[str(answer["id"])] = int(answer["weights_version"])
+        except (ValueError, KeyError, TypeError):
+            pass
+    return r
+
+
+def parse(call: Call[T], r: httpx.Response) -> T:
+    """The call's reading of a 2xx answer; ApiError "bad_answer" when the body is not what a
+    sigmaflight server sends (something else answers at the URL)."""
+    try:
+        return call.parse(r)
+    except (ValueError, KeyError, TypeError) as exc:  # JSON or pydantic errors are ValueErrors
+        raise ApiError(r.status_code, "bad_answer", f"{call.method} {call.path} answered {r.status_code} with a body "
+                       f"that is not a sigmaflight answer ({type(exc).__name__})") from exc
+
+
+def unreachable_reason(exc: httpx.TransportError, timeout: float) -> str:
+    """Why a REST call got no HTTP answer, in words that say what to check."""
+    if isinstance(exc, httpx.TimeoutException):
+        return f"no answer within {timeout:g} s ({type(exc).__name__})"
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return (f"what answers there does not speak HTTP/1.1 ({exc}); is this the Flight port? The REST port is "
+                "`sigmaflight serve --port` (default 8000), Flight's is --flight-port (default 8815)")
+    return f"{exc or type(exc).__name__} (is `sigmaflight serve` running there?)"
+
+
+def retry_delay(r: httpx.Response, attempt: int) -> float | None:
+    """The pause before retry number `attempt` (0 first) of a refusal worth retrying, or None
+    when `r` is not one: RETRY_FIRST_S doubling each time, at most the answer's Retry-After
+    (1 s when it gives none)."""
+    if r.status_code not in RETRY_STATUSES:
+        return None
+    try:
+        cap = float(r.headers.get("retry-after", "1"))
+    except ValueError:
+        cap = 1.0
+    return backoff(attempt, cap)
+
+
+def backoff(attempt: int, cap: float = 1.0) -> float:
+    """The pause before retry number `attempt` (0 first): RETRY_FIRST_S doubling, at most `cap`."""
+    return min(RETRY_FIRST_S * 2 ** min(attempt, 16), max(cap, RETRY_FIRST_S))
+
+
+def send(http: httpx.Client, call: Call[T], *, url: str, timeout: float,
+         pushed: MutableMapping[str, int] | None = None) -> T:
+    """Send `call` with a blocking client; its parsed answer or its typed error."""
+    attempt = 0
+    while True:
+        try:
+            r = http.request(call.method, call.path, **call.options)
+        except httpx.TransportError as exc:
+            raise ServerUnreachable(url, unreachable_reason(exc, timeout)) from exc
+        pause = retry_delay(r, attempt) if call.retry else None
+        if pause is None:
+            return parse(call, check_answer(r, pushed))
+        time.sleep(pause)
+        attempt += 1
+
+
+async def send_async(http: httpx.AsyncClient, call: Call[T], *, url: str, timeout: float,
+                     pushed: MutableMapping[str, int] | None = None) -> T:
+    """`send` with an asyncio client: the same mapping and the same retries."""
+    attempt = 0
+    while True:
+        try:
+            r = await http.request(call.method, call.path, **call.options)
+        except httpx.TransportError as exc:
+            raise ServerUnreachable(url, unreachable_reason(exc, timeout)) from exc
+        pause = retry_delay(r, attempt) if call.retry else None
+        if pause is None:
+            return parse(call, check_answer(r, pushed))
+        await asyncio.sleep(pause)
+        attempt += 1

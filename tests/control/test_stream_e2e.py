@@ -1,0 +1,357 @@
+"""`Client.stream` and `AsyncClient` on a real co-batching server: rollouts come out as they
+finish, at most `in_flight` are ever submitted and unfinished (seen in the server's own rollout
+list), a 429 is backed off, a failed request is that item's error, closing or Ctrl-C cancels what
+is queued or running, and `max_staleness` resubmits a rollout that ran on weights older than the
+client's last push.
+
+A blocker (a rollout no request can join: 256 samples, more than --max-batch-samples) keeps a
+worker busy while the stream's requests queue, so what the server holds can be observed."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import signal
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from sigmaflight.pipeline.models import ModelRegistry
+
+from sigmaflight import ApiError, AsyncClient, Client, NotFound, RolloutCancelled
+from sigmaflight.stream import Rollout
+from sigmaflight.wire import Ticket
+from tests.servers import ServerProcess, wait_for
+
+QUEUE = 4
+FAST: dict[str, Any] = {"num_inference_steps": 2, "guidance_scale": 4.5}
+
+
+@pytest.fixture(scope="module")
+def server():
+    """Two workers, co-batching on (the defaults), a queue of 4: a fifth queued request is a 429."""
+    with ServerProcess("--workers", "2", "--queue-size", str(QUEUE), "--max-batch-samples", "64",
+                       "--batch-wait-ms", "0") as s:
+        yield s
+
+
+def requests(n: int, tag: str, **extra: Any) -> list[dict[str, Any]]:
+    return [{"prompts": [f"{tag} {i}"], "seed": i, **FAST, **extra} for i in range(n)]
+
+
+def blockers(c: Client, n: int = 2) -> list[str]:
+    """`n` rollouts that keep the `n` workers busy until cancelled (none can join another)."""
+    ids = [c.submit(prompts=["blocker"] * 8, num_outputs_per_prompt=32, num_inference_steps=200, seed=k,
+                    return_={"steps": [0]}).id for k in range(n)]
+    for i in ids:
+        _runs(c, i)
+    return ids
+
+
+def _runs(c: Client, rollout_id: str) -> None:
+    wait_for(lambda: c.status(rollout_id).progress.steps_done >= 1, f"{rollout_id} runs", timeout=120)
+
+
+class Watch:
+    """Counts, in a thread, the rollouts the server holds queued or running other than `exclude`
+    (the server is this module's alone: they are the stream's); keeps the most seen."""
+
+    def __init__(self, c: Client, exclude: set[str]) -> None:
+        self.c, self.exclude, self.most, self.stop = c, exclude, 0, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def count(self) -> int:
+        snapshot = self.c.rollouts(limit=1000)  # one list: a rollout moving from queued to running counts once
+        return len([s for s in snapshot if s.status in ("queued", "running") and s.id not in self.exclude])
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.most = max(self.most, self.count())
+            self.stop.wait(0.01)
+
+    def close(self) -> int:
+        self.stop.set()
+        self.thread.join()
+        return self.most
+
+
+def stream_ids(c: Client, before: set[str]) -> set[str]:
+    return {s.id for s in c.rollouts(limit=1000) if s.id not in before}
+
+
+def test_rollouts_come_out_as_they_finish(server):
+    """A slow request first and a fast one second: the fast one comes out first (two workers run
+    them side by side); the order is the server's finished_at order."""
+    with Client(server.rest_url) as c:
+        slow = {"prompts": ["slow"], "num_outputs_per_prompt": 32, "num_inference_steps": 100, "seed": 1}
+        fast = {"prompts": ["fast"], "seed": 2, **FAST}
+        got = list(c.stream([slow, fast], in_flight=2, progress=False))
+        assert [r.request for r in got] == [fast, slow]
+        assert all(r.error is None and isinstance(r, Rollout) for r in got)
+        finished = [str(c.status(_ticket(r).id).finished_at) for r in got]
+        assert finished == sorted(finished)
+        for r in got:
+            assert r.trajectory is not None
+            assert r.trajectory.metadata["request"]["prompts"] == r.request["prompts"]
+            assert r.weights_version == r.trajectory.metadata["model"]["weights_version"] == 0
+            assert r.digest == r.trajectory.metadata["model"]["digest"] and r.outputs is None
+
+
+def test_in_flight_is_never_exceeded_and_a_full_queue_is_backed_off(server):
+    """in_flight=3 behind two blockers: the server holds exactly 3 of the stream's rollouts queued,
+    and never more over the whole run. Then in_flight=6 with a queue of 4: the 429s are backed off,
+    every rollout comes out."""
+    with Client(server.rest_url) as c:
+        before = {s.id for s in c.rollouts(limit=1000)}
+        block = blockers(c)
+        watch = Watch(c, before | set(block))
+        stream = c.stream(requests(9, "bound"), in_flight=3, progress=False)
+        wait_for(lambda: len(stream_ids(c, before | set(block))) == 3, "the stream fills its 3 slots", timeout=60)
+        assert wait_for(watch.count, "3 queued") == 3
+        assert stream.peak_in_flight == 3 and stream.submitted == 3  # nothing more while 3 are unfinished
+        for b in block:
+            c.cancel(b)
+        done = list(stream)
+        most = watch.close()
+        assert len(done) == 9 and all(r.error is None for r in done)
+        assert most == 3 and stream.peak_in_flight == 3 and stream.submitted == 9
+
+        before = {s.id for s in c.rollouts(limit=1000)}
+        block = blockers(c)
+        refused = _responses_429(c)
+        stream = c.stream(requests(6, "full"), in_flight=6, progress=False)
+        wait_for(lambda: len(stream_ids(c, before | set(block))) == QUEUE, "the queue is full", timeout=60)
+        wait_for(lambda: _responses_429(c) > refused, "a 429 queue_full", timeout=60)
+        for b in block:
+            c.cancel(b)
+        done = list(stream)
+        assert len(done) == 6 and all(r.error is None for r in done), [r.error for r in done]
+
+
+def _responses_429(c: Client) -> float:
+    """POSTs answered 429 so far (the server's own counter)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = c._http.get("/metrics").text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.labels.get("code") == "429" and s.labels.get("method") == "POST")
+
+
+def test_a_failed_request_is_that_items_error_and_the_rest_go_on(server):
+    """A request the server refuses (422) and a rollout cancelled while it queues come out as items
+    with their typed errors; the others succeed."""
+    with Client(server.rest_url) as c:
+        before = {s.id for s in c.rollouts(limit=1000)}
+        block = blockers(c)
+        reqs = requests(3, "fail")
+        reqs.insert(1, {"prompts": ["bad"], "num_inference_steps": 0})
+        stream = c.stream(reqs, in_flight=3, progress=False)
+        ids = wait_for(lambda: (lambda s: s if len(s) == 3 else None)(stream_ids(c, before | set(block))),
+                       "three queued", timeout=60)
+        victim = sorted(ids, key=lambda i: c.status(i).created_at)[0]
+        c.cancel(victim)
+        for b in block:
+            c.cancel(b)
+        got = {r.request["prompts"][0]: r for r in stream}
+        assert set(got) == {"fail 0", "bad", "fail 1", "fail 2"}
+        bad = got["bad"]
+        assert isinstance(bad.error, ApiError) and bad.error.status == 422 and bad.ticket is None
+        assert bad.trajectory is None and "num_inference_steps" in bad.error.message
+        cancelled = got["fail 0"]
+        assert isinstance(cancelled.error, RolloutCancelled) and _ticket(cancelled).id == victim
+        assert all(got[k].error is None and got[k].trajectory is not None for k in ("fail 1", "fail 2"))
+
+
+def test_a_tqdm_bar_when_asked_and_none_when_stderr_is_no_terminal(server, capsys):
+    with Client(server.rest_url) as c:
+        assert len(list(c.stream(requests(3, "bar"), in_flight=3, progress=True))) == 3
+        err = capsys.readouterr().err
+        assert "rollouts: 100%" in err and "3/3" in err and "failed=0" in err
+        assert len(list(c.stream(requests(2, "nobar"), in_flight=2))) == 2  # stderr is captured: no terminal
+        assert capsys.readouterr().err == ""
+
+
+def test_an_error_of_the_requests_iterable_ends_the_stream_and_cancels_its_rollouts(server):
+    with Client(server.rest_url) as c:
+        before = {s.id for s in c.rollouts(limit=1000)}
+        block = blockers(c)
+
+        def dataset():
+            yield from requests(2, "broken")
+            wait_for(lambda: len(stream_ids(c, before | set(block))) == 2, "two submitted")
+            raise RuntimeError("the dataset broke")
+
+        with pytest.raises(RuntimeError, match="the dataset broke"):
+            list(c.stream(dataset(), in_flight=4, progress=False))
+        ids = stream_ids(c, before | set(block))
+        assert len(ids) == 2 and all(c.status(i).status == "cancelled" for i in ids)
+        for b in block:
+            c.cancel(b)
+        with pytest.raises(ValueError, match="in_flight"):
+            c.stream([], in_flight=0)
+        with pytest.raises(ValueError, match="max_staleness"):
+            c.stream([], max_staleness=-1)
+        with pytest.raises(TypeError, match="requests"):
+            c.stream({"prompts": ["a"]})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize("how", ["close", "break", "ctrl-c"])
+def test_closing_cancels_what_is_queued_or_running(server, how):
+    with Client(server.rest_url) as c:
+        before = {s.id for s in c.rollouts(limit=1000)}
+        block = blockers(c)
+        stream = c.stream(requests(8, f"close-{how}"), in_flight=3, progress=False)
+        ids = wait_for(lambda: (lambda s: s if len(s) == 3 else None)(stream_ids(c, before | set(block))),
+                       "three queued", timeout=60)
+        if how == "close":
+            stream.close()
+        elif how == "break":  # the first rollout out (one cancelled from outside), then break
+            c.cancel(sorted(ids)[0])
+            for r in stream:
+                assert isinstance(r.error, RolloutCancelled)
+                break
+            del stream  # a `for` over `c.stream(...)` drops it as the loop ends; here the test held it
+        else:
+            # Ctrl-C while the trainer waits for the next rollout: SIGINT to this (the main) thread
+            # once it waits; the stream cancels and lets the KeyboardInterrupt through.
+            def interrupt() -> None:
+                wait_for(lambda: any(f.f_code.co_name == "__next__" for f in _frames()), "next() waits")
+                signal.pthread_kill(_main_ident(), signal.SIGINT)
+
+            threading.Thread(target=interrupt, daemon=True).start()
+            with pytest.raises(KeyboardInterrupt):
+                next(stream)
+        ended = wait_for(lambda: (lambda st: st if all(s.status in ("cancelled", "succeeded", "expired") for s in st)
+                                  else None)([c.status(i) for i in stream_ids(c, before | set(block))]),
+                         "the stream's rollouts end", timeout=60)
+        assert ids <= {s.id for s in ended} and len(ended) <= 4  # at most one refill, on "break"
+        assert all(s.status == "cancelled" for s in ended), [s.status for s in ended]
+        for b in block:
+            c.cancel(b)
+
+
+def _ticket(r: Rollout) -> Ticket:
+    assert r.ticket is not None
+    return r.ticket
+
+
+def _main_ident() -> int:
+    ident = threading.main_thread().ident
+    assert ident is not None
+    return ident
+
+
+def _frames() -> list[Any]:
+    import sys
+
+    frame: Any = sys._current_frames()[_main_ident()]
+    out = []
+    while frame is not None:
+        out.append(frame)
+        frame = frame.f_back
+    return out
+
+
+def _nudged(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.01 * torch.randn(v.shape, generator=g, dtype=v.dtype) if v.is_floating_point() else v
+            for k, v in state.items()}
+
+
+def test_max_staleness_resubmits_a_rollout_behind_the_last_push(server):
+    """A rollout running while this client pushes weights finishes on the old weights: with
+    max_staleness=0 it is released and run again on the new ones, counted on the item and the
+    stream; the item that comes out ran on the pushed version."""
+    base = ModelRegistry().get("tiny-sd3").pipeline.transformer.state_dict()
+    with Client(server.rest_url) as c:
+        long = {"prompts": ["stale"], "num_outputs_per_prompt": 32, "num_inference_steps": 60, "seed": 3}
+        before = {s.id for s in c.rollouts(limit=1000)}
+        stream = c.stream([long], in_flight=1, max_staleness=0, progress=False)
+        (first,) = wait_for(lambda: stream_ids(c, before) or None, "the rollout is submitted")
+        wait_for(lambda: c.status(first).progress.steps_done >= 1, "it runs", timeout=60)
+        c.push_weights("tiny-sd3", _nudged(base, 1))
+        pushed = c.pushed_versions["tiny-sd3"]
+        assert c.status(first).status == "running"  # the push came while it ran: it ends on the old weights
+        (item,) = list(stream)
+        assert item.error is None and item.resubmits == 1 and stream.resubmitted == 1
+        assert item.weights_version == pushed and _ticket(item).id != first
+        assert c.status(first).status == "expired"  # the stale result was released
+        c.push_weights("tiny-sd3", base)  # the base weights again for what follows
+
+
+def test_async_client_same_surface_same_errors(server):
+    """AsyncClient: submit / wait / pull / pull_outputs / cancel / models / push_lora / delete_lora /
+    stream as coroutines, with the answers and typed errors of Client."""
+    base = ModelRegistry().get("tiny-sd3")
+    config = LoraConfig(r=2, lora_alpha=4, init_lora_weights="gaussian", target_modules=["attn.to_q"])
+    adapter = get_peft_model_state_dict(get_peft_model(copy.deepcopy(base.pipeline.transformer), config))
+
+    async def main() -> None:
+        async with AsyncClient(server.rest_url) as ac:
+            tickets = await asyncio.gather(*(ac.submit(prompts=[f"async {i}"], seed=i, return_={"outputs": True},
+                                                       **FAST) for i in range(3)))
+            statuses = await asyncio.gather(*(ac.wait(t, timeout=120) for t in tickets))
+            assert [s.status for s in statuses] == ["succeeded"] * 3
+            traj = await ac.pull(tickets[0].id)
+            images = await ac.pull_outputs(tickets[0])
+            with Client(server.rest_url) as c:  # the same bits as the blocking client's
+                assert torch.equal(c.pull(tickets[0]).latents, traj.latents)
+                assert np.array_equal(c.pull_outputs(tickets[0]), images)
+            assert (await ac.cancel(tickets[0])).status == "expired"
+            for hostile in ("../models/tiny-sd3/lora", "?status=succeeded", "x" * 100_000):
+                with pytest.raises(NotFound):
+                    await ac.cancel(hostile)
+                with pytest.raises(NotFound):
+                    await ac.pull(hostile)
+            with pytest.raises(ApiError) as info:
+                await ac.submit(prompts=["a"], num_inference_steps=0)
+            assert info.value.status == 422
+            put = await ac.push_lora("tiny-sd3", adapter, config)
+            assert ac.pushed_versions["tiny-sd3"] == put["weights_version"]
+            (m,) = [m for m in await ac.models() if m["id"] == "tiny-sd3"]
+            assert m["digest"] == put["digest"]
+            gone = await ac.delete_lora("tiny-sd3")
+            assert gone["weights_version"] == put["weights_version"] + 1 == ac.pushed_versions["tiny-sd3"]
+            got = []
+            reqs = requests(4, "astream", return_={"outputs": True})
+            async with ac.stream(reqs, in_flight=2, outputs=True, progress=False) as rollouts:
+                async for r in rollouts:
+                    got.append(r)
+            assert sorted(r.request["prompts"][0] for r in got) == [f"astream {i}" for i in range(4)]
+            assert all(r.error is None and r.weights_version == gone["weights_version"] for r in got)
+            with Client(server.rest_url) as c:  # outputs=True: each item's decoded outputs, as pull_outputs gives them
+                for r in got:
+                    assert r.outputs is not None and r.ticket is not None
+                    assert np.array_equal(r.outputs, c.pull_outputs(r.ticket))
+
+    asyncio.run(main())
+
+
+def test_cancelling_the_task_that_iterates_an_async_stream_cancels_its_rollouts(server):
+    with Client(server.rest_url) as c:
+        before = {s.id for s in c.rollouts(limit=1000)}
+        block = blockers(c)
+
+        async def consume(ac: AsyncClient) -> None:
+            async for _ in ac.stream(requests(5, "acancel"), in_flight=2, progress=False):
+                pass
+
+        async def main() -> None:
+            async with AsyncClient(server.rest_url) as ac:
+                task = asyncio.create_task(consume(ac))
+                while len(await asyncio.to_thread(stream_ids, c, before | set(block))) < 2:
+                    await asyncio.sleep(0.02)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+
+        asyncio.run(main())
+        ids = stream_ids(c, before | set(block))
+        assert len(ids) == 2
+        wait_for(lambda: all(c.status(i).status == "cancelled" for i in ids), "both cancelled", timeout=60)
+        for b in block:
+            c.cancel(b)
