@@ -4,6 +4,7 @@
     python ops/examples/grpo_train.py                     # ... eval reward: 0.3127 -> 0.3638
     python ops/examples/grpo_train.py --sign -1           # trained on the negated reward: 0.3127 -> 0.2788
     python ops/examples/grpo_train.py --plot reward.png --kl-beta 0.01
+    python ops/examples/grpo_train.py --async             # rollouts overlap training, one version behind
 
 The trainer holds its own stock diffusers pipeline (the server's weights) with a peft LoRA on
 Flow-GRPO's SD3 target modules (`init_lora_weights="gaussian"`: lora_B starts at zero, so the
@@ -25,6 +26,10 @@ policy starts as the base) and pushes the adapter first, so both run the same po
   5. the clipped surrogate loss, plus with --kl-beta Flow-GRPO's KL term against the base policy
      (the same transformer with the adapter disabled), --inner-steps Adam steps on the LoRA factors;
   6. push the adapter (`Client.push_lora`); its digest is the next iteration's `expected_digest`.
+With --async the rollouts come from `Client.stream` instead: iteration k+1's rollout runs while
+iteration k trains, on the weights one version behind the trainer's (the recorded log-probs are
+that older policy's, as in Flow-GRPO; `max_staleness=1` reruns anything older), without
+`expected_digest` and without the on-policy check.
 Before the first update and after the last it rolls out a fixed evaluation set (prompts and seeds
 that training never sees) and the last line printed is `eval reward: <before> -> <after>`: the mean
 reward of that set (without --sign, so it falls when --sign -1 trains the reward down). At the end
@@ -38,7 +43,7 @@ import argparse
 import io
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,7 +99,8 @@ class Iteration:
     """The mean training reward of this iteration's rollout (times --sign)."""
     loss: float
     kl: float
-    on_policy_ratio_is_one: bool
+    on_policy_ratio_is_one: bool | None
+    """torch.equal(ratio, 1) before the first update; None for a rollout one version behind (--async)."""
     seconds: float
 
 
@@ -148,6 +154,7 @@ def train(
     keep_adapter: bool = False,
     seed: int = 0,
     plot: str | None = None,
+    use_async: bool = False,
     log: Callable[[str], None] = print,
 ) -> tuple[float, float, list[Iteration]]:
     """The loop; returns (eval reward before, after, one Iteration per iteration)."""
@@ -160,7 +167,8 @@ def train(
     optimizer = torch.optim.Adam([p for p in pipe.transformer.parameters() if p.requires_grad], lr=lr)
     history: list[Iteration] = []
     with Client(url, token=token) as client:
-        digest = client.push_lora(MODEL, get_peft_model_state_dict(pipe.transformer), config)["digest"]
+        put = client.push_lora(MODEL, get_peft_model_state_dict(pipe.transformer), config)
+        digest, version = put["digest"], put["weights_version"]
         try:
             def evaluate() -> float:
                 ticket = client.submit(model=MODEL, prompts=list(EVAL_PROMPTS), num_outputs_per_prompt=eval_group,
@@ -169,14 +177,37 @@ def train(
                 return float(score(client.pull_outputs(ticket)).mean())
 
             before = evaluate()
-            for it in range(iterations):
-                t0 = time.perf_counter()
-                ticket = client.submit(model=MODEL, prompts=list(TRAIN_PROMPTS), num_outputs_per_prompt=group,
-                                       num_inference_steps=steps, seed=seed + it, sampler=SAMPLER, guidance_scale=GUIDANCE,
-                                       expected_digest=digest, return_={"outputs": True, "conditioning": True})
-                traj = client.pull(ticket)
+
+            def request(it: int) -> dict[str, Any]:
+                return {"model": MODEL, "prompts": list(TRAIN_PROMPTS), "num_outputs_per_prompt": group,
+                        "num_inference_steps": steps, "seed": seed + it, "sampler": SAMPLER,
+                        "guidance_scale": GUIDANCE, "return_": {"outputs": True, "conditioning": True}}
+
+            def sync_rollouts() -> Iterator[tuple[Any, Any, np.ndarray]]:
+                """One rollout per iteration on the weights just pushed (expected_digest: on-policy)."""
+                for it in range(iterations):
+                    ticket = client.submit(**request(it), expected_digest=digest)
+                    yield ticket, client.pull(ticket), client.pull_outputs(ticket)
+
+            def async_rollouts() -> Iterator[tuple[Any, Any, np.ndarray]]:
+                """Client.stream keeps the next iteration's rollout running while this one trains: it is
+                submitted when the previous one is taken (in_flight=1), so it runs on the weights pushed
+                at most one iteration ago; one more than a version behind is run again (max_staleness=1)."""
+                with client.stream((request(it) for it in range(iterations)), in_flight=1, outputs=True,
+                                   max_staleness=1, progress=False) as rollouts:
+                    for r in rollouts:
+                        if r.error is not None:
+                            raise r.error
+                        yield r.ticket, r.trajectory, r.outputs
+
+            t0 = time.perf_counter()
+            for it, (ticket, traj, images) in enumerate(async_rollouts() if use_async else sync_rollouts()):
                 cond = client.pull_conditioning(ticket)
-                rewards = sign * score(client.pull_outputs(ticket))  # [B] float64
+                # On the weights the trainer holds (always, without --async): the first inner step is
+                # on-policy and checked; a rollout one version behind (--async) is off-policy by design,
+                # its recorded log-probs the old policy's, as in Flow-GRPO.
+                current = traj.metadata["model"]["digest"] == digest
+                rewards = sign * score(images)  # [B] float64
                 adv = torch.from_numpy(group_advantages(rewards, traj.prompt_index)).float()  # [B]
                 sde = list(traj.sde_steps)
                 logp_old = traj.log_probs[:, sde]  # [B, S], recorded by the server
@@ -191,10 +222,10 @@ def train(
                     # The first step is on-policy (strict: the transformer holds the rollout's adapter);
                     # the later ones are off-policy on purpose.
                     logp, means, stds = replay_log_probs(pipe, traj, conditioning=cond, grad=True, strict=True,
-                                                         check_weights=k == 0, with_means=True)
+                                                         check_weights=k == 0 and current, with_means=True)
                     loss, ratio = policy_loss(logp[:, sde], logp_old, adv, clip)
                     if k == 0:
-                        on_policy = torch.equal(ratio.detach(), torch.ones_like(ratio))
+                        on_policy = torch.equal(ratio.detach(), torch.ones_like(ratio)) if current else None
                     if kl_beta:
                         kl = kl_to_base(means, ref_means, stds, sde)
                         loss = loss + kl_beta * kl
@@ -203,13 +234,19 @@ def train(
                     loss.backward()
                     optimizer.step()
                     loss_v = float(loss.detach())
-                digest = client.push_lora(MODEL, get_peft_model_state_dict(pipe.transformer), config)["digest"]
+                made_with = traj.metadata["model"]["weights_version"]
+                put = client.push_lora(MODEL, get_peft_model_state_dict(pipe.transformer), config)
+                trained_on, (digest, version) = version, (put["digest"], put["weights_version"])
+                now = time.perf_counter()
                 history.append(Iteration(reward=float(rewards.mean()), loss=loss_v, kl=kl_v,
-                                         on_policy_ratio_is_one=on_policy, seconds=time.perf_counter() - t0))
+                                         on_policy_ratio_is_one=on_policy, seconds=now - t0))
+                t0 = now  # an iteration's wall time: from the end of the last one (its rollout included)
                 h = history[-1]
                 log(f"iteration {it}: reward {h.reward:+.4f}  loss {h.loss:+.5f}"
                     + (f"  kl {h.kl:.5f}" if kl_beta else "")
-                    + f"  on-policy ratio == 1: {on_policy}  ({h.seconds:.1f} s)")
+                    + (f"  on-policy ratio == 1: {on_policy}" if on_policy is not None
+                       else f"  off-policy: rolled out on weights version {made_with}, trained at {trained_on}")
+                    + f"  ({h.seconds:.1f} s)")
             after = evaluate()
         finally:
             if not keep_adapter:
@@ -257,17 +294,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="train on the reward times this (-1: push the reward down)")
     p.add_argument("--plot", metavar="PNG", default=None, help="draw the reward curve into this file")
     p.add_argument("--keep-adapter", action="store_true", help="leave the trained LoRA on the server")
+    p.add_argument("--async", dest="use_async", action="store_true",
+                   help="Client.stream: the next iteration's rollout runs while this one trains (one weights "
+                   "version behind at most)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     before, after, history = train(
         args.url, token=args.token, iterations=args.iterations, group=args.group, steps=args.steps, rank=args.rank,
         lr=args.lr, clip=args.clip, inner_steps=args.inner_steps, kl_beta=args.kl_beta, reward=args.reward,
         sign=args.sign, eval_group=args.eval_group, keep_adapter=args.keep_adapter, plot=args.plot,
+        use_async=args.use_async,
     )
     print(f"{len(history)} iterations in {time.perf_counter() - t0:.1f} s"
           + ("" if args.keep_adapter else f"; the adapter was removed from {MODEL}"), file=sys.stderr)
     print(f"eval reward: {before:.4f} -> {after:.4f}")
-    return 0 if all(h.on_policy_ratio_is_one for h in history) else 1
+    return 0 if all(h.on_policy_ratio_is_one is not False for h in history) else 1
 
 
 if __name__ == "__main__":

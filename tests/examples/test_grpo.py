@@ -69,6 +69,15 @@ def test_a_short_run_prints_the_eval_line_last_draws_the_curve_and_removes_its_a
     with Client(server.rest_url) as c:
         assert c.delete_lora("tiny-sd3")["digest"] == base
 
+    rc = grpo.main(["--url", server.rest_url, "--iterations", "3", "--group", "2", "--eval-group", "1", "--async"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0 and LAST_LINE.fullmatch(out[-1]) and len(out) == 4, out
+    assert "on-policy ratio == 1: True" in out[0]  # the first rollout runs on the first push
+    for line in out[1:3]:  # the next ones ran while the previous iteration trained: one version behind
+        m = re.search(r"weights version (\d+), trained at (\d+)", line)
+        assert m and int(m.group(2)) == int(m.group(1)) + 1, line
+    assert _digest(server.rest_url) == base
+
 
 @pytest.mark.timeout(300)
 def test_the_default_reward_rises_when_trained_up(server):
