@@ -18,7 +18,7 @@ from sigmaflight.pipeline.models import LoadedModel
 from sigmaflight.pipeline.seeds import sample_generators
 from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec
 
-__all__ = ["batch_call_kwargs", "call_kwargs", "call_overrides"]
+__all__ = ["batch_call_kwargs", "call_kwargs", "call_overrides", "recorded_call"]
 
 
 def call_kwargs(
@@ -63,6 +63,24 @@ def call_kwargs(
     if branch is not None:
         kw["latents"] = branch.latents.repeat_interleave(n, dim=0).to(model.device)  # [B, ...] parent-major
     return kw
+
+
+def recorded_call(model: LoadedModel, spec: RolloutSpec) -> dict[str, Any]:
+    """The `__call__` keywords of a rollout that the request does not give and that change its
+    result, as the server resolved them: height, width, guidance_scale, num_frames (video), and
+    the model's fixed ones (`ModelDefaults.call_kwargs`, e.g. a built-in's short
+    max_sequence_length). Recorded as the trajectory's `call`, so a stock pipeline replays a
+    rollout with the request and these alone (JSON values)."""
+    d = model.defaults
+    out: dict[str, Any] = {
+        "height": spec.height or d.height,
+        "width": spec.width or d.width,
+        "guidance_scale": d.guidance_scale if spec.guidance_scale is None else float(spec.guidance_scale),
+    }
+    if d.is_video:
+        out["num_frames"] = spec.num_frames or d.num_frames
+    out.update(d.call_kwargs)
+    return out
 
 
 def _row_prompts(spec: RolloutSpec) -> list[str]:

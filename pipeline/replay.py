@@ -20,7 +20,12 @@ import torch
 from sigmaflight.pipeline.batch import batch_key
 from sigmaflight.pipeline.calls import batch_call_kwargs, call_overrides
 from sigmaflight.pipeline.conditioning import branch_conditioning, check_conditioning
-from sigmaflight.pipeline.kernels import step_log_prob, stochastic_transitions
+from sigmaflight.pipeline.kernels import (
+    gaussian_log_prob,
+    kernel_mean_std,
+    step_log_prob,
+    stochastic_transitions,
+)
 from sigmaflight.pipeline.models import LoadedModel
 from sigmaflight.pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
 from sigmaflight.pipeline.spec import RolloutSpec
@@ -28,6 +33,23 @@ from sigmaflight.pipeline.stepping import advance
 from sigmaflight.pipeline.validation import requested_sde_steps, validate_spec
 
 __all__ = ["ReplayItem", "Replayer", "ReplayResult", "step_log_prob"]
+
+
+class _NoGrad:
+    """A text encoder called under `torch.no_grad()` in a replay with gradients: a trainer's own
+    pipeline (`from_pretrained`) has every parameter requiring grad, and with autograd on, torch's
+    CPU attention takes another kernel for them (CLIP's pooled output moved by ~1e-6), so the prompt
+    embeddings would not be the rollout's bits. The policy's graph runs through the transformer."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return self._module(*args, **kwargs)
 
 
 class _ReplayMember:
@@ -46,6 +68,8 @@ class _ReplayMember:
         self.sde_steps = stochastic_transitions(requested_sde_steps(spec), item.sigmas, sampler=spec.sampler)
         self.log_probs = torch.full((len(self.seeds), self.T), float("nan"), dtype=torch.float32)
         self.velocities: dict[int, torch.Tensor] = {}
+        self.means: dict[int, torch.Tensor] = {}
+        self.stds: dict[int, torch.Tensor] = {}
 
     def step(self, scheduler: RolloutScheduler, i: int, sample: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
         if i in self.latents:
@@ -60,9 +84,10 @@ class _ReplayMember:
         if self.grad:
             x_next = x_next.detach()  # x_{i+1} is data: gradients flow only through this step's velocity
         if stochastic and i in self.latents and (i + 1) in self.latents:
-            self.log_probs[:, i] = step_log_prob(
-                sample, x_next, velocity, self.sigmas, i, sampler=self.spec.sampler
-            ).to("cpu")
+            # step_log_prob's two halves, so the kernel's mean and std are kept too (same bits)
+            mean, std = kernel_mean_std(sample, velocity, self.sigmas, i, sampler=self.spec.sampler)
+            self.log_probs[:, i] = gaussian_log_prob(x_next, mean, std, self.spec.sampler.log_prob).to("cpu")
+            self.means[i], self.stds[i] = mean, std
         return x_next
 
 
@@ -96,6 +121,11 @@ class ReplayResult:
     velocities: dict[int, torch.Tensor]
     """Absolute step i -> float32 [B, *latent_shape] (CPU): the CFG-combined velocity the replay
     computed at every captured step i < T (compare with the rollout's `StepCapture.velocity`)."""
+    means: dict[int, torch.Tensor]
+    """Scored transition i -> float32 [B, *latent_shape] on the model's device: the mean of the
+    Gaussian kernel p(x_{i+1} | x_i) (with a graph to the model under `grad=True`)."""
+    stds: dict[int, torch.Tensor]
+    """Scored transition i -> float32 0-d: the kernel's std (it depends on the schedule only)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -195,7 +225,12 @@ class Replayer:
         driver = _ReplayDriver(members)
         pipeline, _ = self.model.snapshot()
         scheduler = make_rollout_scheduler(pipeline.scheduler, driver)
-        pipe = per_call_pipeline(pipeline, scheduler, call_overrides(self.model, pipeline, per_sample_model_calls))
+        overrides = call_overrides(self.model, pipeline, per_sample_model_calls)
+        if grad:  # the text encoders stay out of the graph and compute the rollout's bits (see _NoGrad)
+            for name, comp in pipeline.components.items():
+                if name.startswith("text_encoder") and isinstance(comp, torch.nn.Module):
+                    overrides[name] = _NoGrad(overrides.get(name, comp))
+        pipe = per_call_pipeline(pipeline, scheduler, overrides)
         conditioning: list[Mapping[str, torch.Tensor]] | None = None
         if all(item.conditioning is not None for item in items):
             conditioning = [item.conditioning for item in items if item.conditioning is not None]
@@ -223,4 +258,5 @@ class Replayer:
         else:
             with torch.inference_mode():
                 pipe(**kwargs)
-        return [ReplayResult(log_probs=m.log_probs, velocities=m.velocities) for m in members]
+        return [ReplayResult(log_probs=m.log_probs, velocities=m.velocities, means=m.means, stds=m.stds)
+                for m in members]

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from sigmaflight.pipeline.batch import batch_key
-from sigmaflight.pipeline.calls import batch_call_kwargs, call_overrides
+from sigmaflight.pipeline.calls import batch_call_kwargs, call_overrides, recorded_call
 from sigmaflight.pipeline.conditioning import (
     TransformerRecorder,
     branch_conditioning,
@@ -509,6 +509,7 @@ def rollout_metadata(model: LoadedModel, spec: RolloutSpec, snapshot: ScheduleSn
         },
         "sampler": request["sampler"],
         "request": request,
+        "call": recorded_call(model, spec),
         "seeds": list(snapshot.seeds),
         "num_samples": len(snapshot.seeds),
         "num_outputs_per_prompt": snapshot.num_outputs_per_prompt,

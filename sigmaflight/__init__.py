@@ -3,8 +3,8 @@
 Nothing here loads server code: no Starlette, uvicorn, job journal or Ray (the server lives in
 control/; `sigmaflight serve` imports it only when it runs). Nor does `import sigmaflight` load
 the model stack: each name below is imported on first use (PEP 562), so `Client` costs httpx,
-pydantic and pyarrow, `Trajectory` and `step_log_prob` add torch, and only `Replayer` and
-`replay_log_probs` (running a model) need diffusers, the `replay` extra.
+pydantic and pyarrow, `group_advantages` numpy only, `Trajectory` and `step_log_prob` add torch,
+and only `Replayer` and `replay_log_probs` (running a model) need diffusers, the `replay` extra.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from sigmaflight.errors import (
 
 if TYPE_CHECKING:
     from sigmaflight.aclient import AsyncClient
+    from sigmaflight.advantages import group_advantages
     from sigmaflight.client import Client, replay_log_probs, rollout_spec
     from sigmaflight.dataplane.client import Trajectory, Transition
     from sigmaflight.pipeline.kernels import step_log_prob
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "AsyncClient": "sigmaflight.aclient",
+    "group_advantages": "sigmaflight.advantages",  # numpy only
     "Client": "sigmaflight.client",
     "replay_log_probs": "sigmaflight.client",
     "rollout_spec": "sigmaflight.client",
@@ -54,6 +56,7 @@ __all__ = [
     "Unauthorized",
     "WeightsMismatch",
     "__version__",
+    "group_advantages",
     "replay_log_probs",
     "rollout_spec",
     "step_log_prob",

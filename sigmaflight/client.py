@@ -405,7 +405,7 @@ def rollout_spec(traj: Trajectory) -> RolloutSpec:
 
 
 def replay_log_probs(
-    model: Any,
+    pipeline: Any,
     traj: Trajectory,
     *,
     grad: bool = False,
@@ -413,11 +413,19 @@ def replay_log_probs(
     strict: bool = False,
     check_weights: bool = True,
     conditioning: Mapping[str, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """log p(x_{i+1} | x_i) [B, T] recomputed with `model` (a sigmaflight.pipeline.models.LoadedModel) on `traj`.
+    with_means: bool = False,
+    scheduler: Any = None,
+) -> Any:
+    """log p(x_{i+1} | x_i) [B, T] recomputed with `pipeline` on `traj`.
 
-    With the server's weights this gives the trajectory's own `log_probs` bit for bit; with
-    `grad=True` the result carries a graph to the model's trainable parameters.
+    `pipeline`: the trainer's own stock diffusers pipeline, as it loaded it (`from_pretrained`,
+    on its device and dtype; its transformer may be peft-wrapped, `get_peft_model` or
+    `add_adapter`), or a `sigmaflight.pipeline.models.LoadedModel`. The pipeline is called as the
+    server called it: the request and the call's other keywords (height, width, guidance_scale,
+    max_sequence_length, ...) come from the trajectory's metadata (`request`, `call`), so the
+    pipeline needs nothing else. With the server's weights this gives the trajectory's own
+    `log_probs` bit for bit; with `grad=True` the result carries a graph to the pipeline's
+    trainable parameters.
 
     The trajectory's `model.components` (a weights digest per component) are compared with
     `current_components(model)`, the components `model` holds as they are now (None ones, such as
@@ -428,9 +436,19 @@ def replay_log_probs(
     off-policy step on purpose).
 
     `conditioning`: the rollout's "conditioning/v1" tensors (`Client.pull_conditioning`): the
-    prompts are not encoded, so `model`'s text encoders may be None.
+    prompts are not encoded, so the pipeline's text encoders may be None.
 
-    It runs a diffusers model: diffusers must be installed (the trainer's own, or the `replay`
+    Instead of a pipeline, its transformer (peft-wrapped or not) with `scheduler=` its scheduler: the
+    family's stock pipeline is built around the two (no VAE, no text encoders), so `conditioning`
+    is required. Without a VAE the pipeline takes the usual scale factor 8 (every SD3, FLUX and Wan
+    checkpoint); the built-in tiny models' VAEs scale by 2, so tiny-flux replays from its pipeline.
+
+    `with_means=True` returns `(log_probs, means, stds)`: for each scored transition i, the mean
+    (float32 [B, *latent_shape], with the graph under `grad=True`) and std (0-d) of the Gaussian
+    kernel p(x_{i+1} | x_i), as dicts keyed by i: what a KL term against a reference policy needs
+    (`((means[i] - ref_means[i]) ** 2 / (2 * stds[i] ** 2))`, the two kernels sharing the std).
+
+    It runs a diffusers model: diffusers must be installed (the trainer's own, or the `train`
     extra). Scoring transitions from velocities you computed needs only torch: `step_log_prob`."""
     try:
         from sigmaflight.pipeline.replay import Replayer
@@ -438,11 +456,17 @@ def replay_log_probs(
         if exc.name != "diffusers":
             raise
         raise ModuleNotFoundError("replay_log_probs runs a diffusers model and diffusers is not installed: "
-                                  "pip install 'sigmaflight[replay]' (or your own diffusers)", name=exc.name) from exc
+                                  "pip install 'sigmaflight[train]' (or your own diffusers)", name=exc.name) from exc
 
+    if scheduler is not None:
+        if conditioning is None:
+            raise ValueError("conditioning: a transformer and scheduler replay on the rollout's conditioning stream "
+                             "(Client.pull_conditioning); pass conditioning=, or pass the whole pipeline")
+        pipeline = _pipeline_around(pipeline, scheduler)
+    model = _replay_model(pipeline, traj)
     if check_weights:
         _check_weights(model, traj, strict=strict)
-    return Replayer(model).log_probs(
+    result = Replayer(model).replay(
         rollout_spec(traj),
         latents=traj.latents,
         steps=[int(s) for s in traj.steps],
@@ -453,6 +477,73 @@ def replay_log_probs(
         grad=grad,
         conditioning=conditioning,
     )
+    return (result.log_probs, result.means, result.stds) if with_means else result.log_probs
+
+
+_RESOLVED = ("height", "width", "guidance_scale", "num_frames")
+"""The `call` keys that are ModelDefaults fields; the others are the model's fixed call keywords."""
+
+
+_PIPELINE_OF = {
+    "SD3Transformer2DModel": "StableDiffusion3Pipeline",
+    "FluxTransformer2DModel": "FluxPipeline",
+    "WanTransformer3DModel": "WanPipeline",
+}
+"""The stock pipeline class around a transformer class (the families sigmaflight serves)."""
+
+
+def _pipeline_around(transformer: Any, scheduler: Any) -> Any:
+    """The family's stock diffusers pipeline holding `transformer` and `scheduler` and nothing else."""
+    import inspect
+
+    import diffusers
+
+    base = transformer.get_base_model() if hasattr(transformer, "get_base_model") else transformer  # a PeftModel
+    name = _PIPELINE_OF.get(type(base).__name__)
+    if name is None:
+        raise TypeError(f"a transformer with scheduler= must be one of {', '.join(sorted(_PIPELINE_OF))}, got "
+                        f"{type(base).__name__}; pass the whole pipeline instead")
+    cls = getattr(diffusers, name)
+    params = inspect.signature(cls.__init__).parameters
+    missing = {k: None for k, p in params.items() if k not in ("self", "transformer", "scheduler")
+               and p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD}
+    pipe = cls(transformer=transformer, scheduler=scheduler, **missing)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _replay_model(pipeline: Any, traj: Trajectory) -> Any:
+    """A LoadedModel as is; a stock diffusers pipeline wrapped in one whose defaults are the
+    trajectory's recorded `call` (what the server resolved), so the replay calls it as the server did."""
+    import torch
+
+    from sigmaflight.pipeline.families import family_of_pipeline
+    from sigmaflight.pipeline.models import LoadedModel, ModelDefaults
+
+    if isinstance(pipeline, LoadedModel):
+        return pipeline
+    transformer = getattr(pipeline, "transformer", None)
+    if not isinstance(getattr(pipeline, "components", None), Mapping) or not isinstance(transformer, torch.nn.Module):
+        raise TypeError("pipeline must be a diffusers pipeline with a transformer (e.g. "
+                        f"StableDiffusion3Pipeline.from_pretrained(...)) or a LoadedModel, got {type(pipeline).__name__}")
+    call = traj.metadata.get("call")
+    if not isinstance(call, Mapping) or any(k not in call for k in ("height", "width", "guidance_scale")):
+        raise ValueError(f"trajectory {traj.header.rollout_id} records no `call` (height, width, guidance_scale, ...) "
+                         "in its metadata: a server older than this client made it; replay it with a LoadedModel")
+    base = [p for n, p in transformer.named_parameters() if "lora_" not in n] or list(transformer.parameters())
+    family = family_of_pipeline(pipeline)
+    defaults = ModelDefaults(
+        height=int(call["height"]),
+        width=int(call["width"]),
+        num_inference_steps=int(traj.metadata["request"]["num_inference_steps"]),
+        guidance_scale=float(call["guidance_scale"]),
+        num_frames=None if call.get("num_frames") is None else int(call["num_frames"]),
+        is_video=family.is_video,
+        call_kwargs={k: v for k, v in call.items() if k not in _RESOLVED},
+    )
+    made = traj.metadata.get("model") or {}
+    return LoadedModel(id=str(made.get("id", "")), family=family.name, pipeline=pipeline, device=base[0].device,
+                       dtype=base[0].dtype, digest="", defaults=defaults)
 
 
 def _check_weights(model: Any, traj: Trajectory, *, strict: bool) -> None:

@@ -1,35 +1,40 @@
-"""A small Flow-GRPO loop with LoRA against a running sigmaflight server (built-in tiny-sd3, CPU).
+"""GRPO with a LoRA against a running sigmaflight server: a first loop that visibly learns on a CPU.
 
-    sigmaflight serve &                         # or: ops/serve.sh
-    python ops/examples/grpo_train.py --url http://127.0.0.1:8000 --iterations 4
+    sigmaflight serve &                                   # the built-in tiny-sd3, on the CPU
+    python ops/examples/grpo_train.py                     # ... eval reward: 0.3127 -> 0.3638
+    python ops/examples/grpo_train.py --sign -1           # trained on the negated reward: 0.3127 -> 0.2788
+    python ops/examples/grpo_train.py --plot reward.png --kl-beta 0.01
+    python ops/examples/grpo_train.py --async             # rollouts overlap training, one version behind
 
-The trainer holds its own copy of the model with a peft LoRA on Flow-GRPO's SD3 target modules
-(`get_peft_model`, `init_lora_weights="gaussian"`: lora_B starts at zero) and pushes the adapter
-to the server first, so both run the same policy. Each iteration:
-  1. submit one rollout: P prompts x G outputs (a GRPO group per prompt), SDE sampler, the decoded
-     images (`return.outputs`), the conditioning the transformer consumed (`return.conditioning`),
-     and `expected_digest` = the digest the last push answered (a
-     rollout on any other weights is refused: no off-policy batch reaches the update);
-  2. pull the trajectory (torch tensors), the images (`Client.pull_outputs`, uint8 [B, H, W, 3])
-     and the conditioning (`Client.pull_conditioning`: prompt embeddings, per sample);
-  3. reward (--reward): "jpeg", DDPO's JPEG compressibility as Flow-GRPO computes it (each image saved
-     as JPEG at quality 95, size in kB = bytes / 1000, reward = -size_kB / 500); or "brightness" /
-     "darkness", the images' mean pixel value / 255 (or its negative): the tiny built-in model's
-     images barely differ in JPEG size, so its JPEG curve hardly moves, while brightness moves in a
-     few iterations, up or down as asked;
-  4. advantages normalised within each prompt's group;
-  5. recompute log p(x_{i+1} | x_i) of every stochastic transition with the trainer's
-     peft-wrapped transformer (`replay_log_probs`, grad=True): on-policy the ratio
-     exp(logp_new - logp_old) is exactly 1 (torch.equal with ones);
-  6. clipped policy loss, backward into the LoRA factors only, optimizer step
-     (--inner-steps updates per batch; the ones after the first are off-policy);
-  7. push the adapter (`peft.get_peft_model_state_dict` -> safetensors with the LoraConfig as
-     JSON under the header metadata key `lora_config`: `Client.push_lora`); its digest is the
-     next iteration's `expected_digest`.
-At the end it prints the reward curve (mean reward per iteration) and, with --eval-seed, the reward
-of one fixed-seed rollout before the first update and after the last (the same noise both times, so
-the difference is the policy's). The trainer holds no text encoders: its replay runs the
-transformer on the server's conditioning stream.
+The trainer holds its own stock diffusers pipeline (the server's weights) with a peft LoRA on
+Flow-GRPO's SD3 target modules (`init_lora_weights="gaussian"`: lora_B starts at zero, so the
+policy starts as the base) and pushes the adapter first, so both run the same policy. Each iteration:
+  1. one rollout: every training prompt x --group outputs (a GRPO group per prompt), the SDE sampler,
+     no classifier-free guidance (half the work), the decoded images and the conditioning the
+     transformer consumed, `expected_digest` = the digest the last push answered (a rollout on
+     other weights is refused);
+  2. reward of each image, times --sign (--reward: "bright-pixels", the fraction of its pixels
+     brighter than mid-grey, in [0, 1]: the default, because the tiny model's random VAE keeps the
+     mean brightness within about 0.01 whatever the latent, while this fraction moves; "brightness",
+     the mean pixel value / 255; "jpeg", DDPO's JPEG compressibility as Flow-GRPO computes it);
+  3. advantages within each prompt's group (`sigmaflight.group_advantages`: Flow-GRPO's per-prompt
+     mean and std);
+  4. log p(x_{i+1} | x_i) of every stochastic transition recomputed by the trainer's own pipeline
+     (`sigmaflight.replay_log_probs`, grad=True, on the conditioning stream: no text encoders);
+     before the first update the ratio exp(logp_new - logp_old) is exactly 1 (checked: the exit
+     status is 1 otherwise);
+  5. the clipped surrogate loss, plus with --kl-beta Flow-GRPO's KL term against the base policy
+     (the same transformer with the adapter disabled), --inner-steps Adam steps on the LoRA factors;
+  6. push the adapter (`Client.push_lora`); its digest is the next iteration's `expected_digest`.
+With --async the rollouts come from `Client.stream` instead: iteration k+1's rollout runs while
+iteration k trains, on the weights one version behind the trainer's (the recorded log-probs are
+that older policy's, as in Flow-GRPO; `max_staleness=1` reruns anything older), without
+`expected_digest` and without the on-policy check.
+Before the first update and after the last it rolls out a fixed evaluation set (prompts and seeds
+that training never sees) and the last line printed is `eval reward: <before> -> <after>`: the mean
+reward of that set (without --sign, so it falls when --sign -1 trains the reward down). At the end
+it removes its adapter from the server (unless --keep-adapter), so later rollouts run the base
+weights again.
 """
 
 from __future__ import annotations
@@ -38,225 +43,272 @@ import argparse
 import io
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-from PIL import Image
-from sigmaflight.pipeline.models import LoadedModel, ModelRegistry
 
-from sigmaflight.client import Client, replay_log_probs
+from sigmaflight import Client, group_advantages, replay_log_probs
 
 MODEL = "tiny-sd3"
 TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
            "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]
-"""Flow-GRPO's LoRA target modules for SD3 (all present in tiny-sd3's joint attention blocks)."""
+"""Flow-GRPO's LoRA target modules for SD3."""
+TRAIN_PROMPTS = ("a red cube", "a blue ball")
+EVAL_PROMPTS = ("a yellow star", "an old boat")
+EVAL_SEED = 10_000
+"""The evaluation set: EVAL_PROMPTS x --eval-group outputs from this seed (training seeds are 0, 1, ...)."""
+SAMPLER = {"type": "sde", "noise_level": 0.7}
+GUIDANCE = 1.0
+"""No classifier-free guidance: one transformer row per sample instead of two, half the work."""
 
 
-@dataclass
-class IterationStats:
-    iteration: int
-    digest: str
-    """The weights digest in this iteration's trajectory metadata (= the expected_digest sent)."""
-    reward_mean: float
-    reward_std: float
-    loss: float
-    ratio_on_policy_is_one: bool
-    """torch.equal(exp(logp_new - logp_old), ones) before this iteration's first update."""
-    ratio_min: float
-    ratio_max: float
-    clip_fraction: float
-    new_digest: str
-    """The digest the LoRA push after this iteration's update answered."""
-    seconds: float
+def mean_brightness(images: np.ndarray) -> np.ndarray:
+    """[B] float64 in [0, 1]: the mean pixel value / 255 of each uint8 [H, W, 3] image."""
+    return images.reshape(len(images), -1).astype(np.float64).mean(axis=1) / 255
 
 
-def jpeg_compressibility(images: np.ndarray) -> torch.Tensor:
-    """[B] -size_kB / 500 of each uint8 [H, W, 3] image saved as JPEG, quality 95 (Flow-GRPO's
-    `jpeg_compressibility`: the negated `jpeg_incompressibility`, sizes in kB = bytes / 1000)."""
+def jpeg_compressibility(images: np.ndarray) -> np.ndarray:
+    """[B] float64: -size_kB / 500 of each image saved as JPEG at quality 95 (Flow-GRPO's form)."""
+    from PIL import Image
+
     sizes = []
     for image in images:
         buf = io.BytesIO()
         Image.fromarray(image).save(buf, format="JPEG", quality=95)
         sizes.append(buf.tell() / 1000)
-    return -torch.tensor(sizes, dtype=torch.float32) / 500
+    return -np.array(sizes) / 500
 
 
-def mean_brightness(images: np.ndarray) -> torch.Tensor:
-    """[B] mean pixel value / 255 of each uint8 [H, W, 3] image (all pixels and channels)."""
-    return torch.from_numpy(images.reshape(len(images), -1).astype(np.float64).mean(axis=1) / 255).float()
+def bright_pixels(images: np.ndarray) -> np.ndarray:
+    """[B] float64 in [0, 1]: the fraction of each image's pixels brighter than mid-grey (mean of the
+    three channels > 127.5)."""
+    return (images.astype(np.float64).mean(axis=-1) > 127.5).reshape(len(images), -1).mean(axis=1)
 
 
-REWARDS: dict[str, Any] = {
-    "jpeg": jpeg_compressibility,
-    "brightness": mean_brightness,
-    "darkness": lambda images: -mean_brightness(images),
-}
-"""--reward: name -> images uint8 [B, H, W, 3] -> rewards float32 [B]."""
+REWARDS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "brightness": mean_brightness, "bright-pixels": bright_pixels, "jpeg": jpeg_compressibility}
 
 
-def group_advantages(rewards: torch.Tensor, group: int) -> torch.Tensor:
-    """[B] (r - mean) / (std + 1e-4) within each prompt's group of `group` consecutive samples."""
-    r = rewards.view(-1, group)  # [P, G]
-    adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-4)
-    return adv.reshape(-1)
+@dataclass
+class Iteration:
+    reward: float
+    """The mean training reward of this iteration's rollout (times --sign)."""
+    loss: float
+    kl: float
+    on_policy_ratio_is_one: bool | None
+    """torch.equal(ratio, 1) before the first update; None for a rollout one version behind (--async)."""
+    seconds: float
 
 
-def policy_loss(
-    logp_new: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, clip: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO/GRPO clipped surrogate over [B, S] stochastic transitions; returns (loss, ratio)."""
-    ratio = torch.exp(logp_new - logp_old)  # [B, S]
-    a = adv[:, None]  # [B, 1]
-    unclipped = -a * ratio
-    clipped = -a * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
-    return torch.maximum(unclipped, clipped).mean(), ratio
+def load_pipeline() -> Any:
+    """The trainer's stock diffusers pipeline with the server's weights. For a hub model this is
+    `StableDiffusion3Pipeline.from_pretrained("org/name", torch_dtype=...)`; the built-in tiny-sd3
+    exists only as seeded code, so its (stock StableDiffusion3Pipeline) object comes from the builder
+    the server uses."""
+    from sigmaflight.pipeline.models import ModelRegistry
 
-
-def lora_trainer(rank: int, seed: int) -> tuple[LoadedModel, Any, LoraConfig]:
-    """The trainer's model: the built-in weights (seeded: the server's, bit for bit) with a peft LoRA."""
-    base = ModelRegistry().get(MODEL)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian", target_modules=TARGETS)
-    torch.manual_seed(seed)  # lora_A's init
-    transformer = get_peft_model(base.pipeline.transformer, config)  # only the LoRA factors train
-    # No text encoders: the trainer replays from the server's conditioning stream (return.conditioning).
-    components = {k: (None if k.startswith(("text_encoder", "tokenizer")) else v)
-                  for k, v in base.pipeline.components.items()}
-    pipe = type(base.pipeline)(**{**components, "transformer": transformer})
+    pipe = ModelRegistry().get(MODEL).pipeline
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        setattr(pipe, name, None)  # replay runs on the server's conditioning stream
     pipe.set_progress_bar_config(disable=True)
-    model = LoadedModel(id=MODEL, family=base.family, pipeline=pipe, device=base.device, dtype=base.dtype,
-                        digest="trainer", defaults=base.defaults)
-    return model, transformer, config
+    return pipe
+
+
+def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PPO/GRPO clipped surrogate over [B, S] transitions; (loss, ratio)."""
+    ratio = torch.exp(logp - logp_old)
+    a = adv[:, None]
+    return torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - clip, 1 + clip)).mean(), ratio
+
+
+def kl_to_base(means: dict[int, torch.Tensor], ref_means: dict[int, torch.Tensor], stds: dict[int, torch.Tensor],
+               steps: list[int]) -> torch.Tensor:
+    """The KL term against the base policy, as Flow-GRPO forms it: the squared difference of the two
+    transition kernels' means, averaged over latent elements, transitions and samples, over twice a
+    variance. The kernels share their std, so with the kernel's own variance (used here) this is the
+    exact Gaussian KL per element; Flow-GRPO divides by its noise coefficient squared, the kernel's
+    variance without the step's |dt|, so its term is this one times |dt|."""
+    terms = [((means[i] - ref_means[i]) ** 2).flatten(1).mean(dim=1) / (2 * stds[i] ** 2) for i in steps]
+    return torch.stack(terms, dim=1).mean()
 
 
 def train(
     url: str,
     *,
     token: str | None = None,
-    iterations: int = 4,
-    prompts: tuple[str, ...] = ("a red cube", "a blue ball"),
-    group: int = 4,
+    iterations: int = 10,
+    group: int = 8,
     steps: int = 4,
-    rank: int = 4,
-    lr: float = 3e-3,
-    clip: float = 1e-2,
+    rank: int = 8,
+    lr: float = 3e-2,
+    clip: float = 0.2,
     inner_steps: int = 2,
+    kl_beta: float = 0.0,
+    reward: str = "bright-pixels",
+    sign: float = 1.0,
+    eval_group: int = 4,
+    keep_adapter: bool = False,
     seed: int = 0,
-    reward: str = "jpeg",
-    eval_seed: int | None = None,
-    evaluations: list[float] | None = None,
-    log: Any = print,
-) -> list[IterationStats]:
-    """The loop; returns one IterationStats per iteration. With `eval_seed` it also logs the mean reward
-    of a rollout with that seed before the first update and after the last, and appends both to
-    `evaluations` when given."""
+    plot: str | None = None,
+    use_async: bool = False,
+    log: Callable[[str], None] = print,
+) -> tuple[float, float, list[Iteration]]:
+    """The loop; returns (eval reward before, after, one Iteration per iteration)."""
     score = REWARDS[reward]
-    model, transformer, config = lora_trainer(rank, seed)
-    optimizer = torch.optim.Adam([p for p in transformer.parameters() if p.requires_grad], lr=lr)
-    history: list[IterationStats] = []
+    pipe = load_pipeline()
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian", target_modules=TARGETS)
+    torch.manual_seed(seed)  # lora_A's initialisation
+    pipe.transformer = get_peft_model(pipe.transformer, config)  # only the LoRA factors train
+    pipe.transformer.train(False)  # no dropout: the server's forward, bit for bit
+    optimizer = torch.optim.Adam([p for p in pipe.transformer.parameters() if p.requires_grad], lr=lr)
+    history: list[Iteration] = []
     with Client(url, token=token) as client:
-        digest = client.push_lora(MODEL, get_peft_model_state_dict(transformer), config)["digest"]
+        put = client.push_lora(MODEL, get_peft_model_state_dict(pipe.transformer), config)
+        digest, version = put["digest"], put["weights_version"]
+        try:
+            def evaluate() -> float:
+                ticket = client.submit(model=MODEL, prompts=list(EVAL_PROMPTS), num_outputs_per_prompt=eval_group,
+                                       num_inference_steps=steps, seed=EVAL_SEED, sampler=SAMPLER, guidance_scale=GUIDANCE,
+                                       expected_digest=digest, return_={"outputs": True})
+                return float(score(client.pull_outputs(ticket)).mean())
 
-        def evaluate(expected: str) -> float:
-            """Mean reward of one rollout with the fixed `eval_seed` on the current adapter."""
-            assert eval_seed is not None
-            ticket = client.submit(model=MODEL, prompts=list(prompts), num_outputs_per_prompt=group,
-                                   num_inference_steps=steps, seed=eval_seed, expected_digest=expected,
-                                   sampler={"type": "sde", "noise_level": 0.7}, return_={"outputs": True})
-            client.wait(ticket, timeout=120)
-            return float(score(client.pull_outputs(ticket)).mean())
+            before = evaluate()
 
-        before = evaluate(digest) if eval_seed is not None else None
-        for it in range(iterations):
+            def request(it: int) -> dict[str, Any]:
+                return {"model": MODEL, "prompts": list(TRAIN_PROMPTS), "num_outputs_per_prompt": group,
+                        "num_inference_steps": steps, "seed": seed + it, "sampler": SAMPLER,
+                        "guidance_scale": GUIDANCE, "return_": {"outputs": True, "conditioning": True}}
+
+            def sync_rollouts() -> Iterator[tuple[Any, Any, np.ndarray]]:
+                """One rollout per iteration on the weights just pushed (expected_digest: on-policy)."""
+                for it in range(iterations):
+                    ticket = client.submit(**request(it), expected_digest=digest)
+                    yield ticket, client.pull(ticket), client.pull_outputs(ticket)
+
+            def async_rollouts() -> Iterator[tuple[Any, Any, np.ndarray]]:
+                """Client.stream keeps the next iteration's rollout running while this one trains: it is
+                submitted when the previous one is taken (in_flight=1), so it runs on the weights pushed
+                at most one iteration ago; one more than a version behind is run again (max_staleness=1)."""
+                with client.stream((request(it) for it in range(iterations)), in_flight=1, outputs=True,
+                                   max_staleness=1, progress=False) as rollouts:
+                    for r in rollouts:
+                        if r.error is not None:
+                            raise r.error
+                        yield r.ticket, r.trajectory, r.outputs
+
             t0 = time.perf_counter()
-            ticket = client.submit(
-                model=MODEL, prompts=list(prompts), num_outputs_per_prompt=group, num_inference_steps=steps,
-                seed=seed + it, sampler={"type": "sde", "noise_level": 0.7}, expected_digest=digest,
-                return_={"outputs": True, "conditioning": True},
-            )
-            client.wait(ticket, timeout=120)
-            traj = client.pull(ticket)
-            assert traj.metadata["model"]["digest"] == digest, "trajectory was not produced by the pushed adapter"
-            images = client.pull_outputs(ticket)  # uint8 [B, H, W, 3]
-            cond = client.pull_conditioning(ticket)  # the tensors the server's transformer consumed
-            rewards = score(images)  # [B]
-            adv = group_advantages(rewards, group)  # [B]
-            sde = list(traj.sde_steps)  # absolute transition indices
-            logp_old = traj.log_probs[:, sde]  # [B, S], recorded by the server
-            on_policy_one = False
-            loss_v = 0.0
-            ratio = torch.ones_like(logp_old)
-            transformer.train(False)  # dropout off: the server's forward, bit for bit
-            for k in range(inner_steps):
-                # [B, S], graph to the LoRA factors. The first step must be on-policy: the weights check
-                # (the transformer's adapter digest against the rollout's) raises otherwise; the steps
-                # after it are off-policy on purpose.
-                logp_new = replay_log_probs(model, traj, grad=True, check_weights=k == 0, strict=True,
-                                            conditioning=cond)[:, sde]
-                loss, ratio = policy_loss(logp_new, logp_old, adv, clip)
-                if k == 0:
-                    on_policy_one = torch.equal(ratio.detach(), torch.ones_like(ratio))
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                loss_v = float(loss.detach())
-            new_digest = client.push_lora(MODEL, get_peft_model_state_dict(transformer), config)["digest"]
-            r = ratio.detach()
-            stats = IterationStats(
-                iteration=it, digest=digest, reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
-                loss=loss_v, ratio_on_policy_is_one=on_policy_one, ratio_min=float(r.min()), ratio_max=float(r.max()),
-                clip_fraction=float(((r - 1).abs() > clip).float().mean()), new_digest=new_digest,
-                seconds=time.perf_counter() - t0,
-            )
-            history.append(stats)
-            log(
-                f"iter {it}: reward {stats.reward_mean:+.6f} +- {stats.reward_std:.6f}  loss {stats.loss:+.5f}  "
-                f"on-policy ratio == 1: {on_policy_one}  last ratio [{stats.ratio_min:.4f}, {stats.ratio_max:.4f}] "
-                f"clipped {stats.clip_fraction:.0%}  digest {digest[:12]} -> {new_digest[:12]}  ({stats.seconds:.1f} s)"
-            )
-            digest = new_digest
-        log(f"reward curve ({reward}): " + "  ".join(f"{h.iteration}:{h.reward_mean:+.6f}" for h in history))
-        if before is not None:
-            after = evaluate(digest)
-            log(f"eval reward ({reward}, seed {eval_seed}): before {before:+.6f}  after {after:+.6f}  "
-                f"change {after - before:+.6f}")
-            if evaluations is not None:
-                evaluations += [before, after]
-        # The next trajectory runs on the last pushed adapter.
-        ticket = client.submit(model=MODEL, prompts=list(prompts[:1]), num_inference_steps=steps, seed=seed,
-                               expected_digest=digest)
-        client.wait(ticket, timeout=120)
-        final = client.pull(ticket).metadata["model"]["digest"]
-        log(f"next trajectory's sigmaflight.rollout.model.digest: {final[:12]} "
-            f"({'the last pushed weights' if history and final == history[-1].new_digest else 'MISMATCH'})")
-    return history
+            for it, (ticket, traj, images) in enumerate(async_rollouts() if use_async else sync_rollouts()):
+                cond = client.pull_conditioning(ticket)
+                # On the weights the trainer holds (always, without --async): the first inner step is
+                # on-policy and checked; a rollout one version behind (--async) is off-policy by design,
+                # its recorded log-probs the old policy's, as in Flow-GRPO.
+                current = traj.metadata["model"]["digest"] == digest
+                rewards = sign * score(images)  # [B] float64
+                adv = torch.from_numpy(group_advantages(rewards, traj.prompt_index)).float()  # [B]
+                sde = list(traj.sde_steps)
+                logp_old = traj.log_probs[:, sde]  # [B, S], recorded by the server
+                ref_means: dict[int, torch.Tensor] = {}
+                if kl_beta:
+                    with pipe.transformer.disable_adapter(), torch.no_grad():  # the base policy
+                        _, ref_means, _ = replay_log_probs(pipe, traj, conditioning=cond, check_weights=False,
+                                                           with_means=True)
+                on_policy = False
+                loss_v = kl_v = 0.0
+                for k in range(inner_steps):
+                    # The first step is on-policy (strict: the transformer holds the rollout's adapter);
+                    # the later ones are off-policy on purpose.
+                    logp, means, stds = replay_log_probs(pipe, traj, conditioning=cond, grad=True, strict=True,
+                                                         check_weights=k == 0 and current, with_means=True)
+                    loss, ratio = policy_loss(logp[:, sde], logp_old, adv, clip)
+                    if k == 0:
+                        on_policy = torch.equal(ratio.detach(), torch.ones_like(ratio)) if current else None
+                    if kl_beta:
+                        kl = kl_to_base(means, ref_means, stds, sde)
+                        loss = loss + kl_beta * kl
+                        kl_v = float(kl.detach())
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
+                    loss_v = float(loss.detach())
+                made_with = traj.metadata["model"]["weights_version"]
+                put = client.push_lora(MODEL, get_peft_model_state_dict(pipe.transformer), config)
+                trained_on, (digest, version) = version, (put["digest"], put["weights_version"])
+                now = time.perf_counter()
+                history.append(Iteration(reward=float(rewards.mean()), loss=loss_v, kl=kl_v,
+                                         on_policy_ratio_is_one=on_policy, seconds=now - t0))
+                t0 = now  # an iteration's wall time: from the end of the last one (its rollout included)
+                h = history[-1]
+                log(f"iteration {it}: reward {h.reward:+.4f}  loss {h.loss:+.5f}"
+                    + (f"  kl {h.kl:.5f}" if kl_beta else "")
+                    + (f"  on-policy ratio == 1: {on_policy}" if on_policy is not None
+                       else f"  off-policy: rolled out on weights version {made_with}, trained at {trained_on}")
+                    + f"  ({h.seconds:.1f} s)")
+            after = evaluate()
+        finally:
+            if not keep_adapter:
+                client.delete_lora(MODEL)  # later rollouts run the base weights again
+    if plot:
+        draw(plot, history, before, after, reward, sign)
+    return before, after, history
+
+
+def draw(path: str, history: list[Iteration], before: float, after: float, reward: str, sign: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(len(history)), [h.reward for h in history], marker="o", label="training reward (mean)")
+    ax.plot([0, max(len(history) - 1, 0)], [sign * before, sign * after], "s--", label="eval reward (fixed set)")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(f"{'-' if sign < 0 else ''}{reward}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None, allow_abbrev=False)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="REST URL of a running sigmaflight server")
     p.add_argument("--token", default=None, help="bearer token, if the server needs one")
-    p.add_argument("--iterations", type=int, default=4)
-    p.add_argument("--group", type=int, default=4, help="outputs per prompt (GRPO group size)")
+    p.add_argument("--iterations", type=int, default=10)
+    p.add_argument("--group", type=int, default=8, help="outputs per training prompt (the GRPO group)")
+    p.add_argument("--eval-group", type=int, default=4, help="outputs per evaluation prompt")
     p.add_argument("--steps", type=int, default=4, help="num_inference_steps")
-    p.add_argument("--rank", type=int, default=4, help="LoRA rank (lora_alpha = 2 * rank)")
-    p.add_argument("--inner-steps", type=int, default=2, help="optimizer steps per batch")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--clip", type=float, default=1e-2)
-    p.add_argument("--reward", choices=sorted(REWARDS), default="jpeg",
-                   help="jpeg: Flow-GRPO's JPEG compressibility; brightness / darkness: mean pixel value "
-                   "(or its negative), which the tiny built-in model can move")
-    p.add_argument("--eval-seed", type=int, default=None,
-                   help="also print the reward of one rollout with this seed before and after training")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank (lora_alpha = 2 * rank)")
+    p.add_argument("--inner-steps", type=int, default=2, help="optimizer steps per rollout")
+    p.add_argument("--lr", type=float, default=3e-2)
+    p.add_argument("--clip", type=float, default=0.2, help="the ratio's clip range")
+    p.add_argument("--kl-beta", type=float, default=0.0, help="weight of the KL term against the base policy")
+    p.add_argument("--reward", choices=sorted(REWARDS), default="bright-pixels",
+                   help="bright-pixels: the fraction of pixels brighter than mid-grey, in [0, 1] (it moves); "
+                   "brightness: the mean pixel value / 255 (the tiny model's VAE barely moves it); "
+                   "jpeg: JPEG compressibility")
+    p.add_argument("--sign", type=float, choices=[1.0, -1.0], default=1.0,
+                   help="train on the reward times this (-1: push the reward down)")
+    p.add_argument("--plot", metavar="PNG", default=None, help="draw the reward curve into this file")
+    p.add_argument("--keep-adapter", action="store_true", help="leave the trained LoRA on the server")
+    p.add_argument("--async", dest="use_async", action="store_true",
+                   help="Client.stream: the next iteration's rollout runs while this one trains (one weights "
+                   "version behind at most)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    history = train(args.url, token=args.token, iterations=args.iterations, group=args.group, steps=args.steps,
-                    rank=args.rank, inner_steps=args.inner_steps, lr=args.lr, clip=args.clip, reward=args.reward,
-                    eval_seed=args.eval_seed)
-    print(f"{len(history)} iterations in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    return 0 if all(h.ratio_on_policy_is_one for h in history) else 1
+    before, after, history = train(
+        args.url, token=args.token, iterations=args.iterations, group=args.group, steps=args.steps, rank=args.rank,
+        lr=args.lr, clip=args.clip, inner_steps=args.inner_steps, kl_beta=args.kl_beta, reward=args.reward,
+        sign=args.sign, eval_group=args.eval_group, keep_adapter=args.keep_adapter, plot=args.plot,
+        use_async=args.use_async,
+    )
+    print(f"{len(history)} iterations in {time.perf_counter() - t0:.1f} s"
+          + ("" if args.keep_adapter else f"; the adapter was removed from {MODEL}"), file=sys.stderr)
+    print(f"eval reward: {before:.4f} -> {after:.4f}")
+    return 0 if all(h.on_policy_ratio_is_one is not False for h in history) else 1
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
-"""The client installs into a trainer's environment (issue 21): docs/trainers.md's install block, run
-as written in a fresh folder, gives an environment that imports sigmaflight next to another package
-owning the `control` import name, pulls a trajectory from a real server and scores it exactly.
+"""The client installs into a trainer's environment: docs/trainers.md's install block, run as written
+in a fresh folder, gives an environment (the wheel with [train], no server extra) that imports
+sigmaflight next to another package owning the `control` import name, pulls a trajectory from a real
+server and scores it exactly, and runs every other block of docs/trainers.md.
 
 It needs pip and the package index (or pip's cache): CI runs it. The trainer's torch is the lock's
 torch 2.13.0, installed once per machine into a cache folder (`pip install --target`, ~1.5 min) that the
 fresh environment sees through a .pth file, as a trainer's environment has its torch already: the
 block's `pip install torch==2.13.0` then finds it satisfied, and the rest of the block runs as written
-(about a minute). Then it installs the oldest numpy and pyarrow pyproject.toml claims on top and
+(the [train] extra's packages from pip's cache or the index). Then it installs the oldest numpy and pyarrow pyproject.toml claims on top and
 runs the same check again: the lower bounds stay true. SIGMAFLIGHT_TEST_CLIENT_PINS (e.g.
 "pyarrow==X numpy==Y") installs those versions instead, to try another corner.
 """
@@ -28,7 +29,7 @@ from pathlib import Path
 import pytest
 from packaging.version import Version
 
-from tests.docs.markdown import blocks
+from tests.docs.markdown import CODE, blocks
 from tests.servers import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,6 +116,25 @@ def control_standin_wheel(folder: Path) -> Path:
     return path
 
 
+def run_trainers_page(src: Path, server: ServerProcess, env: dict[str, str], work: Path) -> str:
+    """Every runnable block of docs/trainers.md, in order, with the fresh environment as `.venv`
+    (tests/docs/run_page.py run by its python, the checkout not on the path): the page needs nothing
+    beyond the wheel with [train]. Returns run_page's `ran PAGE:LINE` lines."""
+    work.mkdir()
+    (work / ".venv").symlink_to(src / "trainer-env", target_is_directory=True)
+    (work / "ops").symlink_to(src / "ops", target_is_directory=True)
+    todo = [{"page": b.page, "line": b.line, "lang": b.lang,
+             "code": b.code.replace("http://127.0.0.1:8000", server.rest_url)}
+            for b in blocks(ROOT / "docs" / "trainers.md") if b.lang in CODE and b.not_run is None]
+    (work / "blocks.json").write_text(json.dumps(todo))
+    page_env = {**env, "SIGMAFLIGHT_URL": server.rest_url, "MPLBACKEND": "Agg"}
+    proc = subprocess.run([str(src / "trainer-env" / "bin" / "python"), str(ROOT / "tests" / "docs" / "run_page.py"),
+                           "blocks.json"], cwd=work, env=page_env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"docs/trainers.md in the [train] environment:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert proc.stdout.count("ran docs/trainers.md:") == len(todo), proc.stdout
+    return proc.stdout
+
+
 CHECK = r"""
 import importlib.metadata as md, json, sys
 import control
@@ -135,14 +155,9 @@ for i in traj.sde_steps:
     v = torch.from_numpy(rows["velocity"].combine_chunks().to_numpy_ndarray().copy())
     got = step_log_prob(traj.latent(i), traj.latent(i + 1), v, traj.sigmas, i, sampler=traj.metadata["sampler"])
     exact.append(bool(torch.equal(got, traj.log_probs[:, i])))
-try:
-    replay_log_probs(None, traj)
-    replay = "ran"
-except ModuleNotFoundError as exc:
-    replay = str(exc)
 print(json.dumps({
     "control": [control.OWNER, control.__file__], "tops": tops, "owners": md.packages_distributions().get("control"),
-    "exact": exact, "replay": replay, "loaded": sorted(m for m in ("diffusers", "transformers", "starlette")
+    "exact": exact, "loaded": sorted(m for m in ("diffusers", "transformers", "starlette")
                                                        if m in sys.modules),
     "versions": {"numpy": numpy.__version__, "pyarrow": pyarrow.__version__, "torch": torch.__version__},
 }))
@@ -193,6 +208,8 @@ def _install_and_check(tmp_path: Path, starting: concurrent.futures.Future[Serve
                                    capture_output=True, text=True, timeout=300)
             assert check.returncode == 0, f"{pins}: {check.stderr[-3000:]}"
             checked.append((pins, json.loads(check.stdout.strip().splitlines()[-1])))
+            if not pins:  # the versions the ranges admit: the page's blocks, as a trainer runs them
+                ran = run_trainers_page(src, server, env, tmp_path / "page")
         status = subprocess.run([str(bin_ / "sigmaflight"), "list", "--limit", "1", "--url", server.rest_url],
                                 env=env, capture_output=True, text=True, timeout=120)
     finally:
@@ -202,7 +219,7 @@ def _install_and_check(tmp_path: Path, starting: concurrent.futures.Future[Serve
         assert got["owners"] == ["control-standin"]  # sigmaflight claims no `control`
         assert got["tops"] == ["sigmaflight"]
         assert got["exact"] == [True, True, True, True], pins  # the rollout's own log-probs, bit for bit, torch only
-        assert got["loaded"] == [] and "pip install 'sigmaflight[replay]'" in got["replay"]
+        assert got["loaded"] == []  # the client loads no model stack until it runs a model
         for pin in pins:
             name, version = pin.split("==")
             assert Version(got["versions"][name]) == Version(version), got["versions"]
@@ -212,5 +229,6 @@ def _install_and_check(tmp_path: Path, starting: concurrent.futures.Future[Serve
     assert serve.returncode == 2 and serve.stdout == ""
     (line,) = serve.stderr.strip().splitlines()
     assert line.startswith("sigmaflight serve: the server extra is not installed (missing: ")
-    assert line.endswith("pip install 'sigmaflight[server]'") and "starlette" in line and "diffusers" in line
+    assert line.endswith("pip install 'sigmaflight[server]'") and "starlette" in line
+    print(ran)
     print(json.dumps([got["versions"] for _, got in checked]))

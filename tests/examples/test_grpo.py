@@ -1,24 +1,26 @@
-"""The GRPO example (LoRA, JPEG compressibility) against a real server: ratio == 1 exactly before each
-update, the digest moves with each LoRA push."""
+"""The GRPO example against a real server: it ends with one `eval reward: <before> -> <after>` line,
+draws its curve, removes its adapter (unless asked to keep it), is on-policy before each update, and
+its default reward rises when trained up."""
 
 from __future__ import annotations
 
 import importlib.util
 import io
 import math
+import re
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from sigmaflight.pipeline.models import ModelRegistry
 
+from sigmaflight import Client, NotFound
 from tests.servers import ServerProcess
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "ops" / "examples" / "grpo_train.py"
+LAST_LINE = re.compile(r"eval reward: (\d\.\d{4}) -> (\d\.\d{4})")
 
 
 def _load_example():
@@ -30,59 +32,79 @@ def _load_example():
     return module
 
 
-@pytest.mark.timeout(120)
-def test_grpo_lora_loop_is_on_policy_before_each_update_and_moves_the_digest():
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--workers", "1") as s:
+        yield s
+
+
+def _digest(url: str) -> str:
+    with Client(url) as c:
+        (m,) = [m for m in c.models() if m["id"] == "tiny-sd3"]
+        return str(m["digest"])
+
+
+@pytest.mark.timeout(240)
+def test_a_short_run_prints_the_eval_line_last_draws_the_curve_and_removes_its_adapter(server, tmp_path, capsys):
     grpo = _load_example()
-    lines: list[str] = []
-    base = ModelRegistry().get("tiny-sd3").digest
-    with ServerProcess() as server:
-        t0 = time.perf_counter()
-        history = grpo.train(server.rest_url, iterations=2, inner_steps=2, log=lines.append)
-        seconds = time.perf_counter() - t0
-    assert len(history) == 2
-    for h in history:
-        assert h.ratio_on_policy_is_one  # torch.equal(exp(logp_new - logp_old), ones) before the update
-        assert h.new_digest != h.digest and h.digest != base and math.isfinite(h.loss)
-        assert h.reward_mean < 0 and h.reward_std > 0  # -size_kB / 500, and the group differs
-    assert history[1].digest == history[0].new_digest  # expected_digest followed the push
-    assert history[0].ratio_min != 1.0 or history[0].ratio_max != 1.0  # the second inner step is off-policy
-    assert "on-policy ratio == 1: True" in lines[0] and lines[-2].startswith("reward curve (jpeg): 0:")
-    assert lines[-1].endswith("(the last pushed weights)")
-    assert seconds < 60, f"2 iterations took {seconds:.1f} s"
+    base = _digest(server.rest_url)
+    plot = tmp_path / "reward.png"
+    rc = grpo.main(["--url", server.rest_url, "--iterations", "2", "--group", "2", "--eval-group", "1",
+                    "--kl-beta", "0.01", "--plot", str(plot)])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0  # the ratio was exactly 1 before each iteration's first update
+    assert LAST_LINE.fullmatch(out[-1]), out[-1]
+    assert sum(line.startswith("eval reward:") for line in out) == 1
+    assert [line.split(":")[0] for line in out[:-1]] == ["iteration 0", "iteration 1"]
+    assert all("on-policy ratio == 1: True" in line and " kl " in line for line in out[:-1])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _digest(server.rest_url) == base  # the adapter is gone: later rollouts run the base
+    with Client(server.rest_url) as c, pytest.raises(NotFound):
+        c.delete_lora("tiny-sd3")
 
+    rc = grpo.main(["--url", server.rest_url, "--iterations", "1", "--group", "2", "--eval-group", "1",
+                    "--keep-adapter"])
+    assert rc == 0 and LAST_LINE.fullmatch(capsys.readouterr().out.strip().splitlines()[-1])
+    assert _digest(server.rest_url) != base  # kept, as asked
+    with Client(server.rest_url) as c:
+        assert c.delete_lora("tiny-sd3")["digest"] == base
 
-BRIGHTNESS_RUN = {"iterations": 3, "group": 16, "lr": 3e-2, "clip": 0.2, "inner_steps": 2, "eval_seed": 1234}
-"""docs/trainers.md's `--reward brightness` command, as keywords."""
+    rc = grpo.main(["--url", server.rest_url, "--iterations", "3", "--group", "2", "--eval-group", "1", "--async"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0 and LAST_LINE.fullmatch(out[-1]) and len(out) == 4, out
+    assert "on-policy ratio == 1: True" in out[0]  # the first rollout runs on the first push
+    for line in out[1:3]:  # the next ones ran while the previous iteration trained: one version behind
+        m = re.search(r"weights version (\d+), trained at (\d+)", line)
+        assert m and int(m.group(2)) == int(m.group(1)) + 1, line
+    assert _digest(server.rest_url) == base
 
 
 @pytest.mark.timeout(300)
-def test_a_reward_the_tiny_model_can_move_rises_for_both_signs():
-    """Issue 21 item 12: the JPEG curve of the tiny model barely moves; brightness rises when rewarded,
-    and falls when darkness is: the eval reward (one fixed-seed rollout, before and after) goes up both times."""
+def test_the_default_reward_rises_when_trained_up(server):
+    """Six iterations of the default settings: the fixed evaluation set's reward rises by >= 0.02.
+    (docs/trainers.md gives the measured default run, both signs.)"""
     grpo = _load_example()
-    changes = {}
-    with ServerProcess() as server:
-        for reward in ("brightness", "darkness"):
-            lines: list[str] = []
-            evaluations: list[float] = []
-            history = grpo.train(server.rest_url, reward=reward, evaluations=evaluations, log=lines.append,
-                                 **BRIGHTNESS_RUN)
-            assert all(h.ratio_on_policy_is_one for h in history) and len(history) == 3
-            assert lines[-3].startswith(f"reward curve ({reward}): 0:")
-            assert lines[-2].startswith(f"eval reward ({reward}, seed 1234): before ")
-            before, after = evaluations
-            changes[reward] = after - before
-            assert after > before, (reward, evaluations, lines)
-    # The two runs start from the same adapter and seed: the same image brightness, opposite signs.
-    assert changes["brightness"] > 0 and changes["darkness"] > 0
+    lines: list[str] = []
+    before, after, history = grpo.train(server.rest_url, iterations=6, log=lines.append)
+    assert all(h.on_policy_ratio_is_one for h in history), lines
+    assert after - before >= 0.02, (before, after, lines)
+
+
+def test_bright_pixels_is_the_fraction_of_pixels_above_mid_grey():
+    grpo = _load_example()
+    a = np.zeros((2, 2, 3), np.uint8)
+    a[0, 0] = 255  # one bright pixel of four
+    b = np.full((2, 2, 3), 128, np.uint8)  # all just above 127.5
+    c = np.full((2, 2, 3), 127, np.uint8)
+    c[1, 1] = (255, 255, 0)  # mean 170: bright
+    assert grpo.bright_pixels(np.stack([a, b, c])).tolist() == [0.25, 1.0, 0.25]
 
 
 def test_mean_brightness_is_the_mean_pixel_value():
     grpo = _load_example()
     images = np.stack([np.zeros((4, 4, 3), np.uint8), np.full((4, 4, 3), 255, np.uint8),
                        np.arange(48, dtype=np.uint8).reshape(4, 4, 3)])
-    assert torch.allclose(grpo.mean_brightness(images), torch.tensor([0.0, 1.0, 23.5 / 255]))
-    assert torch.equal(grpo.REWARDS["darkness"](images), -grpo.mean_brightness(images))
+    np.testing.assert_allclose(grpo.mean_brightness(images), [0.0, 1.0, 23.5 / 255])
 
 
 def test_jpeg_compressibility_is_flow_grpos():
@@ -93,15 +115,12 @@ def test_jpeg_compressibility_is_flow_grpos():
     for image, reward in zip(images, got, strict=True):
         buf = io.BytesIO()
         Image.fromarray(image).save(buf, "JPEG", quality=95)
-        assert float(reward) == pytest.approx(-(len(buf.getvalue()) / 1000) / 500, rel=1e-6)
+        assert float(reward) == pytest.approx(-(len(buf.getvalue()) / 1000) / 500, rel=1e-12)
     assert got[0] > got[1]  # the flat image compresses better
 
 
-def test_group_advantages_and_clipped_loss():
+def test_clipped_loss():
     grpo = _load_example()
-    adv = grpo.group_advantages(torch.tensor([1.0, 3.0, 10.0, 10.0]), group=2)
-    # group [1, 3]: mean 2, std sqrt(2) -> -+1/sqrt(2); group [10, 10]: std 0 -> 0 (no signal, no NaN).
-    assert torch.allclose(adv, torch.tensor([-(0.5**0.5), 0.5**0.5, 0.0, 0.0]), atol=1e-4)
     old = torch.zeros(2, 1)
     loss, ratio = grpo.policy_loss(torch.full((2, 1), 0.5), old, torch.tensor([1.0, -1.0]), clip=0.1)
     # ratio e^0.5 > 1 + clip: the positive-advantage sample is clipped, the negative one is not.
@@ -109,9 +128,14 @@ def test_group_advantages_and_clipped_loss():
     assert math.isclose(float(loss), (-(1.1) + math.exp(0.5)) / 2, rel_tol=1e-6)
 
 
-def test_the_trainer_holds_no_text_encoders():
-    """The loop replays from the conditioning stream: its trainer pipeline has no text encoders to fall back on."""
-    model, _, _ = _load_example().lora_trainer(rank=2, seed=0)
-    comps = model.pipeline.components
-    encoders = [k for k in comps if k.startswith(("text_encoder", "tokenizer"))]
-    assert encoders and all(comps[k] is None for k in encoders)
+def test_kl_term_is_the_gaussian_kl_per_latent_element():
+    """Against torch.distributions: KL(N(m, s^2) || N(m_ref, s^2)), averaged over elements, steps, samples."""
+    grpo = _load_example()
+    g = torch.Generator().manual_seed(0)
+    means = {i: torch.randn(3, 4, 2, 2, generator=g) for i in (1, 2)}
+    refs = {i: torch.randn(3, 4, 2, 2, generator=g) for i in (1, 2)}
+    stds = {1: torch.tensor(0.3), 2: torch.tensor(0.7)}
+    want = torch.stack([torch.distributions.kl_divergence(torch.distributions.Normal(means[i], stds[i]),
+                                                          torch.distributions.Normal(refs[i], stds[i])).mean()
+                        for i in (1, 2)]).mean()
+    torch.testing.assert_close(grpo.kl_to_base(means, refs, stds, [1, 2]), want)

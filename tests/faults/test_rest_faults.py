@@ -56,10 +56,12 @@ def _http_500s(server: ServerProcess) -> float:
 
     with server.client() as c:
         text = c.get("/metrics").text
-    samples = [s for f in text_string_to_metric_families(text) if f.name == "sigmaflight_http_responses"
-               for s in f.samples if s.name == "sigmaflight_http_responses_total"]
-    assert samples, "no sigmaflight_http_responses_total samples: the metric was renamed?"
-    return sum(s.value for s in samples if s.labels == {"method": "POST", "code": "500"})
+    # A labelled counter exports its family (HELP and TYPE) before its first sample: on a fresh
+    # server no response may have been counted yet, and none is then 0.
+    families = [f for f in text_string_to_metric_families(text) if f.name == "sigmaflight_http_responses"]
+    assert families, "no sigmaflight_http_responses family in /metrics: the metric was renamed?"
+    return sum(s.value for f in families for s in f.samples
+               if s.name == "sigmaflight_http_responses_total" and s.labels == {"method": "POST", "code": "500"})
 
 
 @pytest.mark.timeout(60)
