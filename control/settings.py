@@ -176,20 +176,25 @@ class TokenFileError(TokenError):
     """A --token-file the server cannot use; the message names the file and why (never a token)."""
 
 
+def unreadable(flag: str, path: str | Path, exc: OSError) -> str:
+    """The one line for a file that `flag` names and that cannot be opened."""
+    if isinstance(exc, FileNotFoundError):
+        return f"{flag} {path}: no such file"
+    if isinstance(exc, IsADirectoryError):
+        return f"{flag} {path}: is a directory, not a file"
+    return f"{flag} {path}: cannot be read ({exc.strerror or exc})"
+
+
 def read_token_file(path: Path) -> list[str]:
     """The tokens of `path`, one a line (# comments and blank lines ignored).
 
     Raises TokenFileError when the file is missing, unreadable, not text, or holds no token."""
     try:
         text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise TokenFileError(f"--token-file {path}: no such file") from None
-    except IsADirectoryError:
-        raise TokenFileError(f"--token-file {path}: is a directory, not a file") from None
     except UnicodeDecodeError:
         raise TokenFileError(f"--token-file {path}: not UTF-8 text") from None
     except OSError as exc:
-        raise TokenFileError(f"--token-file {path}: cannot be read ({exc.strerror or exc})") from None
+        raise TokenFileError(unreadable("--token-file", path, exc)) from None
     found = [line.strip() for line in text.splitlines()]
     found = [line for line in found if line and not line.startswith("#")]
     if not found:

@@ -36,7 +36,7 @@ import os
 import socket
 from pathlib import Path
 
-from sigmaflight.control.settings import Settings, TokenError
+from sigmaflight.control.settings import Settings, TokenError, unreadable
 
 log = logging.getLogger("sigmaflight")
 
@@ -140,12 +140,8 @@ def check_tls(cert: Path | None, key: Path | None) -> None:
         try:
             with open(path, "rb"):
                 pass
-        except FileNotFoundError:
-            raise StartupError(f"{flag} {path}: no such file") from None
-        except IsADirectoryError:
-            raise StartupError(f"{flag} {path}: is a directory, not a file") from None
         except OSError as exc:
-            raise StartupError(f"{flag} {path}: cannot be read ({exc.strerror or exc})") from None
+            raise StartupError(unreadable(flag, path, exc)) from None
     try:
         ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
     except (ssl.SSLError, OSError) as exc:
