@@ -258,6 +258,7 @@ def test_openapi_validates_and_matches_what_endpoints_return(client):
     assert gone.status_code == 404 and "404" in doc["paths"]["/v1/models/{model_id}/lora"]["delete"]["responses"]
     check(gone.json(), "ErrorBody")
     assert set(doc["paths"]) == {"/v1/rollouts", "/v1/rollouts/{rollout_id}", "/v1/models", "/v1/models/{model_id}/weights",
+                                 "/v1/models/{model_id}/weights/manifest", "/v1/models/{model_id}/weights/file",
                                  "/v1/models/{model_id}/lora", "/healthz", "/readyz", "/metrics", "/openapi.json",
                                  "/docs", "/"}
 

@@ -58,7 +58,7 @@ def test_double_space_after_the_scheme_is_accepted_with_the_right_token_on_both_
         assert c.get("/v1/models", headers={"authorization": header}).status_code == 200
     opts = flight.FlightCallOptions(headers=[(b"authorization", header.encode())])
     with flight.FlightClient(secured.flight_url) as fc:
-        assert {a.type for a in fc.list_actions(options=opts)} == {"cancel", "release"}
+        assert {a.type for a in fc.list_actions(options=opts)} == {"cancel", "release", "weights_push_status"}
     wrong = flight.FlightCallOptions(headers=[(b"authorization", f"Bearer  {WRONG_TOKEN}".encode())])
     with flight.FlightClient(secured.flight_url) as fc, pytest.raises(flight.FlightUnauthenticatedError):
         list(fc.list_actions(options=wrong))
@@ -89,7 +89,7 @@ def test_right_tokens_work_on_both_planes(secured):
             info = fc.get_flight_info(flight.FlightDescriptor.for_path("rollouts", ticket["id"]), options=opts)
             assert info.total_records == 3
             assert any(i.descriptor.path[1] == ticket["id"].encode() for i in fc.list_flights(options=opts))
-            assert {a.type for a in fc.list_actions(options=opts)} == {"cancel", "release"}
+            assert {a.type for a in fc.list_actions(options=opts)} == {"cancel", "release", "weights_push_status"}
 
 
 def _flight_calls(client: flight.FlightClient, opts: flight.FlightCallOptions, rollout_id: str, ticket: str):

@@ -31,7 +31,7 @@ def _flight_ok(server: ServerProcess, header: str) -> bool:
     opts = flight.FlightCallOptions(headers=[(b"authorization", header.encode())], timeout=30)
     with flight.FlightClient(server.flight_url) as fc:
         try:
-            return {a.type for a in fc.list_actions(options=opts)} == {"cancel", "release"}
+            return {a.type for a in fc.list_actions(options=opts)} == {"cancel", "release", "weights_push_status"}
         except flight.FlightUnauthenticatedError:
             return False
 
