@@ -1,10 +1,12 @@
-"""GRPO with a LoRA against a running sigmaflight server: a first loop that visibly learns on a CPU.
+"""GRPO with a LoRA (--full: every transformer weight) against a running sigmaflight server: a first
+loop that visibly learns on a CPU.
 
     sigmaflight serve &                                   # the built-in tiny-sd3, on the CPU
     python ops/examples/grpo_train.py                     # ... eval reward: 0.3127 -> 0.3638
     python ops/examples/grpo_train.py --sign -1           # trained on the negated reward: 0.3127 -> 0.2788
     python ops/examples/grpo_train.py --plot reward.png --kl-beta 0.01
     python ops/examples/grpo_train.py --async             # rollouts overlap training, one version behind
+    python ops/examples/grpo_train.py --full              # full fine-tuning: 0.3127 -> 0.3833
 
 The trainer holds its own stock diffusers pipeline (the server's weights) with a peft LoRA on
 Flow-GRPO's SD3 target modules (`init_lora_weights="gaussian"`: lora_B starts at zero, so the
@@ -30,26 +32,37 @@ With --async the rollouts come from `Client.stream` instead: iteration k+1's rol
 iteration k trains, on the weights one version behind the trainer's (the recorded log-probs are
 that older policy's, as in Flow-GRPO; `max_staleness=1` reruns anything older), without
 `expected_digest` and without the on-policy check.
+With --full there is no adapter: every parameter of the transformer trains (Adam, --lr default
+FULL_LR = 2e-3, a fifteenth of the LoRA's), step 6 pushes the whole transformer
+(`Client.push_weights`, which streams only the tensors that changed) and checks that the digest it
+answers is the trainer's own digest of its weights (`sigmaflight.pipeline.digests`; the run stops
+with an error otherwise), and --kl-beta's base policy is a frozen copy of the initial transformer.
+--async works the same way.
 Before the first update and after the last it rolls out a fixed evaluation set (prompts and seeds
 that training never sees) and the last line printed is `eval reward: <before> -> <after>`: the mean
 reward of that set (without --sign, so it falls when --sign -1 trains the reward down). At the end
-it removes its adapter from the server (unless --keep-adapter), so later rollouts run the base
-weights again.
+it removes its adapter from the server (with --full: pushes the initial weights back and checks the
+digest is the one it started from) unless --keep-adapter, so later rollouts run the base weights
+again.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import io
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from sigmaflight.pipeline.digests import current_components
+from sigmaflight.pipeline.models import combine_digests
 
 from sigmaflight import Client, group_advantages, replay_log_probs
 
@@ -63,6 +76,9 @@ EVAL_SEED = 10_000
 """The evaluation set: EVAL_PROMPTS x --eval-group outputs from this seed (training seeds are 0, 1, ...)."""
 SAMPLER = {"type": "sde", "noise_level": 0.7}
 GUIDANCE = 1.0
+LORA_LR = 3e-2
+FULL_LR = 2e-3
+"""Adam's default learning rates: for the LoRA factors, and (--full) for every transformer weight."""
 """No classifier-free guidance: one transformer row per sample instead of two, half the work."""
 
 
@@ -104,18 +120,28 @@ class Iteration:
     seconds: float
 
 
-def load_pipeline() -> Any:
-    """The trainer's stock diffusers pipeline with the server's weights. For a hub model this is
-    `StableDiffusion3Pipeline.from_pretrained("org/name", torch_dtype=...)`; the built-in tiny-sd3
-    exists only as seeded code, so its (stock StableDiffusion3Pipeline) object comes from the builder
-    the server uses."""
+def load_pipeline() -> tuple[Any, dict[str, str]]:
+    """The trainer's stock diffusers pipeline with the server's weights, and the weights digests of
+    the text encoders it then drops (they never train; the server's weights digest covers them). For a
+    hub model this is `StableDiffusion3Pipeline.from_pretrained("org/name", torch_dtype=...)`; the
+    built-in tiny-sd3 exists only as seeded code, so its (stock StableDiffusion3Pipeline) object comes
+    from the builder the server uses."""
     from sigmaflight.pipeline.models import ModelRegistry
 
-    pipe = ModelRegistry().get(MODEL).pipeline
-    for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+    model = ModelRegistry().get(MODEL)
+    encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    frozen = {k: v for k, v in current_components(model).items() if k in encoders}
+    pipe = model.pipeline
+    for name in encoders:
         setattr(pipe, name, None)  # replay runs on the server's conditioning stream
     pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return pipe, frozen
+
+
+def trainer_digest(pipe: Any, frozen: dict[str, str]) -> str:
+    """The weights digest of the trainer's pipeline as it is now, made as the server makes its own
+    (`sigmaflight.pipeline.digests.current_digest`), the dropped text encoders' digests included."""
+    return combine_digests({**frozen, **current_components(SimpleNamespace(pipeline=pipe))})
 
 
 def policy_loss(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,7 +170,7 @@ def train(
     group: int = 8,
     steps: int = 4,
     rank: int = 8,
-    lr: float = 3e-2,
+    lr: float | None = None,
     clip: float = 0.2,
     inner_steps: int = 2,
     kl_beta: float = 0.0,
@@ -155,20 +181,46 @@ def train(
     seed: int = 0,
     plot: str | None = None,
     use_async: bool = False,
+    full: bool = False,
     log: Callable[[str], None] = print,
 ) -> tuple[float, float, list[Iteration]]:
-    """The loop; returns (eval reward before, after, one Iteration per iteration)."""
+    """The loop; returns (eval reward before, after, one Iteration per iteration). `full`: train every
+    parameter of the transformer and push it whole (`Client.push_weights`) instead of a LoRA."""
     score = REWARDS[reward]
-    pipe = load_pipeline()
+    pipe, frozen = load_pipeline()
     config = LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights="gaussian", target_modules=TARGETS)
-    torch.manual_seed(seed)  # lora_A's initialisation
-    pipe.transformer = get_peft_model(pipe.transformer, config)  # only the LoRA factors train
+    base_pipe: Any = None
+    if full:
+        # The base policy, for the KL term and to restore the server at the end: a frozen copy of the
+        # initial transformer (there is no adapter to disable), in a pipeline sharing everything else.
+        base = copy.deepcopy(pipe.transformer).requires_grad_(False)
+        base_pipe = type(pipe)(**{**pipe.components, "transformer": base})
+        base_pipe.set_progress_bar_config(disable=True)
+        pipe.transformer.requires_grad_(True)  # every parameter trains
+    else:
+        torch.manual_seed(seed)  # lora_A's initialisation
+        pipe.transformer = get_peft_model(pipe.transformer, config)  # only the LoRA factors train
     pipe.transformer.train(False)  # no dropout: the server's forward, bit for bit
+    lr = lr if lr is not None else (FULL_LR if full else LORA_LR)
     optimizer = torch.optim.Adam([p for p in pipe.transformer.parameters() if p.requires_grad], lr=lr)
     history: list[Iteration] = []
+
+    def push(client: Client) -> tuple[str, int]:
+        """Push the trainer's policy; (digest, weights_version). A full push must answer the trainer's
+        own digest of its state (the server holds exactly these weights), or the run stops here."""
+        if not full:
+            put = client.push_lora(MODEL, get_peft_model_state_dict(pipe.transformer), config)
+            return put["digest"], put["weights_version"]
+        pushed = client.push_weights(MODEL, pipe.transformer.state_dict())  # only the tensors that changed
+        mine = trainer_digest(pipe, frozen)
+        if pushed != mine:
+            raise RuntimeError(f"the server's weights are not the trainer's after the push: it answered digest "
+                               f"{pushed}, the trainer's is {mine}")
+        return str(pushed), pushed.weights_version
+
     with Client(url, token=token) as client:
-        put = client.push_lora(MODEL, get_peft_model_state_dict(pipe.transformer), config)
-        digest, version = put["digest"], put["weights_version"]
+        digest, version = push(client)  # --full: the trainer's initial weights (as served: nothing is sent)
+        original = digest
         try:
             def evaluate() -> float:
                 ticket = client.submit(model=MODEL, prompts=list(EVAL_PROMPTS), num_outputs_per_prompt=eval_group,
@@ -212,7 +264,11 @@ def train(
                 sde = list(traj.sde_steps)
                 logp_old = traj.log_probs[:, sde]  # [B, S], recorded by the server
                 ref_means: dict[int, torch.Tensor] = {}
-                if kl_beta:
+                if kl_beta and full:
+                    with torch.no_grad():  # the base policy: the frozen initial transformer
+                        _, ref_means, _ = replay_log_probs(base_pipe, traj, conditioning=cond, check_weights=False,
+                                                           with_means=True)
+                elif kl_beta:
                     with pipe.transformer.disable_adapter(), torch.no_grad():  # the base policy
                         _, ref_means, _ = replay_log_probs(pipe, traj, conditioning=cond, check_weights=False,
                                                            with_means=True)
@@ -235,8 +291,7 @@ def train(
                     optimizer.step()
                     loss_v = float(loss.detach())
                 made_with = traj.metadata["model"]["weights_version"]
-                put = client.push_lora(MODEL, get_peft_model_state_dict(pipe.transformer), config)
-                trained_on, (digest, version) = version, (put["digest"], put["weights_version"])
+                trained_on, (digest, version) = version, push(client)
                 now = time.perf_counter()
                 history.append(Iteration(reward=float(rewards.mean()), loss=loss_v, kl=kl_v,
                                          on_policy_ratio_is_one=on_policy, seconds=now - t0))
@@ -246,10 +301,17 @@ def train(
                     + (f"  kl {h.kl:.5f}" if kl_beta else "")
                     + (f"  on-policy ratio == 1: {on_policy}" if on_policy is not None
                        else f"  off-policy: rolled out on weights version {made_with}, trained at {trained_on}")
+                    + ("  push digest == trainer's: True" if full else "")
                     + f"  ({h.seconds:.1f} s)")
             after = evaluate()
         finally:
-            if not keep_adapter:
+            if keep_adapter:
+                pass
+            elif full:  # the initial weights back: later rollouts run the base model again
+                restored = client.push_weights(MODEL, base_pipe.transformer.state_dict())
+                if restored != original:
+                    raise RuntimeError(f"restoring the initial weights answered digest {restored}, not {original}")
+            else:
                 client.delete_lora(MODEL)  # later rollouts run the base weights again
     if plot:
         draw(plot, history, before, after, reward, sign)
@@ -283,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="num_inference_steps")
     p.add_argument("--rank", type=int, default=8, help="LoRA rank (lora_alpha = 2 * rank)")
     p.add_argument("--inner-steps", type=int, default=2, help="optimizer steps per rollout")
-    p.add_argument("--lr", type=float, default=3e-2)
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"Adam's learning rate (default {LORA_LR:g}; with --full {FULL_LR:g})")
     p.add_argument("--clip", type=float, default=0.2, help="the ratio's clip range")
     p.add_argument("--kl-beta", type=float, default=0.0, help="weight of the KL term against the base policy")
     p.add_argument("--reward", choices=sorted(REWARDS), default="bright-pixels",
@@ -293,20 +356,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sign", type=float, choices=[1.0, -1.0], default=1.0,
                    help="train on the reward times this (-1: push the reward down)")
     p.add_argument("--plot", metavar="PNG", default=None, help="draw the reward curve into this file")
-    p.add_argument("--keep-adapter", action="store_true", help="leave the trained LoRA on the server")
+    p.add_argument("--keep-adapter", action="store_true",
+                   help="keep the trained weights/adapter on the server (by default it ends on the base weights)")
     p.add_argument("--async", dest="use_async", action="store_true",
                    help="Client.stream: the next iteration's rollout runs while this one trains (one weights "
                    "version behind at most)")
+    p.add_argument("--full", action="store_true",
+                   help="train every transformer weight (no LoRA) and push it whole each iteration "
+                   "(Client.push_weights, only the tensors that changed)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     before, after, history = train(
         args.url, token=args.token, iterations=args.iterations, group=args.group, steps=args.steps, rank=args.rank,
         lr=args.lr, clip=args.clip, inner_steps=args.inner_steps, kl_beta=args.kl_beta, reward=args.reward,
         sign=args.sign, eval_group=args.eval_group, keep_adapter=args.keep_adapter, plot=args.plot,
-        use_async=args.use_async,
+        use_async=args.use_async, full=args.full,
     )
     print(f"{len(history)} iterations in {time.perf_counter() - t0:.1f} s"
-          + ("" if args.keep_adapter else f"; the adapter was removed from {MODEL}"), file=sys.stderr)
+          + ("" if args.keep_adapter else f"; {MODEL}'s initial weights were pushed back" if args.full
+             else f"; the adapter was removed from {MODEL}"), file=sys.stderr)
     print(f"eval reward: {before:.4f} -> {after:.4f}")
     return 0 if all(h.on_policy_ratio_is_one is not False for h in history) else 1
 
