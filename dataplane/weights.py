@@ -365,6 +365,15 @@ class WeightsPushes:
             self._drop(s, "expired")
         return len(old)
 
+    def drop_idle(self, reason: str) -> int:
+        """Drop every push no stream is feeding now (at shutdown: an in-place one stops holding its
+        model); how many."""
+        with self._lock:
+            idle = [s for s in self._pushes.values() if not s.lock.locked()]
+        for s in idle:
+            self._drop(s, reason)
+        return len(idle)
+
     def status(self, push_id: str) -> dict[str, Any]:
         with self._lock:
             staging = self._pushes.get(push_id)
