@@ -535,3 +535,25 @@ def test_a_bad_chunk_mid_in_place_push_fails_the_model_closed_until_a_full_push(
         traj = _roll(client, seed=3)
         assert traj.metadata["model"]["digest"] == pushed
         _stock_equal(traj, new)
+
+
+def test_a_cut_in_place_push_holds_rollouts_then_expires_and_fails_the_model_closed(in_place_server, tmp_path):
+    with Client(in_place_server.rest_url) as client:
+        base = _base()
+        client.push_weights(MODEL, base, only_changed=False)
+        new = _changed(base, _floats(base), -0.02)
+        proc, _ = _start_half_push(in_place_server, tmp_path, new, uuid.uuid4().hex)
+        try:
+            wait_for(lambda: _metrics(client)["sigmaflight_weights_pushes_open"] == 1, "the half push open")
+            held = client.submit(model=MODEL, prompts=["a red cube"], num_inference_steps=2, seed=1,
+                                 sampler={"type": "ode"})  # accepted: the model is held, not failed yet
+            assert client.status(held).status == "queued" or client.status(held).status == "running"
+        finally:
+            _kill(proc)
+        status = client.wait(held, timeout=120, raise_on_failure=False)  # the push expires (5 s) and the held
+        assert status.status == "failed" and status.error is not None  # rollout is refused, naming why
+        assert (status.error.type, "expired" in status.error.message) == ("weights_failed", True)
+        ready = httpx.get(f"{in_place_server.rest_url}/readyz")
+        assert ready.status_code == 503 and ready.json()["weights_failed"] == {MODEL: "expired"}
+        assert client.push_weights(MODEL, new, only_changed=False) == _digest(new)
+        _stock_equal(_roll(client, seed=1), new)
