@@ -396,14 +396,17 @@ class WeightsPushes:
         specs = self.sink.tensor_specs(model_id)
         declared = _declared(header, specs)
         fresh = _Staging(push_id, model_id, header, declared, sum(s.nbytes for s in specs.values()))
+        fresh.lock.acquire()  # not swept while the sink opens it (an in-place one waits for the running batch)
         with self._lock:
             other = self._by_model.get(model_id)
-            if other is not None:
-                raise PushRefused("push_in_progress", f"another weights push ({clip(other, 100)!r}) to model "
-                                  f"{model_id!r} is under way; retry once it commits, fails or expires "
-                                  f"(after {self.expire_s:g} s without data)")
-            self._pushes[push_id] = fresh
-            self._by_model[model_id] = push_id
+            if other is None:
+                self._pushes[push_id] = fresh
+                self._by_model[model_id] = push_id
+        if other is not None:
+            fresh.lock.release()
+            raise PushRefused("push_in_progress", f"another weights push ({clip(other, 100)!r}) to model "
+                              f"{model_id!r} is under way; retry once it commits, fails or expires "
+                              f"(after {self.expire_s:g} s without data)")
         try:
             fresh.live = self.sink.open_push(model_id, full=len(declared) == len(specs),
                                              base_digest=fresh.base_digest)
@@ -412,6 +415,9 @@ class WeightsPushes:
                 del self._pushes[push_id]
                 self._by_model.pop(model_id, None)
             raise
+        finally:
+            fresh.touched = time.monotonic()
+            fresh.lock.release()
         return fresh
 
     # -- one body, not resumable (PUT .../weights): begin, write..., commit, or abort ------------
