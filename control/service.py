@@ -151,6 +151,7 @@ class Service:
 
     def stop(self) -> None:
         self.ready = False
+        self.weights_pushes.drop_idle("shutdown")  # a cut in-place push no longer holds its model's rollouts
         self.jobs.stop("server shutting down")
         self.backend.close()
         self.node.stop()

@@ -117,6 +117,13 @@ class Settings(BaseSettings):
         None, description="A directory whose safetensors files a same-host trainer may push by path "
         "(POST /v1/models/{id}/weights/file); files under --shm-dir may be pushed too."
     )
+    weights_swap: Literal["staged", "in-place"] = Field(
+        "staged", description="How a streamed weights push lands. staged: into a copy of each pushed tensor, "
+        "swapped in whole at the end (rollouts keep running; up to one extra copy of the transformer). in-place: "
+        "straight into the served tensors (no copy) while rollouts of that model are held; a push that fails "
+        "or is cut and expires fails the model closed (its rollouts refused, type weights_failed) until a full "
+        "push commits or the server restarts."
+    )
     weights_push_timeout_s: float = Field(
         300.0, gt=0, description="Seconds a streamed weights push (Flight do_put) that no stream feeds (cut, "
         "client gone) keeps its staging for a resume; then it is dropped and its memory freed."

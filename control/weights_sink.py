@@ -51,6 +51,11 @@ class ManifestCache:
         with self._lock:
             return self._by_model.get(model_id)
 
+    def forget(self, model_id: str) -> None:
+        """Drop the model's manifest (its tensors changed in place): the next one is made afresh."""
+        with self._lock:
+            self._by_model.pop(model_id, None)
+
     def update(self, model_id: str, old_digest: str, new_digest: str, changed: Mapping[str, torch.Tensor]) -> None:
         """After a commit from `old_digest`: the old manifest with the pushed tensors' CRCs."""
         with self._lock:
@@ -64,10 +69,17 @@ class ManifestCache:
 
 class ServiceWeightsSink:
     """The Flight server's WeightsSink over a Service: tensors are the base transformer's, a
-    commit goes through `Service.push_tensors` (the same swap as PUT .../weights)."""
+    commit goes through `Service.push_tensors` (the same swap as PUT .../weights).
+
+    `--weights-swap in-place`: a push holds the model (`LoadedModel.hold`: the running model call
+    ends, new ones wait) and its chunks land in the served tensors themselves; the commit then
+    swaps in those same tensors (new digest and version). A push that ends otherwise after some
+    bytes landed leaves the weights half written: the model is failed closed (`LoadedModel.failed`,
+    rollouts refused with WeightsFailed) until a full push commits or the server restarts."""
 
     def __init__(self, service: Service) -> None:
         self._service = service
+        self.in_place = service.settings.weights_swap == "in-place"
         self.manifests = ManifestCache()
         self.skipped_bytes = 0
 
@@ -78,6 +90,35 @@ class ServiceWeightsSink:
             raise PushRefused("unknown_model", f"no model {model_id[:200]!r}; known: "
                               f"{self._service.registry.ids()}") from None
         return {k: TensorSpec(v.dtype, tuple(v.shape)) for k, v in model.base_transformer().state_dict().items()}
+
+    def open_push(self, model_id: str, *, full: bool, base_digest: str | None) -> Mapping[str, torch.Tensor] | None:
+        if not self.in_place:
+            return None
+        model = self._service.registry.get(model_id)
+        if model.failed is not None and not full:
+            raise PushRefused("model_failed", f"model {model_id!r} is failed closed (an in-place push failed: "
+                              f"{model.failed}); only a push of every tensor (only_changed=False, not partial) "
+                              "reopens it")
+        model.hold()
+        if base_digest is not None and not full and model.policy().base_digest != base_digest:
+            model.unhold(model.failed)
+            raise PushRefused("stale_base", str(StaleWeights(base_digest, model.policy().base_digest)))
+        log.info("in-place weights push holds the model", extra={"model": model_id})
+        return model.base_transformer().state_dict()
+
+    def close_push(self, model_id: str, *, wrote: bool, failed: str | None) -> None:
+        if not self.in_place:
+            return
+        model = self._service.registry.get(model_id)
+        if failed is None:
+            model.unhold(None)
+        elif wrote:
+            self.manifests.forget(model_id)
+            model.unhold(failed)
+            log.error("in-place weights push failed after writing into the served weights: the model refuses "
+                      "rollouts until a full push commits", extra={"model": model_id, "reason": failed})
+        else:
+            model.unhold(model.failed)
 
     def manifest(self, model_id: str) -> dict[str, Any]:
         """{"id", "digest", "weights_version", "base_digest", "algorithm", "tensors": {key: crc}}."""

@@ -96,7 +96,7 @@ class PushRefused(Exception):
 
     REASONS = ("unknown_model", "unknown_tensor", "missing_tensor", "shape", "dtype", "offset", "overlap",
                "checksum", "non_finite", "incomplete", "bad_header", "bad_chunk", "push_in_progress",
-               "stale_base", "expired", "commit_failed")
+               "stale_base", "expired", "commit_failed", "model_failed")
 
     def __init__(self, reason: str, message: str, *, tensor: str | None = None) -> None:
         super().__init__(message)
@@ -130,6 +130,18 @@ class WeightsSink(Protocol):
         weights_version, ...). PushRefused("stale_base") when base_digest is not the served one."""
         ...
 
+    def open_push(self, model_id: str, *, full: bool, base_digest: str | None) -> Mapping[str, torch.Tensor] | None:
+        """A push to `model_id` starts (before its first chunk lands). None: stage it into fresh
+        copies (`--weights-swap staged`); or the served tensors themselves, which the chunks are
+        written straight into (`in-place`: the sink holds the model until `close_push`).
+        `full`: the push declares every tensor. PushRefused when it cannot start."""
+        ...
+
+    def close_push(self, model_id: str, *, wrote: bool, failed: str | None) -> None:
+        """The push opened by `open_push` is over: committed (failed None) or dropped for `failed`;
+        `wrote`: some of its bytes had landed."""
+        ...
+
 
 def chunk_batch(name: str, offset: int, data: memoryview | np.ndarray) -> pa.RecordBatch:
     """One chunk as a record batch of SCHEMA, without copying `data` (a C-contiguous byte view)."""
@@ -146,7 +158,7 @@ class _Staging:
     ranges received so far, merged. `lock` is held by the stream feeding it (one at a time)."""
 
     def __init__(self, push_id: str, model_id: str, header: dict[str, Any], declared: dict[str, TensorSpec],
-                 model_bytes: int) -> None:
+                 model_bytes: int, live: Mapping[str, torch.Tensor] | None = None) -> None:
         self.push_id, self.model_id, self.header, self.declared = push_id, model_id, header, declared
         self.partial = bool(header.get("partial", False))
         self.base_digest: str | None = header.get("base_digest")
@@ -156,10 +168,14 @@ class _Staging:
         self.stats = PushStats(declared_bytes=sum(s.nbytes for s in declared.values()), model_bytes=model_bytes)
         self.lock = threading.Lock()
         self.touched = time.monotonic()
+        self.live = live
+        self.wrote = False
+        """Some bytes were written into their target (checked or not: in-place, the served weights changed)."""
+        """The served tensors the chunks are written into (in-place), or None: fresh staging copies."""
 
     @property
     def staged_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
+        return 0 if self.live is not None else sum(t.nbytes for t in self.tensors.values())
 
     def write(self, name: str, offset: int, data: pa.Buffer | memoryview, crc: int | None) -> None:
         """Check and stage one chunk (crc None: a body without checksums, PUT .../weights)."""
@@ -180,14 +196,21 @@ class _Staging:
         if size and ((i > 0 and ranges[i - 1][1] > offset) or (i < len(ranges) and ranges[i][0] < offset + size)):
             raise PushRefused("overlap", f"tensor {name!r}: chunk at byte {offset} of {size} bytes overlaps bytes "
                               "this push has already received", tensor=name)
-        if name not in self.tensors:
-            t = torch.empty(spec.shape, dtype=spec.dtype)
+        if name not in self.tensors:  # the staging allocation: a fresh copy, or (in-place) the served tensor
+            t = torch.empty(spec.shape, dtype=spec.dtype) if self.live is None else self.live[name]
             self.tensors[name] = t
-            self.flat[name] = t.view(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
-        dest = self.flat[name][offset:offset + size]
-        dest[:] = np.frombuffer(data, dtype=np.uint8)
+            on_cpu = t.device.type == "cpu"
+            self.flat[name] = t.view(-1).view(torch.uint8).numpy() if t.numel() and on_cpu else np.empty(0, np.uint8)
+        target = self.tensors[name]
+        self.wrote = self.wrote or size > 0
+        if target.device.type == "cpu":
+            self.flat[name][offset:offset + size] = np.frombuffer(data, dtype=np.uint8)
+            values = target.view(-1)[offset // item:(offset + size) // item]
+        else:  # an in-place push into an accelerator's tensor: through one chunk-sized host buffer
+            bounce = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
+            target.view(-1).view(torch.uint8)[offset:offset + size].copy_(bounce)
+            values = bounce.view(spec.dtype)
         if spec.dtype.is_floating_point and size:
-            values = self.tensors[name].view(-1)[offset // item:(offset + size) // item]
             if not _all_finite(values):
                 raise PushRefused("non_finite", f"tensor {name!r}: chunk at byte {offset} holds NaN or infinite "
                                   "values", tensor=name)
@@ -328,6 +351,8 @@ class WeightsPushes:
             self._count(reason)
         staging.tensors.clear()
         staging.flat.clear()
+        if held:
+            self.sink.close_push(staging.model_id, wrote=staging.wrote, failed=reason)
 
     def sweep(self, now: float | None = None) -> int:
         """Drop the pushes idle for longer than expire_s (their stream is gone); how many."""
@@ -339,6 +364,15 @@ class WeightsPushes:
                                                        "received_bytes": s.stats.received_bytes})
             self._drop(s, "expired")
         return len(old)
+
+    def drop_idle(self, reason: str) -> int:
+        """Drop every push no stream is feeding now (at shutdown: an in-place one stops holding its
+        model); how many."""
+        with self._lock:
+            idle = [s for s in self._pushes.values() if not s.lock.locked()]
+        for s in idle:
+            self._drop(s, reason)
+        return len(idle)
 
     def status(self, push_id: str) -> dict[str, Any]:
         with self._lock:
@@ -362,14 +396,28 @@ class WeightsPushes:
         specs = self.sink.tensor_specs(model_id)
         declared = _declared(header, specs)
         fresh = _Staging(push_id, model_id, header, declared, sum(s.nbytes for s in specs.values()))
+        fresh.lock.acquire()  # not swept while the sink opens it (an in-place one waits for the running batch)
         with self._lock:
             other = self._by_model.get(model_id)
-            if other is not None:
-                raise PushRefused("push_in_progress", f"another weights push ({clip(other, 100)!r}) to model "
-                                  f"{model_id!r} is under way; retry once it commits, fails or expires "
-                                  f"(after {self.expire_s:g} s without data)")
-            self._pushes[push_id] = fresh
-            self._by_model[model_id] = push_id
+            if other is None:
+                self._pushes[push_id] = fresh
+                self._by_model[model_id] = push_id
+        if other is not None:
+            fresh.lock.release()
+            raise PushRefused("push_in_progress", f"another weights push ({clip(other, 100)!r}) to model "
+                              f"{model_id!r} is under way; retry once it commits, fails or expires "
+                              f"(after {self.expire_s:g} s without data)")
+        try:
+            fresh.live = self.sink.open_push(model_id, full=len(declared) == len(specs),
+                                             base_digest=fresh.base_digest)
+        except BaseException:
+            with self._lock:
+                del self._pushes[push_id]
+                self._by_model.pop(model_id, None)
+            raise
+        finally:
+            fresh.touched = time.monotonic()
+            fresh.lock.release()
         return fresh
 
     # -- one body, not resumable (PUT .../weights): begin, write..., commit, or abort ------------
@@ -485,7 +533,8 @@ class WeightsPushes:
         "not_found" for an unknown model, "bad_weights" for everything wrong with the push itself."""
         log.warning("weights push refused", extra={"reason": exc.reason, "tensor": exc.tensor, "push_id": push_id,
                                                    "error": exc.message})
-        type_ = {"push_in_progress": "conflict", "stale_base": "conflict", "unknown_model": "not_found",
+        type_ = {"push_in_progress": "conflict", "stale_base": "conflict", "model_failed": "conflict",
+                 "unknown_model": "not_found",
                  "expired": "not_found"}.get(exc.reason, "bad_weights")
         return flight_error(type_, exc.message, reason=exc.reason, tensor=exc.tensor, push_id=push_id)
 

@@ -68,6 +68,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--stream", action="store_true", help="the streamed push against a served --model-dir model")
     ap.add_argument("--size-mib", type=int, default=1024, help="--stream: the transformer's size")
+    ap.add_argument("--weights-swap", choices=("staged", "in-place", "both"), default="staged",
+                    help="--stream: the server's --weights-swap; both: the same pushes on one server of each")
     ap.add_argument("--arrow-pool", default=None, help="--stream: the server's ARROW_DEFAULT_MEMORY_POOL")
     args = ap.parse_args()
     if args.stream:
@@ -171,8 +173,6 @@ def stream_main(args: argparse.Namespace) -> int:
     from safetensors.torch import load_file
     from sigmaflight.dataplane.weights import SCHEMA, chunk_batch
 
-    from sigmaflight import Client
-    from sigmaflight.launcher import ServerProcess
     from sigmaflight.weights import DEFAULT_CHUNK_BYTES
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-weights-"))
@@ -223,28 +223,10 @@ def stream_main(args: argparse.Namespace) -> int:
     one_pct = {**new, **changed}
 
     env = {"ARROW_DEFAULT_MEMORY_POOL": args.arrow_pool} if args.arrow_pool else None
-    with ServerProcess("--model-dir", str(tmp), "--model", "big-sd3", "--workers", "1", env=env,
-                       timeout=600) as server, \
-            Client(server.rest_url) as client:
-        pid = server.proc.pid
-        client.weights_manifest("big-sd3")  # the manifest is made once per served digest
-        rows = []
+    rows = []
+    for swap in ("staged", "in-place") if args.weights_swap == "both" else (args.weights_swap,):
+        full_s, pct_s, part_s, same_s = _stream_pushes(tmp, env, swap, new, one_pct, changed, nbytes, rows)
 
-        def push(label: str, sd: dict, **kw: object) -> float:
-            Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
-            before = _proc_kib(pid, "VmRSS")
-            t = time.perf_counter()
-            r = client.push_weights("big-sd3", sd, **kw)
-            s = time.perf_counter() - t
-            peak = (_proc_kib(pid, "VmHWM") - before) * 1024
-            rows.append((label, s, r.bytes_sent, peak, r.seconds, float(r.answer.get("commit_seconds", 0.0))))
-            return s
-
-        full_s = push("full push (only_changed=False)", new, only_changed=False)
-        pct_s = push(f"{len(changed)} tensors changed ({sum(v.nbytes for v in changed.values()) / nbytes:.1%} "
-                     "of the bytes), only_changed", one_pct)
-        part_s = push("the same tensors, partial=True", {k: v + 0.01 for k, v in changed.items()}, partial=True)
-        same_s = push("nothing changed", {**one_pct, **{k: v + 0.01 for k, v in changed.items()}})
     gbs = nbytes / 1e9
     print(f"memcpy of the same bytes: {memcpy_s:.2f} s ({gbs / memcpy_s:.2f} GB/s)")
     print(f"bare Flight do_put to a sink server, {DEFAULT_CHUNK_BYTES >> 20} MiB chunks: {bare_s:.2f} s "
@@ -263,6 +245,36 @@ def stream_main(args: argparse.Namespace) -> int:
 
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def _stream_pushes(tmp: Path, env: dict[str, str] | None, swap: str, new: dict, one_pct: dict, changed: dict,
+                   nbytes: int, rows: list) -> tuple[float, float, float, float]:
+    """The four pushes on one server started with `--weights-swap swap`; their rows appended."""
+    from sigmaflight import Client
+    from sigmaflight.launcher import ServerProcess
+
+    with ServerProcess("--model-dir", str(tmp), "--model", "big-sd3", "--workers", "1", "--weights-swap", swap,
+                       env=env, timeout=600) as server, \
+            Client(server.rest_url) as client:
+        pid = server.proc.pid
+        client.weights_manifest("big-sd3")  # the manifest is made once per served digest
+
+        def push(label: str, sd: dict, **kw: object) -> float:
+            Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
+            before = _proc_kib(pid, "VmRSS")
+            t = time.perf_counter()
+            r = client.push_weights("big-sd3", sd, **kw)
+            s = time.perf_counter() - t
+            peak = (_proc_kib(pid, "VmHWM") - before) * 1024
+            rows.append((f"{swap}: {label}", s, r.bytes_sent, peak, r.seconds, float(r.answer.get("commit_seconds", 0.0))))
+            return s
+
+        full_s = push("full push (only_changed=False)", new, only_changed=False)
+        pct_s = push(f"{len(changed)} tensors changed ({sum(v.nbytes for v in changed.values()) / nbytes:.1%} "
+                     "of the bytes), only_changed", one_pct)
+        part_s = push("the same tensors, partial=True", {k: v + 0.01 for k, v in changed.items()}, partial=True)
+        same_s = push("nothing changed", {**one_pct, **{k: v + 0.01 for k, v in changed.items()}})
+    return full_s, pct_s, part_s, same_s
 
 
 if __name__ == "__main__":

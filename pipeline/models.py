@@ -25,7 +25,8 @@ import hashlib
 import json
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ __all__ = [
     "HubSnapshot",
     "check_hub_id",
     "StaleWeights",
+    "WeightsFailed",
     "check_hub_model",
     "combine_digests",
     "component_digest",
@@ -76,6 +78,19 @@ class StaleWeights(ValueError):
         super().__init__(f"the push was made against weights {expected[:12]}..., the model serves {digest[:12]}... "
                          "now; fetch the manifest again and push what differs from it")
         self.expected, self.digest = expected, digest
+
+
+class WeightsFailed(RuntimeError):
+    """A rollout of a model whose weights an in-place push left half written (`--weights-swap
+    in-place`): refused until a full push commits or the server restarts. control/ reports it as
+    `error.type` "weights_failed"; `reason` is why the push failed (checksum, non_finite, expired, ...)."""
+
+    error_type = "weights_failed"
+
+    def __init__(self, model_id: str, reason: str) -> None:
+        super().__init__(f"model {model_id!r} is closed: an in-place weights push failed ({reason}) after writing "
+                         "into the served weights; push every tensor again (a full push) or restart the server")
+        self.model_id, self.reason = model_id, reason
 
 
 class LoraNotLoaded(LookupError):
@@ -131,6 +146,42 @@ class LoadedModel:
     """Held for the whole of a change of weights: changes of one model run one at a time."""
     tokenizer_lock: threading.Lock = field(default_factory=threading.Lock)
     """Fast tokenizers mutate their padding/truncation state per call: one call at a time."""
+
+    failed: str | None = None
+    """Why an in-place push left the weights half written (the model refuses rollouts); None when sound."""
+    _gate: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    _running: int = 0
+    _held: bool = False
+
+    @contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Held around one model call: waits while an in-place push holds the model, raises
+        WeightsFailed while the model is failed closed."""
+        with self._gate:
+            self._gate.wait_for(lambda: not self._held)
+            if self.failed is not None:
+                raise WeightsFailed(self.id, self.failed)
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._running -= 1
+                self._gate.notify_all()
+
+    def hold(self) -> None:
+        """For an in-place push: hold new model calls and wait for the running ones to end."""
+        with self._gate:
+            self._gate.wait_for(lambda: not self._held)
+            self._held = True
+            self._gate.wait_for(lambda: self._running == 0)
+
+    def unhold(self, failed: str | None) -> None:
+        """End an in-place push: `failed` None (committed, or nothing was written) reopens the
+        model, a reason fails it closed."""
+        with self._gate:
+            self._held, self.failed = False, failed
+            self._gate.notify_all()
 
     def __post_init__(self) -> None:
         if not self.base_digest:
@@ -636,6 +687,12 @@ class ModelRegistry:
                 model.digest, model.components = model.base_digest, dict(model.base_components)
                 model.weights_version += 1
             return model.policy()
+
+    def failed(self) -> dict[str, str]:
+        """{model id: why} of the loaded models an in-place push failed closed."""
+        with self._lock:
+            models = list(self._loaded.values())
+        return {m.id: m.failed for m in models if m.failed is not None}
 
     def describe(self) -> list[dict[str, Any]]:
         out = []

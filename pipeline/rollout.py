@@ -38,7 +38,7 @@ from sigmaflight.pipeline.conditioning import (
     conditioning_from_calls,
 )
 from sigmaflight.pipeline.kernels import gaussian_log_prob, kernel_mean_std, stochastic_transitions
-from sigmaflight.pipeline.models import LoadedModel, Policy
+from sigmaflight.pipeline.models import LoadedModel, Policy, WeightsFailed
 from sigmaflight.pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
 from sigmaflight.pipeline.seeds import derive_seeds, noise_seed, sample_seeds
 from sigmaflight.pipeline.spec import (
@@ -403,6 +403,18 @@ def run_batch(
     keys = {batch_key(model, m.spec) for m in members}
     if len(keys) != 1:
         raise ValueError("co-batched rollouts must share one batch_key (pipeline/batch.py)")
+    try:
+        with model.in_use():  # an in-place weights push waits for this call; a failed one refuses it
+            return _run_batch(model, members, per_sample_model_calls, batch_id)
+    except WeightsFailed as closed:
+        for member in members:
+            if member.on_end is not None:
+                member.on_end(closed)
+        return [closed for _ in members]
+
+
+def _run_batch(model: LoadedModel, members: Sequence[BatchMember], per_sample_model_calls: bool,
+               batch_id: str | None) -> list[RolloutResult | BaseException]:
     policy = model.policy()  # pipeline, digest and weights_version read together
     runs: list[_Run] = []
     ended: list[tuple[BatchMember, BaseException]] = []

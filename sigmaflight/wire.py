@@ -224,3 +224,6 @@ class ModelList(_Wire):
 class Health(_Wire):
     status: str
     checks: dict[str, bool] = Field(default_factory=dict)
+    weights_failed: dict[str, str] | None = Field(
+        None, description="Models an in-place weights push failed closed (model id: why); they refuse rollouts "
+        "until a full push commits. Absent when none.")

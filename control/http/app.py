@@ -42,6 +42,7 @@ from sigmaflight.control.settings import Settings
 from sigmaflight.control.streams import output_bytes, stream_names, stream_tickets, validate_outputs
 from sigmaflight.dataplane.auth import TokenSet
 from sigmaflight.pipeline.batch import batch_key
+from sigmaflight.pipeline.models import WeightsFailed
 from sigmaflight.pipeline.rollout import estimate_latent_bytes, validate_spec
 from sigmaflight.pipeline.spec import RolloutSpec
 from starlette.applications import Starlette
@@ -214,6 +215,8 @@ async def create_rollout(request: Request) -> Response:
         parent = await run_in_threadpool(find_parent, service.backend, req.branch_from.rollout)
         model_id = parent.model
     model = await run_in_threadpool(service.registry.get, model_id)
+    if model.failed is not None:
+        raise WeightsFailed(model.id, model.failed)
     seed = secrets.randbits(63)
     spec = to_spec(req, model_id=model_id, default_steps=model.defaults.num_inference_steps, seed=seed)
     if parent is not None and req.branch_from is not None:
@@ -326,8 +329,13 @@ async def readyz(request: Request) -> Response:
     service = _service(request)
     checks = {"models_loaded": service.ready, "flight_serving": service.ready and service.flight.port > 0,
               "journal_writable": service.jobs.journal_error() is None}
+    failed = service.registry.failed()
+    checks["weights_sound"] = not failed
     ok = all(checks.values())
-    return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks}, status_code=200 if ok else 503)
+    body: dict[str, Any] = {"status": "ready" if ok else "not ready", "checks": checks}
+    if failed:  # an in-place weights push failed: these models refuse rollouts (weights_failed)
+        body["weights_failed"] = failed
+    return JSONResponse(body, status_code=200 if ok else 503)
 
 
 async def get_metrics(request: Request) -> Response:

@@ -11,7 +11,7 @@ from typing import Any
 
 from sigmaflight.control.branches import StaleParent
 from sigmaflight.control.jobs.manager import IdempotencyConflict, NotAccepting, QueueFull, Unavailable
-from sigmaflight.pipeline.models import LoraNotLoaded
+from sigmaflight.pipeline.models import LoraNotLoaded, WeightsFailed
 from sigmaflight.pipeline.spec import RolloutInputError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -67,6 +67,8 @@ def _as_http(exc: Exception) -> HttpError:
     if isinstance(exc, StaleParent):
         return HttpError(409, "stale_parent", str(exc), {"parent": exc.parent, "parent_digest": exc.parent_digest,
                                                          "digest": exc.digest, "weights_version": exc.weights_version})
+    if isinstance(exc, WeightsFailed):
+        return HttpError(503, "weights_failed", str(exc), {"model": exc.model_id, "reason": exc.reason})
     if isinstance(exc, LoraNotLoaded):
         return HttpError(404, "lora_not_loaded", f"{exc.args[0] if exc.args else exc}; nothing to remove")
     raise TypeError(f"no HTTP mapping for {type(exc).__name__}")
@@ -106,6 +108,7 @@ EXCEPTION_HANDLERS: dict[Any, Callable[[Request, Exception], Awaitable[Response]
     Unavailable: on_error,
     StaleParent: on_error,
     LoraNotLoaded: on_error,
+    WeightsFailed: on_error,
     HTTPException: on_http_error,
     Exception: on_unexpected,
 }

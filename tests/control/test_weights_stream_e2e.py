@@ -469,3 +469,91 @@ def test_progress_shows_bytes_and_rate_when_asked(server, client, capsys):
     assert f"push {MODEL}" in err and "B/s" in err and "100%" in err
     client.push_weights(MODEL, _changed(new, _floats(new)[:1], 0.5), progress=False)
     assert capsys.readouterr().err == ""
+
+
+@pytest.fixture(scope="module")
+def in_place_server():
+    with ServerProcess("--workers", "2", "--max-batch-samples", "1", "--weights-swap", "in-place",
+                       "--weights-push-timeout-s", "5") as s:
+        yield s
+
+
+def _stock_equal(traj: Trajectory, state: dict[str, torch.Tensor]) -> None:
+    """Every latent of an ode trajectory equals a stock diffusers call on `state` (torch.equal)."""
+    model = _model_with(state)
+    spec = rollout_spec(traj)
+    steps, _ = _stock_call(model, spec, traj.latent(0), **_prompt_inputs(model, spec))
+    for i, stock in enumerate(steps, start=1):
+        assert torch.equal(traj.latent(i), stock.cpu()), f"x_{i}"
+
+
+def _roll(client: Client, seed: int) -> Trajectory:
+    t = client.submit(model=MODEL, prompts=["a red cube"], num_inference_steps=3, seed=seed, guidance_scale=3.0,
+                      sampler={"type": "ode"})
+    client.wait(t, timeout=120)
+    return client.pull(t)
+
+
+def test_an_in_place_push_commits_into_the_served_weights_and_rollouts_run_on_them(in_place_server):
+    with Client(in_place_server.rest_url) as client:
+        new = _changed(_base(), _floats(_base()), 0.03)
+        pushed = client.push_weights(MODEL, new, only_changed=False, chunk_bytes=4096)
+        assert pushed == _digest(new) and _served(client)[0] == pushed
+        traj = _roll(client, seed=11)
+        assert traj.metadata["model"]["digest"] == pushed
+        _stock_equal(traj, new)
+        m = _metrics(client)
+        assert m["sigmaflight_weights_staged_bytes"] == 0 and m["sigmaflight_weights_pushes_open"] == 0
+
+
+def test_a_bad_chunk_mid_in_place_push_fails_the_model_closed_until_a_full_push(in_place_server):
+    with Client(in_place_server.rest_url) as client:
+        base = _base()
+        client.push_weights(MODEL, base, only_changed=False)
+        new = _changed(base, _floats(base), 0.07)
+        keys = sorted(new)
+        bad = keys[len(keys) // 2]
+        data = _bytes(new[bad])
+        chunks = [(k, *_ok(_bytes(new[k]))) for k in keys[:len(keys) // 2]]  # half the tensors land...
+        chunks.append((bad, 0, data, crc32c.crc32c(data) ^ 1))  # ...then a chunk whose checksum is wrong
+        with pytest.raises(flight.FlightError) as caught:
+            _raw(in_place_server, {"tensors": _spec(new, keys)}, chunks)
+        info = json.loads(caught.value.extra_info)
+        assert (info["reason"], info["tensor"]) == ("checksum", bad)
+        with pytest.raises(ApiError) as refused:  # a rollout submitted now is refused, naming why
+            _roll(client, seed=3)
+        assert (refused.value.status, refused.value.type) == (503, "weights_failed")
+        assert "checksum" in refused.value.message and refused.value.details["reason"] == "checksum"
+        ready = httpx.get(f"{in_place_server.rest_url}/readyz")
+        assert ready.status_code == 503 and ready.json()["weights_failed"] == {MODEL: "checksum"}
+        with pytest.raises(WeightsPushError) as partial:  # a partial push cannot vouch for the rest
+            client.push_weights(MODEL, {keys[0]: new[keys[0]]}, partial=True)
+        assert (partial.value.type, partial.value.reason) == ("conflict", "model_failed")
+        pushed = client.push_weights(MODEL, new, only_changed=False, chunk_bytes=4096)  # a full push reopens it
+        assert pushed == _digest(new)
+        assert httpx.get(f"{in_place_server.rest_url}/readyz").status_code == 200
+        traj = _roll(client, seed=3)
+        assert traj.metadata["model"]["digest"] == pushed
+        _stock_equal(traj, new)
+
+
+def test_a_cut_in_place_push_holds_rollouts_then_expires_and_fails_the_model_closed(in_place_server, tmp_path):
+    with Client(in_place_server.rest_url) as client:
+        base = _base()
+        client.push_weights(MODEL, base, only_changed=False)
+        new = _changed(base, _floats(base), -0.02)
+        proc, _ = _start_half_push(in_place_server, tmp_path, new, uuid.uuid4().hex)
+        try:
+            wait_for(lambda: _metrics(client)["sigmaflight_weights_pushes_open"] == 1, "the half push open")
+            held = client.submit(model=MODEL, prompts=["a red cube"], num_inference_steps=2, seed=1,
+                                 sampler={"type": "ode"})  # accepted: the model is held, not failed yet
+            assert client.status(held).status == "queued" or client.status(held).status == "running"
+        finally:
+            _kill(proc)
+        status = client.wait(held, timeout=120, raise_on_failure=False)  # the push expires (5 s) and the held
+        assert status.status == "failed" and status.error is not None  # rollout is refused, naming why
+        assert (status.error.type, "expired" in status.error.message) == ("weights_failed", True)
+        ready = httpx.get(f"{in_place_server.rest_url}/readyz")
+        assert ready.status_code == 503 and ready.json()["weights_failed"] == {MODEL: "expired"}
+        assert client.push_weights(MODEL, new, only_changed=False) == _digest(new)
+        _stock_equal(_roll(client, seed=1), new)
