@@ -10,6 +10,7 @@ worker busy while the stream's requests queue, so what the server holds can be o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import signal
 import threading
@@ -22,7 +23,7 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from sigmaflight.pipeline.models import ModelRegistry
 
 from sigmaflight import ApiError, AsyncClient, Client, NotFound, RolloutCancelled
-from sigmaflight.stream import Rollout
+from sigmaflight.stream import Rollout, Stream
 from sigmaflight.wire import Ticket
 from tests.servers import ServerProcess, wait_for
 
@@ -39,6 +40,18 @@ def server():
     with ServerProcess("--workers", "2", "--queue-size", str(QUEUE), "--max-batch-samples", "64",
                        "--batch-wait-ms", "0", "--max-steps", str(BLOCKER_STEPS)) as s:
         yield s
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_running(server):
+    """After each test, cancel whatever it left queued or running (its blockers above all), so a
+    failing test cannot hold the module's workers for the tests after it."""
+    yield
+    with Client(server.rest_url) as c:
+        for s in c.rollouts(limit=1000):
+            if s.status in ("queued", "running"):
+                with contextlib.suppress(ApiError):
+                    c.cancel(s.id)
 
 
 def requests(n: int, tag: str, **extra: Any) -> list[dict[str, Any]]:
@@ -222,7 +235,7 @@ def test_closing_cancels_what_is_queued_or_running(server, how):
             # Ctrl-C while the trainer waits for the next rollout: SIGINT to this (the main) thread
             # once it waits; the stream cancels and lets the KeyboardInterrupt through.
             def interrupt() -> None:
-                wait_for(lambda: any(f.f_code.co_name == "__next__" for f in _frames()), "next() waits")
+                wait_for(lambda: any(f.f_code is Stream.__next__.__code__ for f in _frames()), "next() waits")
                 signal.pthread_kill(_main_ident(), signal.SIGINT)
 
             threading.Thread(target=interrupt, daemon=True).start()
