@@ -31,7 +31,7 @@ import mmap
 import os
 import stat
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from sigmaflight.control.http.errors import HttpError
@@ -205,6 +205,28 @@ def _refused(exc: PushRefused) -> Exception:
     return _body_key(RolloutInputError(exc.tensor or "body", exc.message))
 
 
+def _push_header(model_id: str, kind: str, entries: Mapping[str, Any], *, partial: bool) -> dict[str, Any]:
+    """The streamed push's header (dataplane/weights.py) for a body or file holding `entries`
+    (parse_header's: key -> (dtype, shape, start, end))."""
+    return {"sigmaflight.weights": 1, "model": model_id, "push_id": f"{kind}-{uuid.uuid4().hex}", "partial": partial,
+            "base_digest": None, "tensors": {k: {"dtype": dtype_name(d), "shape": list(shape)}
+                                              for k, (d, shape, _, _) in entries.items()}}
+
+
+@contextlib.contextmanager
+def _aborted_on_error(pushes: Any, staging: Any, reason: str) -> Iterator[None]:
+    """Frees `staging` when the block fails: a refusal with its own reason (answered as _refused
+    says), anything else (a cut body, a failed commit) with `reason`."""
+    try:
+        yield
+    except PushRefused as exc:
+        pushes.abort(staging, exc.reason)
+        raise _refused(exc) from None
+    except BaseException:
+        pushes.abort(staging, reason)
+        raise
+
+
 async def _stream_weights(request: Request, length: int) -> Response:
     """PUT .../weights with a Content-Length: the header first (checked against the model), then
     each tensor's bytes straight into a staging copy as they arrive (the streamed push's staging,
@@ -232,16 +254,14 @@ async def _stream_weights(request: Request, length: int) -> Response:
         entries, _ = parse_header(bytes(buf[8:8 + n]), length - 8 - n)
     except RolloutInputError as exc:
         raise _body_key(exc) from None
-    header = {"sigmaflight.weights": 1, "model": model_id, "push_id": f"put-{uuid.uuid4().hex}", "partial": False,
-              "base_digest": None, "tensors": {k: {"dtype": dtype_name(d), "shape": list(shape)}
-                                                for k, (d, shape, _, _) in entries.items()}}
+    header = _push_header(model_id, "put", entries, partial=False)
     pushes = service.weights_pushes
     try:
         staging = await run_in_threadpool(pushes.begin, header)
     except PushRefused as exc:
         raise _refused(exc) from None
     feeder = _BodyFeeder(pushes, staging, entries)
-    try:
+    with _aborted_on_error(pushes, staging, "cut"):
         feeder.feed(buf[8 + n:])
         buf.clear()
         async for chunk in chunks:
@@ -250,12 +270,6 @@ async def _stream_weights(request: Request, length: int) -> Response:
             else:
                 feeder.feed(chunk)
         answer = await run_in_threadpool(pushes.commit, staging)
-    except PushRefused as exc:
-        pushes.abort(staging, exc.reason)
-        raise _refused(exc) from None
-    except BaseException:
-        pushes.abort(staging, "cut")
-        raise
     return JSONResponse({"id": model_id, "digest": answer["digest"], "weights_version": answer["weights_version"],
                          "tensors": len(entries)})
 
@@ -308,17 +322,14 @@ def _push_file(service: Any, model_id: str, path: object, partial: bool) -> JSON
                 entries, _ = parse_header(mm[8:8 + n], size - 8 - n)
             except RolloutInputError as exc:
                 raise _body_key(exc) from None
-            header = {"sigmaflight.weights": 1, "model": model_id, "push_id": f"file-{uuid.uuid4().hex}",
-                      "partial": partial, "base_digest": None,
-                      "tensors": {k: {"dtype": dtype_name(d), "shape": list(shape)}
-                                  for k, (d, shape, _, _) in entries.items()}}
+            header = _push_header(model_id, "file", entries, partial=partial)
             pushes = service.weights_pushes
             try:
                 staging = pushes.begin(header)
             except PushRefused as exc:
                 raise _refused(exc) from None
             view = memoryview(mm)
-            try:
+            with _aborted_on_error(pushes, staging, "commit_failed"):
                 for key, (dtype, _, start, end) in entries.items():
                     step = max(dtype.itemsize, _FILE_PIECE - _FILE_PIECE % dtype.itemsize)
                     for off in range(0, end - start, step):
@@ -327,12 +338,6 @@ def _push_file(service: Any, model_id: str, path: object, partial: bool) -> JSON
                         del piece
                 view.release()
                 answer = pushes.commit(staging)
-            except PushRefused as exc:
-                pushes.abort(staging, exc.reason)
-                raise _refused(exc) from None
-            except BaseException:
-                pushes.abort(staging, "commit_failed")
-                raise
         finally:
             with contextlib.suppress(BufferError):  # a refusal's traceback still holds a view: the map goes with it
                 mm.close()
