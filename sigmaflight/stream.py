@@ -96,7 +96,10 @@ class _Driver:
         self.in_flight = in_flight
         self.outputs = outputs
         self.max_staleness = max_staleness
-        self.out: queue.Queue[Any] = queue.Queue()
+        self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        """Finished rollouts for the consumer. SimpleQueue: its get is one C call, so a Ctrl-C while
+        the consumer waits raises KeyboardInterrupt cleanly (queue.Queue's Python Condition can be
+        interrupted between its lock operations: "release unlocked lock")."""
         self.stop = threading.Event()
         self.cond = threading.Condition()
         self.unfinished: dict[str, _Entry] = {}  # submitted, its pull not done
@@ -278,6 +281,8 @@ class _Driver:
                 self.client.cancel(entry.ticket)
             except ApiError:
                 pass  # it finished meanwhile, or the server is gone: nothing left to stop
+            except RuntimeError:  # the Client was closed before this stream (closed at garbage collection)
+                break
 
 
 class Stream(Iterator[Rollout]):

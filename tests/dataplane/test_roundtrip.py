@@ -121,7 +121,7 @@ def test_plain_pyarrow_client_and_flight_info(server, store):
         assert c.get_schema(flight.FlightDescriptor.for_path("rollouts", "plain")).schema.equals(info.schema)
         assert [f.descriptor.path for f in c.list_flights()] == [[b"rollouts", b"plain"]]
         actions = dict((a.type, a.description) for a in c.list_actions())
-        assert set(actions) == {"cancel", "release"} and all(actions.values())
+        assert set(actions) == {"cancel", "release", "weights_push_status"} and all(actions.values())
 
 
 def test_parallel_partitions_reassemble(server, store):

@@ -109,7 +109,7 @@ def test_random_actions_get_typed_errors_or_answers(live, kind, body):
 def test_server_still_serves_after_fuzzing(live):
     server, client, ticket = live
     _still_serves(client, ticket)
-    assert {a.type for a in client.list_actions()} == {"cancel", "release"}
+    assert {a.type for a in client.list_actions()} == {"cancel", "release", "weights_push_status"}
     assert [i.descriptor.path[1].decode() for i in client.list_flights()] == [ticket["id"]]
     assert server.proc.poll() is None
     assert '"level": "critical"' not in server.log_text
