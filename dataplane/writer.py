@@ -8,7 +8,7 @@ from typing import Literal, Protocol
 import pyarrow as pa
 from sigmaflight.dataplane.codec import encode_step
 from sigmaflight.dataplane.durable import DurableDir
-from sigmaflight.dataplane.entry import Entry
+from sigmaflight.dataplane.entry import Entry, EntryInfo
 from sigmaflight.dataplane.files import TrajectoryFileWriter
 from sigmaflight.dataplane.record import StepBatch
 
@@ -75,7 +75,9 @@ class TrajectoryWriter:
             e.stream_paths[name] = path
         self._store.appended(e, e.publish(name, table))
 
-    def finish(self) -> None:
+    def finish(self) -> EntryInfo:
+        """End the trajectory; what the store now holds of it (its state is "failed" when the store
+        found it lost as it moved it out of memory)."""
         e = self._entry
         if self._pending:
             raise ValueError(f"rollout {e.rollout_id}: steps {self._pending} were never appended")
@@ -92,6 +94,7 @@ class TrajectoryWriter:
             e.path = None
             self.fail("failed", f"cannot finish the trajectory file: {type(exc).__name__}: {exc}")
             raise
+        return e.info()
 
     def abort_file(self) -> None:
         f, self._file = self._file, None

@@ -120,7 +120,7 @@ class RolloutWorker:
         contexts, run = [], []
         for job_id, spec_json, branch in zip(job_ids, spec_jsons, branches, strict=True):
             spec = RolloutSpec.from_json(spec_json, branch_from=branch)
-            ctx = RunContext(job_id, spec, on_progress=functools.partial(self._set_progress, job_id),
+            ctx = RunContext(job_id, spec, on_progress=self._set_progress,
                              on_settle=functools.partial(self._set_outcome, job_id))
             with self._lock:
                 self._running[job_id] = ctx
@@ -145,8 +145,9 @@ class RolloutWorker:
         return {ctx.job_id: {**outcome_to_json(ctx.outcome or missing), "progress": self._progress.pop(ctx.job_id, None)}
                 for ctx in contexts}
 
-    def _set_progress(self, job_id: str, done: int, total: int) -> None:
-        self._progress[job_id] = (done, total)
+    def _set_progress(self, contexts: Sequence[RunContext], done: int, total: int) -> None:
+        for ctx in contexts:
+            self._progress[ctx.job_id] = (done, total)
 
     def _set_outcome(self, job_id: str, outcome: Outcome) -> None:
         self._outcomes[job_id] = outcome_to_json(outcome)

@@ -3,8 +3,9 @@
 Two backends implement `Backend`: the local one (control/backends/local.py: the pipeline and
 this process's result store) and the Ray one (control/backends/ray.py: worker actors with their
 own stores). The manager hands a backend `RunContext`s, never its own mutable `Job`: a context
-carries the rollout's id and spec, takes its progress, tells it to stop, and is settled once
-with the rollout's `Outcome`, as soon as that is known.
+carries the rollout's id and spec, tells it to stop, and is settled once with the rollout's
+`Outcome`, as soon as that is known. Progress is reported for a whole model call at once
+(`report_progress`: one call of the manager's progress hook a step, not one per rollout).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from sigmaflight.control.jobs.states import ErrorInfo, JobState, ResultInfo
 from sigmaflight.dataplane.record import TrajectoryHeader
 from sigmaflight.pipeline.spec import RolloutCancelled, RolloutSpec
 
-__all__ = ["Backend", "Outcome", "ParentTrajectory", "RunContext", "outcome_of"]
+__all__ = ["Backend", "Outcome", "ParentTrajectory", "Progress", "RunContext", "outcome_of", "report_progress"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +74,21 @@ def outcome_of(exc: BaseException, stop_reason: str | None) -> Outcome:
     return Outcome.failure(str(getattr(exc, "error_type", type(exc).__name__)), str(exc) or repr(exc))
 
 
+Progress = Callable[[Sequence["RunContext"], int, int], None]
+"""A progress hook: `done` of `total` steps finished by each of these rollouts (one model call)."""
+
+
+def report_progress(batch: Sequence[RunContext], done: int, total: int) -> None:
+    """`done` of `total` steps finished by every rollout of `batch`: one call of each distinct hook
+    (the manager's is one for all its contexts) with the contexts that share it."""
+    hooks: dict[Progress, list[RunContext]] = {}
+    for ctx in batch:
+        if ctx.on_progress is not None:
+            hooks.setdefault(ctx.on_progress, []).append(ctx)
+    for hook, contexts in hooks.items():
+        hook(contexts, done, total)
+
+
 class RunContext:
     """One rollout as a backend runs it: id, spec, progress, stop, and its outcome (settled once).
 
@@ -85,12 +101,12 @@ class RunContext:
         job_id: str,
         spec: RolloutSpec,
         *,
-        on_progress: Callable[[int, int], None] | None = None,
+        on_progress: Progress | None = None,
         on_settle: Callable[[Outcome], None] | None = None,
     ) -> None:
         self.job_id = job_id
         self.spec = spec
-        self._on_progress = on_progress
+        self.on_progress = on_progress
         self._on_settle = on_settle
         self._stop = threading.Event()
         self._stop_reason: str | None = None
@@ -101,9 +117,9 @@ class RunContext:
         return f"RunContext({self.job_id!r}, outcome={self._outcome})"
 
     def progress(self, done: int, total: int) -> None:
-        """`done` of `total` denoising steps finished."""
-        if self._on_progress is not None:
-            self._on_progress(done, total)
+        """`done` of `total` denoising steps finished (of this rollout alone: `report_progress`)."""
+        if self.on_progress is not None:
+            self.on_progress([self], done, total)
 
     def stop(self, reason: str | None = None) -> None:
         """Ask the rollout to stop at its next step: cancelled (no reason) or failed with `reason`."""

@@ -693,17 +693,20 @@ class JobManager:
                 self._journal_failed(exc)
                 return f"{type(exc).__name__}: {exc}"
         job.move(JobState.RUNNING)
-        job.run = RunContext(job.id, job.spec, on_progress=functools.partial(self._progress, job),
+        job.run = RunContext(job.id, job.spec, on_progress=self._progress,
                              on_settle=functools.partial(self._settle, job))
         self._publish(job)
         return None
 
-    def _progress(self, job: Job, done: int, total: int) -> None:
+    def _progress(self, runs: Sequence[RunContext], done: int, total: int) -> None:
+        """`done` of `total` steps finished by each of `runs` (one model call): one lock for them all."""
         with self._lock:
-            if job.state is JobState.RUNNING:
-                job.steps_done, job.steps_total = done, total
-                self.counters["steps"] += 1
-                self._publish(job)
+            for run in runs:
+                job = self._jobs.get(run.job_id)
+                if job is not None and job.state is JobState.RUNNING:
+                    job.steps_done, job.steps_total = done, total
+                    self.counters["steps"] += 1
+                    self._publish(job)
 
     def _settle(self, job: Job, outcome: Outcome) -> None:
         """A running job's end, as soon as its backend knows it (other members of its batch may run on)."""
