@@ -277,7 +277,7 @@ async def _branch(service: Service, req: RolloutRequest, parent: Parent, model: 
 
 async def get_rollout(request: Request) -> Response:
     service = _service(request)
-    job = await run_in_threadpool(service.jobs.get, request.path_params["rollout_id"])
+    job = service.jobs.get(request.path_params["rollout_id"])  # a dict read: no thread hop
     if job is None:
         raise unknown_rollout(request.path_params["rollout_id"])
     return _model(status_of(service, job))
