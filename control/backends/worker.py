@@ -23,10 +23,11 @@ from typing import Any
 import pyarrow as pa
 import torch
 from sigmaflight.control.jobs.backend import Outcome, RunContext
-from sigmaflight.control.jobs.states import ErrorInfo, JobState, ResultInfo
 from sigmaflight.control.node import Node, NodeConfig
 from sigmaflight.dataplane.streams import StreamNotFound
 from sigmaflight.pipeline.spec import BranchStart, RolloutSpec
+
+from sigmaflight.records import ErrorInfo, ResultInfo, RolloutState
 
 log = logging.getLogger("sigmaflight.worker")
 
@@ -75,7 +76,7 @@ def outcome_to_json(outcome: Outcome) -> dict[str, Any]:
 
 def outcome_from_json(data: dict[str, Any]) -> Outcome:
     return Outcome(
-        state=JobState(data["state"]),
+        state=RolloutState(data["state"]),
         result=ResultInfo.from_json(data["result"]) if data["result"] is not None else None,
         error=ErrorInfo(type=data["error"][0], message=data["error"][1]) if data["error"] is not None else None,
     )

@@ -34,8 +34,7 @@ from sigmaflight.control.http.weights import (
     put_lora,
     put_weights,
 )
-from sigmaflight.control.jobs.manager import iso
-from sigmaflight.control.jobs.states import JobView
+from sigmaflight.control.jobs import JobView, iso
 from sigmaflight.control.policy import policy
 from sigmaflight.control.service import Service
 from sigmaflight.control.settings import Settings
@@ -54,12 +53,10 @@ from starlette.routing import Route
 
 from sigmaflight.wire import (
     STATES,
-    ErrorInfo,
     FlightTicket,
     ModelInfo,
     ModelList,
     Progress,
-    ResultInfo,
     RolloutList,
     RolloutRequest,
     RolloutStatus,
@@ -160,14 +157,14 @@ def flight_ticket(service: Service, job: JobView) -> FlightTicket:
 def status_of(service: Service, job: JobView) -> RolloutStatus:
     return RolloutStatus(
         id=job.id,
-        status=job.status.value,
+        status=job.status,
         model=job.model,
         progress=Progress(steps_done=job.steps_done, steps_total=job.steps_total),
         created_at=iso(job.created_at) or "",
         started_at=iso(job.started_at),
         finished_at=iso(job.finished_at),
-        error=ErrorInfo(type=job.error.type, message=job.error.message) if job.error else None,
-        result=ResultInfo(**job.result.to_json()) if job.result and job.status == "succeeded" else None,
+        error=job.error,
+        result=job.result if job.status == "succeeded" else None,
         flight=flight_ticket(service, job),
     )
 
