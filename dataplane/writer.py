@@ -100,7 +100,8 @@ class TrajectoryWriter:
         if f is not None:
             f.abort()
 
-    def fail(self, kind: RolloutState, message: str) -> None:
+    def fail(self, kind: RolloutState | str, message: str) -> None:
+        """End the rollout's streams as `kind`: failed or cancelled."""
         if kind not in (RolloutState.FAILED, RolloutState.CANCELLED):
             raise ValueError(f"kind must be 'failed' or 'cancelled', got {kind!r}")
         e = self._entry
@@ -113,5 +114,5 @@ class TrajectoryWriter:
         if e.state is not RolloutState.RUNNING:
             return
         freed = e.num_bytes + e.extra_bytes
-        e.end(kind, message)
+        e.end(RolloutState(kind), message)
         self._store.failed(e, freed)
