@@ -15,8 +15,8 @@ from typing import Any
 
 import pyarrow.flight as flight
 import torch
+from sigmaflight.control.jobs import JobManager, NotFinished
 from sigmaflight.control.jobs.backend import Backend
-from sigmaflight.control.jobs.manager import JobManager, NotFinished
 from sigmaflight.control.node import Node, NodeConfig
 from sigmaflight.control.settings import Settings
 from sigmaflight.control.weights_sink import ServiceWeightsSink

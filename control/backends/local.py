@@ -22,7 +22,6 @@ from sigmaflight.control.jobs.backend import (
     outcome_of,
     report_progress,
 )
-from sigmaflight.control.jobs.states import ResultInfo
 from sigmaflight.control.policy import check_started_with
 from sigmaflight.control.streams import outputs_table, stream_names
 from sigmaflight.dataplane.record import StepBatch, TrajectoryHeader
@@ -32,6 +31,8 @@ from sigmaflight.dataplane.writer import TrajectoryWriter
 from sigmaflight.pipeline.models import LoadedModel, ModelRegistry, Policy
 from sigmaflight.pipeline.rollout import CallStep, RolloutResult, Rows, parent_metadata, run_batch
 from sigmaflight.pipeline.spec import RolloutCancelled, RolloutInputError, ScheduleSnapshot
+
+from sigmaflight.records import ResultInfo
 
 log = logging.getLogger("sigmaflight.backend")
 
@@ -118,12 +119,9 @@ class LocalBackend:
 
     def result_info(self, job_id: str) -> ResultInfo | None:
         try:
-            info = self.store.info(job_id)
+            return self.store.result(job_id)
         except KeyError:
             return None
-        if info.state != "succeeded":
-            return None
-        return ResultInfo(num_rows=info.num_rows, num_bytes=info.num_bytes, steps=tuple(info.steps))
 
     def locations_for(self, job_id: str) -> list[str]:
         return self.locations()
@@ -136,7 +134,7 @@ class LocalBackend:
             entry = self.store.get(rollout_id)
         except KeyError:
             return None
-        state = entry.info().state
+        state = entry.state
         batches = entry.snapshot()
         if state != "succeeded" or batches is None:
             raise RolloutInputError("branch_from.rollout", f"rollout {rollout_id!r} is {state}; a parent must have succeeded")
@@ -229,12 +227,11 @@ class _Writers:
                     raise RuntimeError("return.conditioning: the rollout captured no conditioning tensors")
                 writer.publish(CONDITIONING, stream_table(CONDITIONING, header, outcome.conditioning,
                                                           max_batch_bytes=store.max_batch_bytes))
-            info = writer.finish()
+            result = writer.finish()
         except Exception as exc:
             self.backend._end(ctx, writer, exc)
             return
-        ctx.settle(Outcome.success(ResultInfo(num_rows=info.num_rows, num_bytes=info.num_bytes, steps=info.steps))
-                   if info.state == "succeeded" else
+        ctx.settle(Outcome.success(result) if result is not None else
                    Outcome.failure("result_unavailable", "the trajectory was finished but the store does not hold it"))
 
 

@@ -23,11 +23,12 @@ from typing import Any
 import torch
 from sigmaflight.control.backends.worker import RolloutWorker, WorkerConfig, outcome_from_json
 from sigmaflight.control.jobs.backend import Outcome, ParentTrajectory, RunContext
-from sigmaflight.control.jobs.states import ResultInfo
 from sigmaflight.control.node import NodeConfig
 from sigmaflight.dataplane.schema import header_from_schema
 from sigmaflight.dataplane.streams import CONDITIONING, requested_streams
 from sigmaflight.pipeline.spec import RolloutInputError
+
+from sigmaflight.records import ResultInfo
 
 log = logging.getLogger("sigmaflight.ray")
 
@@ -39,7 +40,7 @@ class WorkerDied(RuntimeError):
     """The worker actor that held a rollout died (process crash, node lost, ray.kill) or stopped
     answering; the `error.type` of the rollouts it held."""
 
-    error_type = "WorkerDied"
+    error_type = "worker_died"
 
 
 class NoWorkers(RuntimeError):

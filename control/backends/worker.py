@@ -12,7 +12,6 @@ Nothing here imports Ray: the class is testable (and usable) in-process.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -23,10 +22,11 @@ from typing import Any
 import pyarrow as pa
 import torch
 from sigmaflight.control.jobs.backend import Outcome, RunContext
-from sigmaflight.control.jobs.states import ErrorInfo, JobState, ResultInfo
 from sigmaflight.control.node import Node, NodeConfig
 from sigmaflight.dataplane.streams import StreamNotFound
 from sigmaflight.pipeline.spec import BranchStart, RolloutSpec
+
+from sigmaflight.records import ErrorInfo, ResultInfo, RolloutState
 
 log = logging.getLogger("sigmaflight.worker")
 
@@ -75,7 +75,7 @@ def outcome_to_json(outcome: Outcome) -> dict[str, Any]:
 
 def outcome_from_json(data: dict[str, Any]) -> Outcome:
     return Outcome(
-        state=JobState(data["state"]),
+        state=RolloutState(data["state"]),
         result=ResultInfo.from_json(data["result"]) if data["result"] is not None else None,
         error=ErrorInfo(type=data["error"][0], message=data["error"][1]) if data["error"] is not None else None,
     )
@@ -120,8 +120,7 @@ class RolloutWorker:
         contexts, run = [], []
         for job_id, spec_json, branch in zip(job_ids, spec_jsons, branches, strict=True):
             spec = RolloutSpec.from_json(spec_json, branch_from=branch)
-            ctx = RunContext(job_id, spec, on_progress=self._set_progress,
-                             on_settle=functools.partial(self._set_outcome, job_id))
+            ctx = RunContext(job_id, spec, on_progress=self._set_progress, on_settle=self._set_outcome)
             with self._lock:
                 self._running[job_id] = ctx
                 self._progress[job_id] = (0, spec.num_inference_steps)
@@ -149,8 +148,8 @@ class RolloutWorker:
         for ctx in contexts:
             self._progress[ctx.job_id] = (done, total)
 
-    def _set_outcome(self, job_id: str, outcome: Outcome) -> None:
-        self._outcomes[job_id] = outcome_to_json(outcome)
+    def _set_outcome(self, ctx: RunContext, outcome: Outcome) -> None:
+        self._outcomes[ctx.job_id] = outcome_to_json(outcome)
 
     def poll(self, job_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         """Of each running or just-finished rollout of `job_ids`: (steps_done, steps_total) and its

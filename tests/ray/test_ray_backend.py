@@ -15,8 +15,7 @@ from sigmaflight.control.backends.local import LocalBackend
 from sigmaflight.control.backends.ray import RayBackend, trajectory_ref
 from sigmaflight.control.backends.worker import WorkerConfig
 from sigmaflight.control.branches import branch_spec, find_parent
-from sigmaflight.control.jobs.manager import JobManager
-from sigmaflight.control.jobs.states import JobView
+from sigmaflight.control.jobs import JobManager, JobView
 from sigmaflight.dataplane.client import Trajectory
 from sigmaflight.dataplane.store import ResultStore
 from sigmaflight.dataplane.streams import column_tensor
@@ -230,7 +229,7 @@ def test_a_killed_worker_fails_its_rollout_naming_it_and_a_replacement_takes_new
     error = known(jobs.get(job.id)).error
     assert error is not None
     kind, message = error.type, error.message
-    assert kind == "WorkerDied"
+    assert kind == "worker_died"
     assert message.startswith(f"worker {victim['index']} (actor {victim['actor']}) died: ")
 
     after = [jobs.submit(spec(seed=100 + k))[0] for k in range(3)]  # served by the rest meanwhile
