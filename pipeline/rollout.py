@@ -145,11 +145,14 @@ class _Driver(Generic[R]):
                       model_digest=self.policy.digest, model_weights_version=self.policy.weights_version,
                       model_components=dict(self.policy.components) if self.policy.components else None)
         running = self.running()
+        stochastic: dict[frozenset[int], frozenset[int]] = {}  # members mostly share a window: one check each
         for r in running:
             spec = r.spec
             if conditioning is not None:
                 r.conditioning = {k: v[r.first:r.end].clone() for k, v in conditioning.items()}
-            r.sde_steps = frozenset(stochastic_transitions(r.sde_steps, sigmas, sampler=spec.sampler))
+            if r.sde_steps not in stochastic:
+                stochastic[r.sde_steps] = stochastic_transitions(r.sde_steps, sigmas, sampler=self.sampler)
+            r.sde_steps = stochastic[r.sde_steps]
             batch = BatchInfo(id=self.batch_id, samples=self.samples, rows=(r.first, r.end), requests=len(self.rows))
             r.snapshot = ScheduleSnapshot(
                 **common, sde_steps=tuple(sorted(r.sde_steps)), steps=tuple(sorted(r.steps)), seeds=r.seeds,

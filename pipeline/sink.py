@@ -137,11 +137,12 @@ Failures = list[tuple[Rows[R], BaseException]]
 
 
 class Sink(Protocol[R]):
-    """Where one call's rollouts go: called once per call or step for all members, never per member
-    per step (except `end`)."""
+    """Where one call's rollouts go: `schedule` once and `step` once a step, each for all members;
+    `end` once per member. Subclass it to take the defaults (nothing refused, nothing to report)."""
 
     def start(self, rollout: R, policy: Policy) -> None:
         """Before anything runs, with the weights the call will run on: raise to refuse them."""
+        return None
 
     def schedule(self, running: Sequence[Rows[R]]) -> Failures[R]:
         """The schedule is known: each member's `snapshot` and `metadata` are set."""
@@ -153,33 +154,19 @@ class Sink(Protocol[R]):
 
     def end(self, rows: Rows[R], outcome: RolloutResult | BaseException) -> None:
         """`rows` ended (a result or its error), at once; the others may run on."""
+        return None
 
 
-class Quiet:
+class Quiet(Sink[Any]):
     """The sink of a caller that only wants the results."""
 
-    def start(self, rollout: Any, policy: Policy) -> None:
-        pass
 
-    def schedule(self, running: Sequence[Rows[Any]]) -> Failures[Any]:
-        return []
-
-    def step(self, step: CallStep[Any]) -> Failures[Any]:
-        return []
-
-    def end(self, rows: Rows[Any], outcome: RolloutResult | BaseException) -> None:
-        pass
-
-
-class Callbacks:
+class Callbacks(Sink[BatchMember]):
     """`run_rollout`'s sink: per-capture and per-step callbacks of one rollout."""
 
     def __init__(self, on_schedule: Callable[[ScheduleSnapshot], None] | None,
                  on_step: Callable[[StepCapture], None] | None, on_progress: Callable[[int, int], None] | None) -> None:
         self.on_schedule, self.on_step, self.on_progress = on_schedule, on_step, on_progress
-
-    def start(self, rollout: BatchMember, policy: Policy) -> None:
-        pass
 
     def schedule(self, running: Sequence[Rows[BatchMember]]) -> Failures[BatchMember]:
         return _each(running, lambda r: self.on_schedule(r.snapshot) if self.on_schedule and r.snapshot else None)
@@ -192,9 +179,6 @@ class Callbacks:
                 self.on_progress(step.i + 1, step.total)
 
         return _each(step.running, report)
-
-    def end(self, rows: Rows[BatchMember], outcome: RolloutResult | BaseException) -> None:
-        pass
 
 
 def _each(running: Sequence[Rows[R]], call: Callable[[Rows[R]], object]) -> Failures[R]:
