@@ -32,7 +32,6 @@ from sigmaflight.dataplane.schema import trajectory_schema
 from sigmaflight.dataplane.shm import ShmDir
 from sigmaflight.dataplane.streams import EXTRA_STREAMS, StreamNotFound
 from sigmaflight.dataplane.tickets import (
-    TICKET_PREFIX,
     Resolved,
     TicketNotFound,
     TicketRegistry,
@@ -41,7 +40,6 @@ from sigmaflight.dataplane.tickets import (
 from sigmaflight.dataplane.writer import TrajectoryWriter
 
 __all__ = [
-    "TICKET_PREFIX",
     "EndedState",
     "Entry",
     "EntryInfo",
