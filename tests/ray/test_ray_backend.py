@@ -261,7 +261,7 @@ def test_pushed_weights_reach_every_worker_and_a_replacement_loads_them(jobs, ba
     g = torch.Generator().manual_seed(11)
     new = {k: v + 0.01 * torch.randn(v.shape, generator=g, dtype=v.dtype) if v.is_floating_point() else v.clone()
            for k, v in state.items()}
-    digest = reference.load_weights("tiny-sd3", new)
+    digest = reference.replace_weights("tiny-sd3", new).digest
     assert backend.load_weights("tiny-sd3", new) == [digest, digest]
 
     before = {w["actor"] for w in backend.workers()}
