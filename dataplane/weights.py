@@ -121,24 +121,45 @@ class WeightsPushes:
             self.sink.close_push(staging.model_id, wrote=staging.wrote, failed=reason)
 
     def sweep(self, now: float | None = None) -> int:
-        """Drop the pushes idle for longer than expire_s (their stream is gone); how many."""
+        """Drop the pushes that received nothing for longer than expire_s, whether their stream is
+        gone or still open and silent (it is refused "expired" if it sends again); how many."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            old = [s for s in self._pushes.values() if now - s.touched > self.expire_s and not s.lock.locked()]
-        for s in old:
+            old = [s for s in self._pushes.values() if now - s.touched > self.expire_s]
+        dropped = [s for s in old if self._mark_dropped(s, f"weights push {s.push_id!r} expired: nothing arrived for "
+                                                           f"{self.expire_s:g} s (--weights-push-timeout-s); its "
+                                                           "staging was freed, start the push again",
+                                                        idle_s=self.expire_s)]
+        for s in dropped:
             log.warning("weights push expired", extra={"model": s.model_id, "push_id": s.push_id,
                                                        "received_bytes": s.stats.received_bytes})
             self._drop(s, "expired")
-        return len(old)
+        return len(dropped)
 
     def drop_idle(self, reason: str) -> int:
-        """Drop every push no stream is feeding now (at shutdown: an in-place one stops holding its
-        model); how many."""
+        """Drop every push not opening, writing a chunk or committing now (at shutdown: an in-place
+        one stops holding its model); how many."""
         with self._lock:
-            idle = [s for s in self._pushes.values() if not s.lock.locked()]
+            pushes = list(self._pushes.values())
+        idle = [s for s in pushes if self._mark_dropped(s, f"weights push {s.push_id!r} dropped: {reason}")]
         for s in idle:
             self._drop(s, reason)
         return len(idle)
+
+    @staticmethod
+    def _mark_dropped(staging: Staging, why: str, idle_s: float | None = None) -> bool:
+        """Mark a push dropped unless it is busy (opening, a chunk landing, committing) or, with
+        `idle_s`, received something within idle_s seconds; a stream that still holds it is refused
+        from its next chunk on."""
+        if not staging.busy.acquire(blocking=False):
+            return False
+        try:
+            if staging.dropped is not None or (idle_s is not None and time.monotonic() - staging.touched <= idle_s):
+                return False
+            staging.dropped = why
+            return True
+        finally:
+            staging.busy.release()
 
     def status(self, push_id: str) -> dict[str, Any]:
         with self._lock:
@@ -162,14 +183,14 @@ class WeightsPushes:
         specs = self.sink.tensor_specs(model_id)
         declared = declared_tensors(header, specs)
         fresh = Staging(push_id, model_id, header, declared, sum(s.nbytes for s in specs.values()))
-        fresh.lock.acquire()  # not swept while the sink opens it (an in-place one waits for the running batch)
+        fresh.busy.acquire()  # not swept while the sink opens it (an in-place one waits for the running batch)
         with self._lock:
             other = self._by_model.get(model_id)
             if other is None:
                 self._pushes[push_id] = fresh
                 self._by_model[model_id] = push_id
         if other is not None:
-            fresh.lock.release()
+            fresh.busy.release()
             raise PushRefused("push_in_progress", f"another weights push ({clip(other, 100)!r}) to model "
                               f"{model_id!r} is under way; retry once it commits, fails or expires "
                               f"(after {self.expire_s:g} s without data)")
@@ -183,7 +204,7 @@ class WeightsPushes:
             raise
         finally:
             fresh.touched = time.monotonic()
-            fresh.lock.release()
+            fresh.busy.release()
         return fresh
 
     # -- one body, not resumable (PUT .../weights): begin, write..., commit, or abort ------------
@@ -209,8 +230,7 @@ class WeightsPushes:
             if missing:
                 raise PushRefused("incomplete", f"the body ended with {len(missing)} tensor(s) not received whole, "
                                   f"first {missing[0]!r}", tensor=missing[0])
-            answer = self.sink.commit(staging.model_id, staging.staged(), partial=staging.partial,
-                                      base_digest=staging.base_digest, stats=staging.stats)
+            answer = self._commit(staging)
         except PushRefused as exc:
             self._drop(staging, exc.reason)
             raise
@@ -244,14 +264,15 @@ class WeightsPushes:
                                           "stream"), staging.push_id)
         try:
             self._feed(staging, reader)
+            with staging.busy:
+                staging.check_live()  # the stream ended after the push expired
             missing = staging.missing()
             if missing:  # an early end: keep what arrived for a resume
                 staging.touched = time.monotonic()
                 raise PushRefused("incomplete", f"the stream ended with {len(missing)} tensor(s) not received whole, "
                                   f"first {missing[0]!r}; resume push {staging.push_id!r} with the rest",
                                   tensor=missing[0])
-            answer = self.sink.commit(staging.model_id, staging.staged(), partial=staging.partial,
-                                      base_digest=staging.base_digest, stats=staging.stats)
+            answer = self._commit(staging)
         except PushRefused as exc:
             if exc.reason == "incomplete":
                 self._count(exc.reason)
@@ -273,6 +294,13 @@ class WeightsPushes:
             self.push_seconds += seconds
         self._drop(staging, None)
         writer.write(pa.py_buffer(json.dumps({**answer, "push_id": staging.push_id}).encode()))
+
+    def _commit(self, staging: Staging) -> dict[str, Any]:
+        """The sink's commit of a push that has not expired (not swept while it commits)."""
+        with staging.busy:
+            staging.check_live()
+            return self.sink.commit(staging.model_id, staging.staged(), partial=staging.partial,
+                                    base_digest=staging.base_digest, stats=staging.stats)
 
     def _feed(self, staging: Staging, reader: flight.MetadataRecordBatchReader) -> None:
         got = [(f.name, f.type) for f in reader.schema]

@@ -22,7 +22,10 @@ __all__ = ["Staging"]
 
 class Staging:
     """One push's staging: a tensor per declared key (allocated at its first chunk) and the byte
-    ranges received so far, merged. `lock` is held by the stream feeding it (one at a time)."""
+    ranges received so far, merged. `lock` is held by the stream feeding it (one at a time), even
+    while that stream sends nothing; `busy` only while the push opens, a chunk lands or it
+    commits: a push that is not busy may expire (`dropped` then says why, and every later
+    write or commit is refused)."""
 
     def __init__(self, push_id: str, model_id: str, header: dict[str, Any], declared: dict[str, TensorSpec],
                  model_bytes: int, live: Mapping[str, torch.Tensor] | None = None) -> None:
@@ -34,11 +37,19 @@ class Staging:
         self.ranges: dict[str, list[tuple[int, int]]] = {k: [] for k in declared}
         self.stats = PushStats(declared_bytes=sum(s.nbytes for s in declared.values()), model_bytes=model_bytes)
         self.lock = threading.Lock()
+        self.busy = threading.Lock()
+        self.dropped: str | None = None
+        """Why the push was dropped while a stream still held it (it expired); None while it lives."""
         self.touched = time.monotonic()
         self.live = live
+        """The served tensors the chunks are written into (in-place), or None: fresh staging copies."""
         self.wrote = False
         """Some bytes were written into their target (checked or not: in-place, the served weights changed)."""
-        """The served tensors the chunks are written into (in-place), or None: fresh staging copies."""
+
+    def check_live(self) -> None:
+        """PushRefused("expired") once the push was dropped (call with `busy` held)."""
+        if self.dropped is not None:
+            raise PushRefused("expired", self.dropped)
 
     @property
     def staged_bytes(self) -> int:
@@ -46,6 +57,11 @@ class Staging:
 
     def write(self, name: str, offset: int, data: pa.Buffer | memoryview, crc: int | None) -> None:
         """Check and stage one chunk (crc None: a body without checksums, PUT .../weights)."""
+        with self.busy:
+            self.check_live()
+            self._write(name, offset, data, crc)
+
+    def _write(self, name: str, offset: int, data: pa.Buffer | memoryview, crc: int | None) -> None:
         spec = self.declared.get(name)
         if spec is None:
             raise PushRefused("unknown_tensor", f"tensor {clip(name, 200)!r} was not declared in this push's header",

@@ -9,7 +9,7 @@ the changes.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from sigmaflight.pipeline.builtins import ModelDefaults
 from sigmaflight.pipeline.lora import LoraAdapter
+from sigmaflight.pipeline.spec import RolloutCancelled
 
 __all__ = ["LoadedModel", "LoraNotLoaded", "Policy", "StaleWeights", "WeightsFailed"]
 
@@ -104,11 +105,15 @@ class LoadedModel:
     _held: bool = False
 
     @contextmanager
-    def in_use(self) -> Iterator[None]:
+    def in_use(self, should_stop: Callable[[], bool] | None = None) -> Iterator[None]:
         """Held around one model call: waits while an in-place push holds the model, raises
-        WeightsFailed while the model is failed closed."""
+        WeightsFailed while the model is failed closed. `should_stop`: asked while it waits (every
+        50 ms); True ends the wait with RolloutCancelled, so a cancel need not outlast the push."""
         with self._gate:
-            self._gate.wait_for(lambda: not self._held)
+            while self._held:
+                if should_stop is not None and should_stop():
+                    raise RolloutCancelled("cancelled while an in-place weights push held the model")
+                self._gate.wait(timeout=None if should_stop is None else 0.05)
             if self.failed is not None:
                 raise WeightsFailed(self.id, self.failed)
             self._running += 1
