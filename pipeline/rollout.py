@@ -403,6 +403,7 @@ def run_batch(
     keys = {batch_key(model, m.spec) for m in members}
     if len(keys) != 1:
         raise ValueError("co-batched rollouts must share one batch_key (pipeline/batch.py)")
+
     def all_stopped() -> bool:  # a held call is given up once every member is cancelled
         return all(m.should_stop is not None and m.should_stop() for m in members)
 
