@@ -37,6 +37,8 @@ from sigmaflight.dataplane.store import Entry, ResultStore, RolloutEnded, Stream
 from sigmaflight.dataplane.tickets import stream_ticket
 from sigmaflight.dataplane.weights import WEIGHTS_STATUS_ACTION, PushRefused, WeightsPushes
 
+from sigmaflight.records import RolloutState
+
 log = logging.getLogger(__name__)
 
 ACTIONS = {
@@ -278,7 +280,7 @@ class FlightDataServer(flight.FlightServerBase):
                 self.store.check_served(entry)  # a mapped file still whole and unchanged
             except RolloutEnded:
                 pass  # the entry is failed now: answered below
-            if entry.state not in ("running", "succeeded"):
+            if entry.state not in (RolloutState.RUNNING, RolloutState.SUCCEEDED):
                 raise rollout_ended(RolloutEnded(entry.rollout_id, entry.state, entry.message or entry.state))
         except TicketNotFound as e:
             slot.free()
@@ -350,7 +352,7 @@ class FlightDataServer(flight.FlightServerBase):
                 e = self.store.get(rid)
             except TicketNotFound:
                 continue
-            if e.state in ("running", "succeeded"):
+            if e.state in (RolloutState.RUNNING, RolloutState.SUCCEEDED):
                 yield self._flight_info(e)
                 for stream in [s for s in e.streams_requested if s in e.extras]:
                     try:

@@ -403,14 +403,22 @@ def run_batch(
     keys = {batch_key(model, m.spec) for m in members}
     if len(keys) != 1:
         raise ValueError("co-batched rollouts must share one batch_key (pipeline/batch.py)")
+
+    def all_stopped() -> bool:  # a held call is given up once every member is cancelled
+        return all(m.should_stop is not None and m.should_stop() for m in members)
+
     try:
-        with model.in_use():  # an in-place weights push waits for this call; a failed one refuses it
+        with model.in_use(all_stopped):  # an in-place weights push holds this call; a failed one refuses it
             return _run_batch(model, members, per_sample_model_calls, batch_id)
-    except WeightsFailed as closed:
-        for member in members:
+    except (WeightsFailed, RolloutCancelled) as closed:
+        ends: list[RolloutResult | BaseException] = []
+        for member in members:  # a member cancelled meanwhile ends cancelled, not on the push's failure
+            stopped = member.should_stop is not None and member.should_stop()
+            end = RolloutCancelled("cancelled while an in-place weights push held the model") if stopped else closed
             if member.on_end is not None:
-                member.on_end(closed)
-        return [closed for _ in members]
+                member.on_end(end)
+            ends.append(end)
+        return ends
 
 
 def _run_batch(model: LoadedModel, members: Sequence[BatchMember], per_sample_model_calls: bool,

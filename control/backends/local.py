@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from sigmaflight.control.jobs.backend import Outcome, ParentTrajectory, RunContext, outcome_of
-from sigmaflight.control.jobs.states import ResultInfo
 from sigmaflight.control.policy import check_started_with
 from sigmaflight.control.streams import outputs_table, stream_names
 from sigmaflight.dataplane.record import StepBatch, TrajectoryHeader
@@ -31,6 +30,8 @@ from sigmaflight.pipeline.rollout import (
     run_batch,
 )
 from sigmaflight.pipeline.spec import RolloutCancelled, RolloutInputError, ScheduleSnapshot, StepCapture
+
+from sigmaflight.records import ResultInfo
 
 log = logging.getLogger("sigmaflight.backend")
 
@@ -118,12 +119,9 @@ class LocalBackend:
 
     def result_info(self, job_id: str) -> ResultInfo | None:
         try:
-            info = self.store.info(job_id)
+            return self.store.result(job_id)
         except KeyError:
             return None
-        if info.state != "succeeded":
-            return None
-        return ResultInfo(num_rows=info.num_rows, num_bytes=info.num_bytes, steps=tuple(info.steps))
 
     def locations_for(self, job_id: str) -> list[str]:
         return self.locations()
@@ -136,7 +134,7 @@ class LocalBackend:
             entry = self.store.get(rollout_id)
         except KeyError:
             return None
-        state = entry.info().state
+        state = entry.state
         batches = entry.snapshot()
         if state != "succeeded" or batches is None:
             raise RolloutInputError("branch_from.rollout", f"rollout {rollout_id!r} is {state}; a parent must have succeeded")

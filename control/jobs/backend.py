@@ -12,13 +12,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import pyarrow as pa
 import torch
-from sigmaflight.control.jobs.states import ErrorInfo, JobState, ResultInfo
 from sigmaflight.dataplane.record import TrajectoryHeader
-from sigmaflight.pipeline.spec import RolloutCancelled, RolloutSpec
+from sigmaflight.pipeline.spec import RolloutCancelled, RolloutInputError, RolloutSpec
+
+from sigmaflight.records import ERROR_TYPES, ErrorInfo, ResultInfo, RolloutState, error_type
 
 __all__ = ["Backend", "Outcome", "ParentTrajectory", "RunContext", "outcome_of"]
 
@@ -27,34 +28,36 @@ __all__ = ["Backend", "Outcome", "ParentTrajectory", "RunContext", "outcome_of"]
 class Outcome:
     """How one rollout ended: succeeded (with its result), failed (with why) or cancelled."""
 
-    state: JobState
+    state: RolloutState
     result: ResultInfo | None = None
     error: ErrorInfo | None = None
 
     def __post_init__(self) -> None:
-        if self.state not in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED):
+        if self.state not in (RolloutState.SUCCEEDED, RolloutState.FAILED, RolloutState.CANCELLED):
             raise ValueError(f"an outcome is succeeded, failed or cancelled, not {self.state}")
-        if (self.state is JobState.SUCCEEDED) != (self.result is not None):
+        if (self.state is RolloutState.SUCCEEDED) != (self.result is not None):
             raise ValueError("a succeeded outcome, and only that, carries a result")
-        if (self.state is JobState.FAILED) != (self.error is not None):
+        if (self.state is RolloutState.FAILED) != (self.error is not None):
             raise ValueError("a failed outcome, and only that, carries an error")
+        if self.error is not None and self.error.type not in ERROR_TYPES:
+            raise ValueError(f"error type {self.error.type!r} is not one of the contract's words (ERROR_TYPES)")
 
     @classmethod
     def success(cls, result: ResultInfo) -> Outcome:
-        return cls(state=JobState.SUCCEEDED, result=result)
+        return cls(state=RolloutState.SUCCEEDED, result=result)
 
     @classmethod
     def failure(cls, type_: str, message: str) -> Outcome:
-        return cls(state=JobState.FAILED, error=ErrorInfo(type=type_, message=message))
+        return cls(state=RolloutState.FAILED, error=ErrorInfo(type=type_, message=message))
 
     @classmethod
     def cancel(cls) -> Outcome:
-        return cls(state=JobState.CANCELLED)
+        return cls(state=RolloutState.CANCELLED)
 
     @property
-    def kind(self) -> Literal["failed", "cancelled"]:
+    def kind(self) -> RolloutState:
         """How the data plane ends the streams of a rollout that did not succeed."""
-        return "cancelled" if self.state is JobState.CANCELLED else "failed"
+        return RolloutState.CANCELLED if self.state is RolloutState.CANCELLED else RolloutState.FAILED
 
     @property
     def message(self) -> str:
@@ -64,13 +67,18 @@ class Outcome:
 def outcome_of(exc: BaseException, stop_reason: str | None) -> Outcome:
     """The outcome of a rollout that raised `exc`. A stop asked with a reason (shutdown) is a
     failure "shutdown" with that reason, a stop without one (the client's) a cancel; any other
-    error fails with its `error_type` (RolloutNonFinite "non_finite", StalePolicy "stale_policy",
-    ...) or its class name."""
+    error fails with its `error_type` when that is one of the contract's words (RolloutNonFinite
+    "non_finite", StalePolicy "stale_policy", ...), "validation_error" for a request found invalid
+    only when it ran, and "internal_error" otherwise, the message then naming the exception's class."""
     if stop_reason is not None:
         return Outcome.failure("shutdown", stop_reason)
     if isinstance(exc, RolloutCancelled):
         return Outcome.cancel()
-    return Outcome.failure(str(getattr(exc, "error_type", type(exc).__name__)), str(exc) or repr(exc))
+    word = "validation_error" if isinstance(exc, RolloutInputError) else error_type(getattr(exc, "error_type", None))
+    message = str(exc) or repr(exc)
+    if word == "internal_error":
+        message = f"{type(exc).__name__}: {message}"
+    return Outcome.failure(word, message)
 
 
 class RunContext:
