@@ -32,7 +32,6 @@ from sigmaflight.dataplane.schema import trajectory_schema
 from sigmaflight.dataplane.shm import ShmDir
 from sigmaflight.dataplane.streams import EXTRA_STREAMS, StreamNotFound
 from sigmaflight.dataplane.tickets import (
-    TICKET_PREFIX,
     Resolved,
     TicketNotFound,
     TicketRegistry,
@@ -43,7 +42,6 @@ from sigmaflight.dataplane.writer import TrajectoryWriter
 from sigmaflight.records import ResultInfo, RolloutState
 
 __all__ = [
-    "TICKET_PREFIX",
     "Entry",
     "ResultStore",
     "RolloutEnded",

@@ -14,14 +14,15 @@ from typing import NamedTuple
 
 from sigmaflight.records import RolloutState
 
-TICKET_PREFIX = "sft1_"
-"""Kept importable for old callers; no code outside the store should test for it."""
+_PREFIX = "sft1_"
+"""Starts every minted ticket, so that `is_minted` can check that a file's footer holds one;
+clients never test for it (a ticket is opaque to them)."""
 _MAX_GONE = 4096
 
 
 def mint_ticket() -> str:
     """A new ticket: 144 random bits, URL-safe."""
-    return TICKET_PREFIX + secrets.token_urlsafe(18)
+    return _PREFIX + secrets.token_urlsafe(18)
 
 
 STREAM_SEP = ":"
@@ -46,7 +47,7 @@ def split_stream_ticket(key: str, streams: tuple[str, ...]) -> tuple[str, str | 
 
 def is_minted(ticket: str) -> bool:
     """Whether ``ticket`` has the shape mint_ticket gives (used to check a file footer)."""
-    return ticket.startswith(TICKET_PREFIX) and len(ticket) > len(TICKET_PREFIX)
+    return ticket.startswith(_PREFIX) and len(ticket) > len(_PREFIX)
 
 
 class TicketNotFound(KeyError):

@@ -292,14 +292,19 @@ def run_batch(
         raise ValueError("co-batched rollouts must share one batch_key (pipeline/batch.py)")
     out: Sink[R] = sink if sink is not None else Quiet()
     members = [Rows(rollout=r) for r in rollouts]
+
+    def all_stopped() -> bool:  # a held call is given up once every member is cancelled
+        return all(r.rollout.should_stop() for r in members)
+
     try:
-        with model.in_use():  # an in-place weights push waits for this call; a failed one refuses it
+        with model.in_use(all_stopped):  # an in-place weights push holds this call; a failed one refuses it
             _run_batch(model, members, out, keep, per_sample_model_calls, batch_id or uuid.uuid4().hex)
-    except WeightsFailed as closed:
-        for rows in members:
+    except (WeightsFailed, RolloutCancelled) as closed:
+        for rows in members:  # a member cancelled meanwhile ends cancelled, not on the push's failure
             if not rows.ended:
-                rows.outcome = closed
-                out.end(rows, closed)
+                rows.outcome = (RolloutCancelled("cancelled while an in-place weights push held the model")
+                                if rows.rollout.should_stop() else closed)
+                out.end(rows, rows.outcome)
     return [r.outcome if r.outcome is not None else RuntimeError("the rollout never ended") for r in members]
 
 

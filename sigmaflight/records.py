@@ -116,7 +116,8 @@ class ResultInfo(_Record):
 
     num_rows: int
     num_bytes: int
-    steps: tuple[int, ...]
+    steps: list[int]
+    """The absolute step indices held, in order (a list, as the wire has always given it)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"num_rows": self.num_rows, "num_bytes": self.num_bytes, "steps": list(self.steps)}
@@ -124,5 +125,5 @@ class ResultInfo(_Record):
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ResultInfo:
         return cls(num_rows=int(data["num_rows"]), num_bytes=int(data["num_bytes"]),
-                   steps=tuple(int(s) for s in data["steps"]))
+                   steps=[int(s) for s in data["steps"]])
 
