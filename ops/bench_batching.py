@@ -150,7 +150,10 @@ class Server:
     """`sigmaflight serve` run by `python` (any checkout's interpreter; bytecode not written there)."""
 
     def __init__(self, python: str, *flags: str) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+        # OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads sleep between ops instead of spinning, so
+        # the CPU counted is work (on a loaded box the spin-wait inflated one server or the other
+        # several-fold at random); both servers run with it.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
         self.proc = subprocess.Popen([os.path.abspath(python), "-m", "sigmaflight.cli", "serve", "--port", "0", "--flight-port", "0",
                                       "--log-format", "json", *flags], cwd="/", env=env, stderr=subprocess.PIPE,
                                      stdout=subprocess.DEVNULL, text=True)
