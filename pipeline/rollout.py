@@ -94,7 +94,7 @@ class _Driver(Generic[R]):
 
     def __init__(self, model: LoadedModel, policy: Policy, members: list[Rows[R]], sink: Sink[R], *,
                  keep: bool, per_row: bool, batch_id: str) -> None:
-        self.model, self.policy, self.members, self.sink = model, policy, members, sink
+        self.model, self.policy, self.sink = model, policy, sink
         self.keep, self.per_row, self.batch_id = keep, per_row, batch_id
         self.rows = [r for r in members if not r.ended]
         self.samples = self.rows[-1].end
