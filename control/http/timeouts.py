@@ -58,6 +58,8 @@ class HeaderTimeoutHttpToolsProtocol(HttpToolsProtocol):
         self._header_timer: asyncio.TimerHandle | None = None
         self._awaiting_headers = True
         """No request is being read past its headers: the next bytes are a request line."""
+        self._oversized: str | None = None
+        """The header (lower case; "" for the request line) that crossed MAX_HEADER_BYTES."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -73,17 +75,37 @@ class HeaderTimeoutHttpToolsProtocol(HttpToolsProtocol):
         self._header_bytes = 0
 
     def on_url(self, url: bytes) -> None:
-        self._count(len(url))
+        self._count(len(url), None)
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value))
+        self._count(len(name) + len(value), name)
         super().on_header(name, value)
 
-    def _count(self, n: int) -> None:
+    def _count(self, n: int, header: bytes | None) -> None:
         self._header_bytes += n
-        if self._header_bytes > MAX_HEADER_BYTES:  # the parser stops: uvicorn answers 400 and closes
+        if self._header_bytes > MAX_HEADER_BYTES:  # the parser stops; uvicorn calls send_400_response
+            self._oversized = header.decode("latin-1").lower() if header is not None else ""
             raise ValueError(f"request line and headers over {MAX_HEADER_BYTES} bytes")
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request it cannot parse; for headers over MAX_HEADER_BYTES a 431
+        with the contract's error body naming the header that crossed the bound."""
+        if self._oversized is None:
+            super().send_400_response(msg)
+            return
+        name, self._oversized = self._oversized, None
+        where = f"header {name!r}" if name else "the request line"
+        reason = f"the request line and headers are over {MAX_HEADER_BYTES} bytes (at {where})"
+        loc = ["header", name] if name else ["url"]
+        body = json.dumps(error_body("validation_error", reason,
+                                     [{"loc": loc, "msg": reason, "type": "string_too_long"}])).encode()
+        self.transport.write(b"".join([
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n",
+            b"content-length: %d\r\nx-request-id: %s\r\nconnection: close\r\n\r\n" % (
+                len(body), uuid.uuid4().hex.encode()),
+            body]))
+        self.transport.close()
 
     def on_headers_complete(self) -> None:
         self._awaiting_headers = False
