@@ -12,7 +12,7 @@ import time
 import pyarrow.flight as flight
 import pytest
 
-from tests.hardening.conftest import RssSampler, metric, rss
+from tests.faults.conftest import RssSampler, metric, rss
 from tests.servers import ServerProcess, wait_for_status
 
 MiB = 1 << 20
@@ -111,6 +111,8 @@ def test_slow_and_stalled_consumers_do_not_grow_server_memory(big):
 
 CLIENT = """
 import sys, time, pyarrow.flight as flight
+
+pytestmark = pytest.mark.e2e
 r = flight.FlightClient(sys.argv[1]).do_get(flight.Ticket(sys.argv[2].encode()))
 r.read_chunk()
 print("reading", flush=True)
