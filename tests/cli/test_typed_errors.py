@@ -206,7 +206,7 @@ def test_pull_of_a_failed_rollout_raises_rollout_failed_not_cancelled(tmp_path, 
             _blocker(c)
             lost = c.submit(prompts=["lost"], num_inference_steps=2, seed=8)
         first.kill()  # the process dies with `lost` still queued
-    with ServerProcess("--data-dir", str(data)) as second, Client(second.rest_url) as c:
+    with InProcessServer("--data-dir", str(data)) as second, Client(second.rest_url) as c:
         st = c.status(lost.id)
         assert st.status == "failed" and st.error is not None and st.error.type == "server_restarted"
         with pytest.raises(RolloutFailed) as e:

@@ -265,7 +265,7 @@ def test_kill_9_during_a_batch_fails_every_member_and_loses_nothing_finished(tmp
             until_running(c, m.id, 3)
         os.kill(s.proc.pid, signal.SIGKILL)
         s.proc.wait(30)
-    with ServerProcess("--data-dir", data) as s, Client(s.rest_url) as c:
+    with InProcessServer("--data-dir", data) as restarted, Client(restarted.rest_url) as c:
         for m in members:
             st = c.status(m.id)
             assert st.status == "failed" and st.error is not None and st.error.type == "server_restarted", st

@@ -289,7 +289,7 @@ def test_sigterm_fails_running_rollouts_and_exits_quickly(tmp_path):
         assert time.monotonic() - t0 < 30
     finally:
         s.kill()
-    with ServerProcess("--data-dir", str(tmp_path)) as again, again.client() as c:
+    with InProcessServer("--data-dir", str(tmp_path)) as again, again.client() as c:
         assert c.get(f"/v1/rollouts/{done['id']}").json()["status"] == "succeeded"
         failed = c.get(f"/v1/rollouts/{running['id']}").json()
         assert failed["status"] == "failed" and "shutting down" in failed["error"]["message"]

@@ -428,7 +428,7 @@ def test_a_server_killed_mid_push_restarts_on_its_weights_with_nothing_stored_lo
             s.kill()  # kill -9, staging in its memory
         finally:
             _kill(proc)
-    with ServerProcess(*flags) as s, Client(s.rest_url) as c:
+    with InProcessServer(*flags) as restarted, Client(restarted.rest_url) as c:
         assert _served(c) == (digest, version)  # the weights it loads at start-up, never a part of the push
         assert torch.equal(c.pull(ticket.id).latents, stored)  # by id: the new Flight port
         m = _metrics(c)

@@ -124,7 +124,7 @@ def test_finished_file_and_journal_agree_after_kill_9(tmpfs) -> None:
     finally:
         server.kill()
     data.free()
-    with ServerProcess(*flags) as again, again.client() as c:
+    with InProcessServer(*flags) as again, again.client() as c:
         status = c.get(f"/v1/rollouts/{running['id']}").json()
         assert status["status"] == "succeeded", status
         assert status["result"] == before["result"], (status["result"], before["result"])

@@ -15,6 +15,8 @@ import pytest
 from tests.faults.conftest import RssSampler, metric, rss
 from tests.servers import ServerProcess, wait_for_status
 
+pytestmark = pytest.mark.e2e
+
 MiB = 1 << 20
 # 64 prompts x 16 outputs = 1024 samples; T steps -> (T + 1) latents of 16x32x32 fp32 (64 KiB) each.
 STEPS = int(os.environ.get("SIGMAFLIGHT_HARDENING_STEPS", "1"))  # 1 -> 128 MiB, 3 -> 256 MiB
@@ -111,8 +113,6 @@ def test_slow_and_stalled_consumers_do_not_grow_server_memory(big):
 
 CLIENT = """
 import sys, time, pyarrow.flight as flight
-
-pytestmark = pytest.mark.e2e
 r = flight.FlightClient(sys.argv[1]).do_get(flight.Ticket(sys.argv[2].encode()))
 r.read_chunk()
 print("reading", flush=True)

@@ -85,7 +85,7 @@ def test_kill_9_mid_rollout_and_after_spill_then_restart(tmp_path):
         again.kill()
 
     # a second kill -9 and restart: nothing changes, the failed stay failed
-    with ServerProcess("--data-dir", str(data), *FLAGS) as third, third.client() as c:
+    with InProcessServer("--data-dir", str(data), *FLAGS) as third, third.client() as c:
         assert c.get(f"/v1/rollouts/{running['id']}").json()["error"]["type"] == "server_restarted"
         assert c.get(f"/v1/rollouts/{fresh['id']}").json()["status"] == "succeeded"
         _same(tables[big["id"]], pull(third.flight_url, big["flight"]["ticket"], timeout=60))

@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.e2e
-
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def test_bench_stream_prints_both_ways_and_the_ratio():
