@@ -15,14 +15,14 @@ from typing import Any
 
 import pyarrow.flight as flight
 import torch
+from sigmaflight.control.jobs import JobManager, NotFinished
 from sigmaflight.control.jobs.backend import Backend
-from sigmaflight.control.jobs.manager import JobManager, NotFinished
 from sigmaflight.control.node import Node, NodeConfig
 from sigmaflight.control.settings import Settings
 from sigmaflight.control.weights_sink import ServiceWeightsSink
 from sigmaflight.dataplane.auth import TokenSet
 from sigmaflight.dataplane.weights import WeightsPushes
-from sigmaflight.pipeline.models import Policy
+from sigmaflight.pipeline.models import Policy, StagedWeights
 
 log = logging.getLogger("sigmaflight.service")
 
@@ -78,27 +78,39 @@ class Service:
             raise flight.FlightServerError(str(exc)) from None
 
     def push_weights(self, model_id: str, state: Mapping[str, torch.Tensor]) -> Policy:
-        """New transformer weights: the service's registry (`replace_weights`, which checks them
-        and raises RolloutInputError naming the key), then every remote worker's (Ray), before
-        this returns. Returns the new Policy (digest, weights_version)."""
+        """New transformer weights: checked and built in the service's registry (RolloutInputError
+        naming the key), then on every remote worker (Ray: all workers or none, a refusal raised),
+        then served here. Returns the new Policy (digest, weights_version)."""
         with self._change_lock:
-            new = self.registry.replace_weights(model_id, state)
-            self._check_workers("load_weights", model_id, new.digest, self.backend.load_weights(model_id, state))
-            return new
+            staged = self.registry.stage_weights(model_id, state)
+            self._to_workers(model_id, state, staged, expected_base=None)
+            return self.registry.install(staged)
 
     def push_tensors(self, model_id: str, tensors: Mapping[str, torch.Tensor], *, expected_base: str | None = None,
                      known_crcs: tuple[str, Mapping[str, str]] | None = None) -> tuple[str, Policy]:
         """Some of the transformer's tensors, already checked as they streamed in (the others kept):
-        the registry's `replace_tensors`, then every remote worker gets the whole new state dict.
+        built by the registry's `stage_tensors`, then every remote worker gets the whole new state
+        dict (all or none, each on the same base when the push named one), then served here.
         Returns (the base digest before, the new Policy), read under this change's lock."""
         with self._change_lock:
             before = self.registry.get(model_id).policy().base_digest
-            new = self.registry.replace_tensors(model_id, tensors, expected_base=expected_base,
-                                                known_crcs=known_crcs)
+            staged = self.registry.stage_tensors(model_id, tensors, expected_base=expected_base,
+                                                 known_crcs=known_crcs)
             if self.settings.backend == "ray":
-                state = self.registry.get(model_id).base_transformer().state_dict()
-                self._check_workers("load_weights", model_id, new.digest, self.backend.load_weights(model_id, state))
-            return before, new
+                self._to_workers(model_id, staged.pipeline.transformer.state_dict(), staged,
+                                 expected_base=expected_base)
+            return before, self.registry.install(staged)
+
+    def _to_workers(self, model_id: str, state: Mapping[str, torch.Tensor], staged: StagedWeights, *,
+                    expected_base: str | None) -> None:
+        """The staged weights on every remote worker before they are served here: the Ray backend
+        commits on every worker or raises the refusal of one (nothing changed anywhere)."""
+        from sigmaflight.control.backends.ray import RayBackend
+
+        if isinstance(self.backend, RayBackend):
+            self.backend.load_weights(model_id, state, expected_base=expected_base, expected_digest=staged.digest)
+        else:
+            self._check_workers("load_weights", model_id, staged.digest, self.backend.load_weights(model_id, state))
 
     def push_lora(self, model_id: str, tensors: Mapping[str, torch.Tensor], lora_config: dict[str, Any]) -> Policy:
         """A LoRA adapter (replacing any): the service's registry (`load_lora`, which checks it and

@@ -25,9 +25,9 @@ __all__ = ["output_bytes", "outputs_table", "stream_names", "stream_tickets",
 def stream_names(spec: RolloutSpec) -> list[str]:
     """The streams a rollout publishes: "trajectory", then those its `return` asked for."""
     names = [TRAJECTORY]
-    if getattr(spec, "return_outputs", False):
+    if spec.return_outputs:
         names.append(OUTPUTS)
-    if getattr(spec, "return_conditioning", False):
+    if spec.return_conditioning:
         names.append(CONDITIONING)
     return names
 
@@ -45,7 +45,7 @@ def stream_tickets(ticket: str, rollout_id: str, streams: list[str]) -> dict[str
 
 def validate_outputs(model: LoadedModel, spec: RolloutSpec) -> None:
     """`return.outputs` needs a model whose VAE sigmaflight decodes exactly."""
-    if getattr(spec, "return_outputs", False) and model.family not in DECODABLE_FAMILIES:
+    if spec.return_outputs and model.family not in DECODABLE_FAMILIES:
         raise RolloutInputError(
             "return.outputs",
             f"model {model.id!r} ({model.family} family) has no exact decode; decodable families: "
@@ -61,7 +61,7 @@ def _size(model: LoadedModel, spec: RolloutSpec) -> tuple[int, int, int | None]:
 
 def output_bytes(model: LoadedModel, spec: RolloutSpec) -> int:
     """Bytes of the "outputs/v1" payload (0 when not requested)."""
-    if not getattr(spec, "return_outputs", False):
+    if not spec.return_outputs:
         return 0
     h, w, frames = _size(model, spec)
     return spec.num_samples * h * w * 3 * (frames or 1)

@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable
 
 from sigmaflight.dataplane.entry import Entry
 
+from sigmaflight.records import RolloutState
+
 log = logging.getLogger("sigmaflight.dataplane.store")
 
 TRIM_MIN_BYTES = 16 << 20
@@ -77,7 +79,7 @@ class MemoryBudget:
             if self._used <= self.limit_bytes:
                 return
             done = sorted(
-                (e for e in entries if e.state == "succeeded" and e.in_memory), key=lambda e: e.finished_at or 0.0
+                (e for e in entries if e.state is RolloutState.SUCCEEDED and e.in_memory), key=lambda e: e.finished_at or 0.0
             )
             for e in done:
                 if self._used <= self.limit_bytes:

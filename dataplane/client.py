@@ -14,9 +14,10 @@ running rollout, ``transport="flight"``) goes over gRPC; the debug log says why.
         for st in c.iter_steps(ticket):               # one step at a time, flat memory
             st.step, st.latent                        # [B, *latent_shape]
 
-The pieces live by concept: ``Trajectory`` / ``Transition`` and their assembly in
-dataplane/trajectory.py, the same-host file read in dataplane/samehost.py; this module is
-the Flight client and re-exports the public names.
+The pieces live by concept: ``Trajectory`` / ``Transition`` in dataplane/trajectory.py, their
+assembly from record batches in dataplane/assembly.py, a stream's reads under an idle timeout
+in dataplane/idle.py, the same-host file read in dataplane/samehost.py; this module is the
+Flight client and re-exports the public names.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ import pyarrow.flight as flight
 import torch
 from sigmaflight.dataplane.auth import bearer_header
 from sigmaflight.dataplane.codec import StepTensors, batch_to_tensors
+from sigmaflight.dataplane.descriptors import DESCRIPTOR_ROOT
 from sigmaflight.dataplane.errors import server_words
+from sigmaflight.dataplane.idle import flight_batches
 from sigmaflight.dataplane.samehost import (
     FileChanged,
     LocalFile,
@@ -43,15 +46,8 @@ from sigmaflight.dataplane.samehost import (
     open_local_file,
 )
 from sigmaflight.dataplane.schema import header_from_schema
-from sigmaflight.dataplane.server import DESCRIPTOR_ROOT
 from sigmaflight.dataplane.shm import host_id
-from sigmaflight.dataplane.trajectory import (
-    Trajectory,
-    Transition,
-    flight_batches,
-    iter_step_tensors,
-    pull_file,
-)
+from sigmaflight.dataplane.trajectory import Trajectory, Transition, iter_step_tensors, pull_file
 from sigmaflight.dataplane.transport import Transport, check_transport
 
 log = logging.getLogger(__name__)

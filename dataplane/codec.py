@@ -90,8 +90,8 @@ def encode_step(
     """One step -> record batches of ``trajectory_schema(header)``, split by samples
     so that each holds at most ``max_batch_bytes`` of latents (at least one sample).
 
-    A little over 60 lines for a reason: the column builders of one batch stay together, in
-    schema order, so the row layout is read in one place.
+    Each batch's columns are one list in schema order (step, sample, ..., latent, then the
+    optional velocity and parent_sample), so the row layout reads in one place.
     """
     schema = schema if schema is not None else trajectory_schema(header)
     i = int(batch.step)

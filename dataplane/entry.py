@@ -11,36 +11,28 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Literal, NamedTuple
 
 import pyarrow as pa
 from sigmaflight.dataplane.files import FileStamp
 from sigmaflight.dataplane.record import TrajectoryHeader
 from sigmaflight.dataplane.streams import StreamNotFound, requested_streams
 
-State = Literal["running", "succeeded", "failed", "cancelled"]
+from sigmaflight.records import ResultInfo, RolloutState
+
 StopCheck = Callable[[], "str | None"]
 """Why a waiting consumer must stop now (server stopping, call cancelled), or None."""
 POLL_S = 0.2
 """How often a waiting consumer re-checks its StopCheck (cancellation is not a notification)."""
-EndedState = Literal["failed", "cancelled", "released", "expired", "closed"]
 
 
 class RolloutEnded(Exception):
     """A stream cannot go on: the rollout failed, was cancelled, released or expired."""
 
-    def __init__(self, rollout_id: str, state: str, message: str) -> None:
+    def __init__(self, rollout_id: str, state: RolloutState, message: str) -> None:
         super().__init__(f"rollout {rollout_id} {state}: {message}")
         self.rollout_id = rollout_id
         self.state = state
         self.message = message
-
-
-class EntryInfo(NamedTuple):
-    state: str
-    num_rows: int
-    num_bytes: int
-    steps: tuple[int, ...]
 
 
 class Entry:
@@ -57,7 +49,7 @@ class Entry:
         self.ticket = ticket
         self.batches: list[pa.RecordBatch] = []
         self.steps_done: list[int] = []
-        self.state: str = "running"
+        self.state = RolloutState.RUNNING
         self.message = ""
         self.num_rows = 0
         self.num_bytes = 0
@@ -96,7 +88,7 @@ class Entry:
         e = cls(header, schema, ticket)
         e.batches = batches
         e.steps_done = list(header.steps)
-        e.state = "succeeded"
+        e.state = RolloutState.SUCCEEDED
         e.num_rows = sum(b.num_rows for b in batches)
         e.num_bytes = sum(b.nbytes for b in batches)
         e.in_memory = False
@@ -106,15 +98,18 @@ class Entry:
     @property
     def total_records(self) -> int:
         """Rows once finished; -1 while running (the total is not known yet)."""
-        return self.num_rows if self.state == "succeeded" else -1
+        return self.num_rows if self.state is RolloutState.SUCCEEDED else -1
 
     @property
     def total_bytes(self) -> int:
-        return self.num_bytes if self.state == "succeeded" else -1
+        return self.num_bytes if self.state is RolloutState.SUCCEEDED else -1
 
-    def info(self) -> EntryInfo:
+    def result(self) -> ResultInfo | None:
+        """What it holds once succeeded (the contract's `result`); None before or otherwise."""
         with self.cond:
-            return EntryInfo(self.state, self.num_rows, self.num_bytes, tuple(self.steps_done))
+            if self.state is not RolloutState.SUCCEEDED:
+                return None
+            return ResultInfo(num_rows=self.num_rows, num_bytes=self.num_bytes, steps=tuple(self.steps_done))
 
     # -- producer side ---------------------------------------------------------------------
     def append(self, step: int, batches: Sequence[pa.RecordBatch]) -> int:
@@ -134,7 +129,7 @@ class Entry:
             raise ValueError(f"rollout {self.rollout_id}: stream {name!r} was not requested")
         if name in self.extras:
             raise ValueError(f"rollout {self.rollout_id}: stream {name!r} was published already")
-        if self.state != "running":
+        if self.state is not RolloutState.RUNNING:
             raise RuntimeError(f"rollout {self.rollout_id} is {self.state}; cannot publish {name!r}")
 
     def publish(self, name: str, table: pa.Table) -> int:
@@ -166,12 +161,12 @@ class Entry:
         if name not in self.streams_requested:
             raise StreamNotFound(self.rollout_id, name, f"not requested: ask for it with return.{name}")
         with self.cond:
-            while name not in self.extras and self.state == "running":
+            while name not in self.extras and self.state is RolloutState.RUNNING:
                 why = should_stop() if should_stop is not None else None
                 if why is not None:
-                    raise RolloutEnded(self.rollout_id, "closed", why)
+                    raise RolloutEnded(self.rollout_id, RolloutState.CLOSED, why)
                 self.cond.wait(timeout=POLL_S)
-            if self.state not in ("running", "succeeded"):
+            if self.state not in (RolloutState.RUNNING, RolloutState.SUCCEEDED):
                 raise RolloutEnded(self.rollout_id, self.state, self.message or self.state)
             table = self.extras.get(name)
         if table is None:
@@ -181,7 +176,7 @@ class Entry:
 
     def succeed(self) -> None:
         with self.cond:
-            self.state = "succeeded"
+            self.state = RolloutState.SUCCEEDED
             self.finished_at = time.time()
             self.cond.notify_all()
 
@@ -211,7 +206,7 @@ class Entry:
             if crcs is not None:
                 self.crcs = crcs
 
-    def end(self, state: str, message: str) -> None:
+    def end(self, state: RolloutState, message: str) -> None:
         """Drop the batches; every consumer (waiting or not) ends with RolloutEnded."""
         with self.cond:
             self.state = state
@@ -250,14 +245,14 @@ class Entry:
         idx = start
         while True:
             with self.cond:
-                while idx >= len(self.batches) and self.state == "running":
+                while idx >= len(self.batches) and self.state is RolloutState.RUNNING:
                     if stop is not None and stop.is_set():
-                        raise RolloutEnded(self.rollout_id, "closed", "server shutting down")
+                        raise RolloutEnded(self.rollout_id, RolloutState.CLOSED, "server shutting down")
                     why = should_stop() if should_stop is not None else None
                     if why is not None:
-                        raise RolloutEnded(self.rollout_id, "closed", why)
+                        raise RolloutEnded(self.rollout_id, RolloutState.CLOSED, why)
                     self.cond.wait(timeout=POLL_S if should_stop is not None else 1.0)
-                if self.state not in ("running", "succeeded"):
+                if self.state not in (RolloutState.RUNNING, RolloutState.SUCCEEDED):
                     raise RolloutEnded(self.rollout_id, self.state, self.message or self.state)
                 if idx >= len(self.batches):
                     return
@@ -268,7 +263,7 @@ class Entry:
     def snapshot(self, start: int = 0, stride: int = 1) -> list[pa.RecordBatch] | None:
         """All batches of a succeeded entry (k, k+stride, ...) at once; None if not succeeded."""
         with self.cond:
-            if self.state != "succeeded":
+            if self.state is not RolloutState.SUCCEEDED:
                 return None
             return self.batches[start::stride]
 
@@ -277,7 +272,7 @@ class Entry:
         pulled again costs no Python per batch (RecordBatch.nbytes walks every buffer: 260 us
         a call for 9 batches, about 4% of a 16 MiB pull). None if not succeeded."""
         with self.cond:
-            if self.state != "succeeded":
+            if self.state is not RolloutState.SUCCEEDED:
                 return None
             hit = self._served.get((start, stride))
             if hit is None:

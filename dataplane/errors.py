@@ -25,10 +25,12 @@ import pyarrow.flight as flight
 from sigmaflight.dataplane.entry import RolloutEnded
 from sigmaflight.dataplane.tickets import TicketNotFound
 
+from sigmaflight.records import STREAM_ENDS
+
 __all__ = ["ERROR_TYPES", "error_info", "flight_error", "not_found", "rollout_ended", "server_message", "server_words"]
 
-ERROR_TYPES = ("not_found", "failed", "cancelled", "released", "expired", "closed", "too_many_streams",
-               "bad_request", "unauthenticated", "bad_weights", "conflict")
+ERROR_TYPES = ("not_found", *STREAM_ENDS, "too_many_streams", "bad_request", "unauthenticated", "bad_weights",
+               "conflict")
 
 _CLASSES: dict[str, type[flight.FlightError]] = {
     "failed": flight.FlightInternalError,
@@ -56,15 +58,12 @@ def rollout_ended(e: RolloutEnded) -> flight.FlightError:
     return flight_error(e.state, str(e), rollout=e.rollout_id, reason=clip(e.message, 300))
 
 
-ENDED = ("failed", "cancelled", "released", "expired")
-
-
 def not_found(e: TicketNotFound) -> flight.FlightError:
     """An unknown, released or expired ticket or rollout id; "ended" says how, when the store
     still remembers that the rollout ended ("cancelled" for one cancelled while queued, say)."""
-    ended = e.reason.split(":", 1)[0]
     message = f"{clip(e.what, 200)} not found ({clip(e.reason, 300)})"  # the id echoes client input: clipped
-    return flight_error("not_found", message, reason=clip(e.reason, 300), ended=ended if ended in ENDED else None)
+    ended = None if e.ended is None else str(e.ended)
+    return flight_error("not_found", message, reason=clip(e.reason, 300), ended=ended)
 
 
 def error_info(exc: BaseException) -> dict[str, Any] | None:

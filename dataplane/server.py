@@ -19,22 +19,28 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Collection, Iterator
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
 from sigmaflight.dataplane.auth import TokenSet
+from sigmaflight.dataplane.descriptors import (
+    DESCRIPTOR_ROOT,
+    action_rollout,
+    path_partitions,
+    path_rollout,
+    path_stream,
+)
 from sigmaflight.dataplane.errors import flight_error, not_found, rollout_ended
+from sigmaflight.dataplane.slots import CallSlot, CallSlotFactory, StreamSlot, StreamSlots
 from sigmaflight.dataplane.store import Entry, ResultStore, RolloutEnded, StreamNotFound, TicketNotFound
-from sigmaflight.dataplane.streams import EXTRA_STREAMS
 from sigmaflight.dataplane.tickets import stream_ticket
 from sigmaflight.dataplane.weights import WEIGHTS_STATUS_ACTION, PushRefused, WeightsPushes
 
+from sigmaflight.records import RolloutState
+
 log = logging.getLogger(__name__)
 
-DESCRIPTOR_ROOT = "rollouts"
 ACTIONS = {
     "cancel": 'Cancel a queued or running rollout. Body: the rollout id (UTF-8) or JSON {"id": ...}. '
     'Answers JSON {"id", "cancelled": bool}.',
@@ -72,40 +78,13 @@ _IPC_OPTIONS = pa.ipc.IpcWriteOptions()
 variables (legacy IPC formats, which sigmaflight never writes)."""
 
 
-class _StreamSlot:
-    """Holds one of max_concurrent_streams; freed when the stream ends or is dropped."""
-
-    def __init__(self, server: FlightDataServer) -> None:
-        self._fin = weakref.finalize(self, server.stream_closed)
-
-    def free(self) -> None:
-        self._fin()
-
-
-class _CallSlot(flight.ServerMiddleware):
-    """Frees a do_get's stream slot when gRPC says the call is over (finished, failed or the
-    client went away): one Python call per stream, none per batch."""
-
-    def __init__(self) -> None:
-        self.slot: _StreamSlot | None = None
-
-    def call_completed(self, exception: BaseException | None) -> None:
-        if self.slot is not None:
-            self.slot.free()
-
-
-class _CallSlotFactory(flight.ServerMiddlewareFactory):
-    def start_call(self, info: flight.CallInfo, headers: dict[str, list[str]]) -> _CallSlot | None:
-        return _CallSlot() if info.method == flight.FlightMethod.DO_GET else None
-
-
 class FlightDataServer(flight.FlightServerBase):
     """The Flight RPC surface over a ResultStore (do_get, get_flight_info, get_schema,
     list_flights, do_action, list_actions) for trajectories and their extra streams.
 
-    Long (~290 lines) for a reason: a FlightServerBase subclass is its RPC methods, as in
-    pyarrow's examples; each is short and maps store errors to typed Flight errors. Tickets,
-    entries, budget and files live in the store's modules."""
+    Each RPC looks the store up and maps its errors to typed Flight errors (dataplane/errors.py).
+    What a call names is parsed in dataplane/descriptors.py, the open streams are counted in
+    dataplane/slots.py; tickets, entries, budget and files live in the store's modules."""
 
     def __init__(
         self,
@@ -121,7 +100,7 @@ class FlightDataServer(flight.FlightServerBase):
         max_concurrent_streams: int = 64,
     ) -> None:
         scheme = "grpc+tls" if tls_certificates else "grpc+tcp"
-        middleware: dict[str, flight.ServerMiddlewareFactory] = {"slots": _CallSlotFactory()}
+        middleware: dict[str, flight.ServerMiddlewareFactory] = {"slots": CallSlotFactory()}
         self._auth = BearerTokenMiddlewareFactory(tokens) if tokens else None
         if self._auth is not None:
             middleware["auth"] = self._auth
@@ -135,11 +114,7 @@ class FlightDataServer(flight.FlightServerBase):
         self._host = advertise_host if (advertise_host and host in ("0.0.0.0", "::", "")) else host
         self._on_cancel = on_cancel
         self._on_release = on_release
-        self.max_concurrent_streams = int(max_concurrent_streams)
-        self._lock = threading.Lock()
-        self.active_streams = 0
-        self.bytes_served = 0
-        self.streams_served = 0
+        self.slots = StreamSlots(max_concurrent_streams)
         self._thread: threading.Thread | None = None
         self.weights: WeightsPushes | None = None
         """Weights pushes (do_put), once the control plane gives a sink (`accept_weights`)."""
@@ -207,12 +182,19 @@ class FlightDataServer(flight.FlightServerBase):
         self._auth.tokens.replace(tokens)
 
     def metrics(self) -> dict[str, int]:
-        with self._lock:
-            return {
-                "active_streams": self.active_streams,
-                "bytes_served": self.bytes_served,
-                "streams_served": self.streams_served,
-            }
+        return self.slots.metrics()
+
+    @property
+    def active_streams(self) -> int:
+        return self.slots.active
+
+    @property
+    def bytes_served(self) -> int:
+        return self.slots.bytes_served
+
+    @property
+    def streams_served(self) -> int:
+        return self.slots.streams_served
 
     # -- helpers ---------------------------------------------------------------------------
     def _should_stop(self, context: flight.ServerCallContext | None) -> Callable[[], str | None]:
@@ -272,18 +254,12 @@ class FlightDataServer(flight.FlightServerBase):
         return flight.FlightInfo(table.schema, descriptor, [flight.FlightEndpoint(ticket, locations)],
                                  table.num_rows, table.nbytes)
 
-    def stream_closed(self) -> None:
-        """A stream slot came back (called by _StreamSlot)."""
-        with self._lock:
-            self.active_streams -= 1
-
     def _serve(
-        self, entry: Entry, start: int, stride: int, slot: _StreamSlot, should_stop: Callable[[], str | None]
+        self, entry: Entry, start: int, stride: int, slot: StreamSlot, should_stop: Callable[[], str | None]
     ) -> Iterator[pa.RecordBatch]:
         try:
             for batch in entry.iter_batches(start, stride, stop=self.store.stop_event, should_stop=should_stop):
-                with self._lock:
-                    self.bytes_served += batch.nbytes
+                self.slots.count_bytes(batch.nbytes)
                 yield batch
         except RolloutEnded as e:
             raise rollout_ended(e) from None
@@ -294,15 +270,7 @@ class FlightDataServer(flight.FlightServerBase):
     def do_get(self, context: flight.ServerCallContext, ticket: flight.Ticket) -> flight.FlightDataStream:
         # Take a stream slot first: a consumer of a queued rollout waits inside lookup_ticket,
         # and that wait must count against max_concurrent_streams too.
-        with self._lock:
-            if self.active_streams >= self.max_concurrent_streams:
-                raise flight_error("too_many_streams",
-                    f"too many concurrent streams ({self.active_streams} of max_concurrent_streams="
-                    f"{self.max_concurrent_streams}); retry later"
-                )
-            self.active_streams += 1
-            self.streams_served += 1
-        slot = _StreamSlot(self)
+        slot = self.slots.take()
         should_stop = self._should_stop(context)
         if self.store.stream_of(ticket.ticket) is not None:
             return self._do_get_stream(context, ticket, slot, should_stop)
@@ -312,7 +280,7 @@ class FlightDataServer(flight.FlightServerBase):
                 self.store.check_served(entry)  # a mapped file still whole and unchanged
             except RolloutEnded:
                 pass  # the entry is failed now: answered below
-            if entry.state not in ("running", "succeeded"):
+            if entry.state not in (RolloutState.RUNNING, RolloutState.SUCCEEDED):
                 raise rollout_ended(RolloutEnded(entry.rollout_id, entry.state, entry.message or entry.state))
         except TicketNotFound as e:
             slot.free()
@@ -321,13 +289,13 @@ class FlightDataServer(flight.FlightServerBase):
             slot.free()
             raise
         call = context.get_middleware("slots")
-        done = entry.served_table(start, stride) if isinstance(call, _CallSlot) else None
+        done = entry.served_table(start, stride) if isinstance(call, CallSlot) else None
         if done is not None:  # finished: the whole table at once
             return self._send_table(call, slot, *done)
         return flight.GeneratorStream(entry.schema, self._serve(entry, start, stride, slot, should_stop))
 
     def _do_get_stream(
-        self, context: flight.ServerCallContext, ticket: flight.Ticket, slot: _StreamSlot,
+        self, context: flight.ServerCallContext, ticket: flight.Ticket, slot: StreamSlot,
         should_stop: Callable[[], str | None],
     ) -> flight.FlightDataStream:
         """An extra stream: one finished table, streamed by a C++ table reader."""
@@ -342,15 +310,14 @@ class FlightDataServer(flight.FlightServerBase):
             raise
         return self._send_table(context.get_middleware("slots"), slot, table, int(table.nbytes))
 
-    def _send_table(self, call: object, slot: _StreamSlot, table: pa.Table, nbytes: int) -> flight.RecordBatchStream:
+    def _send_table(self, call: object, slot: StreamSlot, table: pa.Table, nbytes: int) -> flight.RecordBatchStream:
         """Stream a whole table by a C++ table reader, with no Python (and no GIL) per batch; the
         slot is freed when gRPC says the call is over (the slots middleware), else at once."""
-        if isinstance(call, _CallSlot):
+        if isinstance(call, CallSlot):
             call.slot = slot
         else:
             slot.free()
-        with self._lock:
-            self.bytes_served += nbytes
+        self.slots.count_bytes(nbytes)
         return flight.RecordBatchStream(table, options=_IPC_OPTIONS)
 
     def get_flight_info(
@@ -361,21 +328,21 @@ class FlightDataServer(flight.FlightServerBase):
         that a client may pull concurrently; concatenated in step order they are the rollout.
         ``for_path("rollouts", id, "outputs" | "conditioning")``: that extra stream; waits until
         the rollout publishes it (after its last step), as do_get does."""
-        rid, n = _partitioned(descriptor)
+        rid, n = path_partitions(descriptor)
         if rid is not None:
             return self._flight_info(self._entry(rid), n)
-        rid, stream = _rollout_stream(descriptor)
+        rid, stream = path_stream(descriptor)
         if stream is not None:
             return self._stream_info(self._waiting_entry(rid), stream)
-        return self._flight_info(self._entry(_rollout_id(descriptor)))
+        return self._flight_info(self._entry(path_rollout(descriptor)))
 
     def get_schema(
         self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor
     ) -> flight.SchemaResult:
-        rid, stream = _rollout_stream(descriptor)
+        rid, stream = path_stream(descriptor)
         if stream is not None:
             return flight.SchemaResult(self._stream_table(self._waiting_entry(rid), stream).schema)
-        return flight.SchemaResult(self._entry(_rollout_id(descriptor)).schema)
+        return flight.SchemaResult(self._entry(path_rollout(descriptor)).schema)
 
     def list_flights(self, context: flight.ServerCallContext, criteria: bytes) -> Iterator[flight.FlightInfo]:
         """Every rollout that can be streamed (running or succeeded), each followed by its
@@ -385,7 +352,7 @@ class FlightDataServer(flight.FlightServerBase):
                 e = self.store.get(rid)
             except TicketNotFound:
                 continue
-            if e.state in ("running", "succeeded"):
+            if e.state in (RolloutState.RUNNING, RolloutState.SUCCEEDED):
                 yield self._flight_info(e)
                 for stream in [s for s in e.streams_requested if s in e.extras]:
                     try:
@@ -408,7 +375,7 @@ class FlightDataServer(flight.FlightServerBase):
                 return iter([json.dumps(self.weights.status(push_id)).encode()])
             except PushRefused as exc:
                 raise flight_error("not_found", exc.message, reason=exc.reason, push_id=push_id[:200]) from None
-        rid = _action_id(action.body.to_pybytes() if action.body is not None else b"")
+        rid = action_rollout(action.body.to_pybytes() if action.body is not None else b"")
         if kind == "cancel":
             if self._on_cancel is None:
                 raise flight_error("bad_request", "this server has no cancel handler (no control plane)")
@@ -416,80 +383,3 @@ class FlightDataServer(flight.FlightServerBase):
             return iter([json.dumps({"id": rid, "cancelled": done}).encode()])
         done = bool(self._on_release(rid) if self._on_release is not None else self.store.release(rid))
         return iter([json.dumps({"id": rid, "released": done}).encode()])
-
-
-def _rollout_id(descriptor: flight.FlightDescriptor) -> str:
-    """The rollout id (or ticket) of a ``for_path("rollouts", id)`` descriptor."""
-    if descriptor.descriptor_type != flight.DescriptorType.PATH:
-        raise flight_error(
-            "bad_request", f"unsupported descriptor type {descriptor.descriptor_type.name}: "
-            f"use FlightDescriptor.for_path({DESCRIPTOR_ROOT!r}, <rollout id>)"
-        )
-    try:
-        path = [p.decode("utf-8") if isinstance(p, bytes) else str(p) for p in descriptor.path]
-    except UnicodeDecodeError:
-        raise flight_error("bad_request", "descriptor path is not UTF-8") from None
-    if len(path) != 2 or path[0] != DESCRIPTOR_ROOT or not path[1]:
-        raise flight_error(
-            "bad_request", _clip(f"bad descriptor path {path[:4]!r}", 300) + f": expected [{DESCRIPTOR_ROOT!r}, <rollout id>] or "
-            f"[{DESCRIPTOR_ROOT!r}, <rollout id>, <stream>]"
-        )
-    return path[1]
-
-
-def _rollout_stream(descriptor: flight.FlightDescriptor) -> tuple[str, str | None]:
-    """(id, stream) for ``for_path("rollouts", id, "outputs" | "conditioning")``; ("", None) for any other."""
-    if descriptor.descriptor_type != flight.DescriptorType.PATH or len(descriptor.path) != 3:
-        return "", None
-    parts = [bytes(p) for p in descriptor.path]
-    if parts[0] != DESCRIPTOR_ROOT.encode():
-        return "", None
-    name = parts[2].decode("utf-8", errors="replace")
-    if name not in EXTRA_STREAMS:
-        shown = [p.decode("utf-8", errors="replace") for p in parts]
-        raise flight_error(
-            "bad_request", _clip(f"bad descriptor path {shown!r}: unknown stream {name!r}", 300)
-            + f"; expected [{DESCRIPTOR_ROOT!r}, <rollout id>] or [{DESCRIPTOR_ROOT!r}, <rollout id>, "
-            f"{' | '.join(repr(n) for n in EXTRA_STREAMS)}]"
-        )
-    return parts[1].decode("utf-8", errors="replace"), name
-
-
-def _partitioned(descriptor: flight.FlightDescriptor) -> tuple[str | None, int]:
-    """(id, n) for ``for_path("rollouts", id, "partitions", n)``; (None, 1) for any other."""
-    if descriptor.descriptor_type != flight.DescriptorType.PATH or len(descriptor.path) != 4:
-        return None, 1
-    parts = [bytes(p) for p in descriptor.path]
-    if parts[0] != DESCRIPTOR_ROOT.encode() or parts[2] != b"partitions":
-        return None, 1
-    try:
-        n = int(parts[3])
-        if not 1 <= n <= 64:
-            raise ValueError
-    except ValueError:
-        raise flight_error("bad_request", f"bad partition count {parts[3][:20]!r}: expected an integer in 1..64") from None
-    return parts[1].decode("utf-8", errors="replace"), n
-
-
-def _clip(message: str, limit: int) -> str:
-    """Error messages echo client input: keep them short. A long message (some KiB) makes the
-    client lose the Flight error type (pyarrow raises a bare OSError instead)."""
-    return message if len(message) <= limit else message[:limit] + f"... ({len(message)} chars)"
-
-
-def _action_id(body: bytes) -> str:
-    try:
-        text = body.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise flight_error("bad_request", "action body must be a rollout id (UTF-8) or JSON {\"id\": ...}") from None
-    if text.startswith("{"):
-        try:
-            obj: Any = json.loads(text)
-        except ValueError:
-            raise flight_error("bad_request", "action body is not valid JSON") from None
-        text = obj.get("id", "") if isinstance(obj, dict) else ""
-        if not isinstance(text, str):
-            text = ""
-    if not text:
-        raise flight_error("bad_request", "action body names no rollout id")
-    return text

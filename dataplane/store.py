@@ -25,14 +25,13 @@ from pathlib import Path
 from sigmaflight.dataplane.budget import MemoryBudget, malloc_trim, trim_if_large
 from sigmaflight.dataplane.codec import DEFAULT_MAX_BATCH_BYTES
 from sigmaflight.dataplane.durable import DurableDir, serve_from_durable
-from sigmaflight.dataplane.entry import EndedState, Entry, EntryInfo, RolloutEnded, State, StopCheck
+from sigmaflight.dataplane.entry import Entry, RolloutEnded, StopCheck
 from sigmaflight.dataplane.files import CorruptTrajectoryFile, FileStamp, verify_batches
 from sigmaflight.dataplane.record import TrajectoryHeader
 from sigmaflight.dataplane.schema import trajectory_schema
 from sigmaflight.dataplane.shm import ShmDir
 from sigmaflight.dataplane.streams import EXTRA_STREAMS, StreamNotFound
 from sigmaflight.dataplane.tickets import (
-    TICKET_PREFIX,
     Resolved,
     TicketNotFound,
     TicketRegistry,
@@ -40,14 +39,12 @@ from sigmaflight.dataplane.tickets import (
 )
 from sigmaflight.dataplane.writer import TrajectoryWriter
 
+from sigmaflight.records import ResultInfo, RolloutState
+
 __all__ = [
-    "TICKET_PREFIX",
-    "EndedState",
     "Entry",
-    "EntryInfo",
     "ResultStore",
     "RolloutEnded",
-    "State",
     "StreamNotFound",
     "TicketNotFound",
     "TrajectoryWriter",
@@ -130,9 +127,10 @@ class ResultStore:
             return self._tickets.reserve(rollout_id)
 
     def abandon(self, rollout_id: str, kind: str, message: str) -> bool:
-        """End a reserved rollout that never started (cancelled while queued, shutdown)."""
+        """End a reserved rollout that never started (cancelled while queued, shutdown); `kind`:
+        "failed" or "cancelled" (a RolloutState, or its string from a Ray worker's caller)."""
         with self._lock:
-            return self._tickets.abandon(rollout_id, f"{kind}: {message}")
+            return self._tickets.abandon(rollout_id, RolloutState(kind), message)
 
     def create(self, header: TrajectoryHeader) -> TrajectoryWriter:
         """Register a live rollout; its ticket works at once (streams follow it live)."""
@@ -149,7 +147,7 @@ class ResultStore:
         try:
             file = self.durable.writer(header.rollout_id, schema, ticket) if self.durable is not None else None
         except BaseException as exc:  # e.g. a read-only data dir: end the entry, never leave it running
-            entry.end("failed", f"cannot open the trajectory file: {type(exc).__name__}: {exc}")
+            entry.end(RolloutState.FAILED, f"cannot open the trajectory file: {type(exc).__name__}: {exc}")
             raise
         writer = TrajectoryWriter(self, entry, file, fsync=self._fsync, durable=self.durable)
         with self._lock:
@@ -177,7 +175,7 @@ class ResultStore:
     def file_location(self, entry: Entry) -> str | None:
         """The ``file://...?host=`` location of a finished rollout in shm_dir, else None."""
         path = entry.shm_path
-        if self.shm is None or path is None or entry.state != "succeeded":
+        if self.shm is None or path is None or entry.state is not RolloutState.SUCCEEDED:
             return None
         return self.shm.location(path)
 
@@ -189,7 +187,7 @@ class ResultStore:
                 return serve_from_durable(e)
             except (CorruptTrajectoryFile, OSError) as exc:  # its file changed: never serve other bytes
                 lost.append((e, f"trajectory file unusable when spilled back to it: {exc}"))
-                e.end("failed", lost[-1][1])  # its bytes leave memory (the budget counts them out)
+                e.end(RolloutState.FAILED, lost[-1][1])  # its bytes leave memory (the budget counts them out)
                 return True
 
         with self._lock:
@@ -210,7 +208,7 @@ class ResultStore:
         with entry.cond:
             source, size, crcs, held = entry.source, entry.source_size, entry.crcs, entry.batches
             mapped, verified, state = entry.source_stamp, entry.verified_stamp, entry.state
-        if source is None or state != "succeeded":
+        if source is None or state is not RolloutState.SUCCEEDED:
             return
         try:
             try:
@@ -227,7 +225,7 @@ class ResultStore:
         except (CorruptTrajectoryFile, OSError) as exc:
             reason = f"trajectory file unusable: {exc}"
             self.mark_unavailable(entry, reason)
-            raise RolloutEnded(entry.rollout_id, "failed", reason) from None
+            raise RolloutEnded(entry.rollout_id, RolloutState.FAILED, reason) from None
         if ours:
             with entry.cond:
                 if entry.batches is held:  # not re-mapped meanwhile
@@ -240,7 +238,7 @@ class ResultStore:
             if entry.in_memory:
                 self.budget.add(-entry.num_bytes)
         shm, entry.shm_path = entry.shm_path, None
-        entry.end("failed", reason)
+        entry.end(RolloutState.FAILED, reason)
         if shm is not None:
             shm.unlink(missing_ok=True)
         self._report_unavailable(entry, reason)
@@ -289,7 +287,7 @@ class ResultStore:
             found = self._tickets.resolve(key, self._entries.__contains__, self._stopping(should_stop))
             if isinstance(found, Resolved):
                 return self._entries[found.rollout_id], found.start, found.stride
-        raise TicketNotFound(f"ticket {shown}", found)
+        raise TicketNotFound(f"ticket {shown}", found.reason, found.ended)
 
     def stream_of(self, ticket: bytes | str) -> str | None:
         """The extra stream an extra stream's ticket names ("outputs", ...); None for any other ticket."""
@@ -323,15 +321,17 @@ class ResultStore:
             if e is None:
                 if self._tickets.is_reserved(rollout_id):
                     raise TicketNotFound(f"rollout {rollout_id!r}", "queued: not started yet; do_get on its ticket waits")
-                raise TicketNotFound(f"rollout {rollout_id!r}", self._tickets.gone_reason(rollout_id))
+                gone = self._tickets.gone(rollout_id)
+                raise TicketNotFound(f"rollout {rollout_id!r}", gone.reason, gone.ended)
             return e
 
     def ids(self) -> list[str]:
         with self._lock:
             return list(self._entries)
 
-    def info(self, rollout_id: str) -> EntryInfo:
-        return self.get(rollout_id).info()
+    def result(self, rollout_id: str) -> ResultInfo | None:
+        """A held rollout's result once succeeded, else None; TicketNotFound (a KeyError) if not held."""
+        return self.get(rollout_id).result()
 
     def wake_all(self) -> None:
         """Wake every waiting consumer (they re-check ``stop_event`` and their stop checks)."""
@@ -347,14 +347,14 @@ class ResultStore:
         unknown or still running (cancel it first)."""
         with self._lock:
             e = self._entries.get(rollout_id)
-            if e is None or e.state == "running":
+            if e is None or e.state is RolloutState.RUNNING:
                 return False
             del self._entries[rollout_id]
-            self._tickets.forget(rollout_id, e.ticket, "released")
+            self._tickets.forget(rollout_id, e.ticket, RolloutState.RELEASED)
             freed = (e.num_bytes if e.in_memory else 0) + e.extra_bytes
             self.budget.add(-freed)
         stream_files = list(e.stream_paths.values())
-        e.end("released", "rollout was released")
+        e.end(RolloutState.RELEASED, "rollout was released")
         for path in (e.path, e.shm_path, *stream_files):
             if path is not None:
                 path.unlink(missing_ok=True)
@@ -372,7 +372,7 @@ class ResultStore:
             "bytes_on_disk": sum(_size(e.path) + sum(_size(p) for p in e.stream_paths.values()) for e in entries),
             "bytes_in_shm": sum(_size(e.shm_path) for e in entries),
             "entries": len(entries),
-            "live": sum(1 for e in entries if e.state == "running"),
+            "live": sum(1 for e in entries if e.state is RolloutState.RUNNING),
         }
 
     def close(self) -> None:
@@ -391,10 +391,10 @@ class ResultStore:
         for w in live:
             w.abort_file()
         for e in entries:
-            if e.state == "running":
-                e.end("failed", "server shutting down")
+            if e.state is RolloutState.RUNNING:
+                e.end(RolloutState.FAILED, "server shutting down")
             else:
-                e.end("closed", "store closed")
+                e.end(RolloutState.CLOSED, "store closed")
             if e.shm_path is not None:
                 e.shm_path.unlink(missing_ok=True)
         if self.shm is not None:

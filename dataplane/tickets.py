@@ -12,14 +12,17 @@ import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
-TICKET_PREFIX = "sft1_"
-"""Kept importable for old callers; no code outside the store should test for it."""
+from sigmaflight.records import RolloutState
+
+_PREFIX = "sft1_"
+"""Starts every minted ticket, so that `is_minted` can check that a file's footer holds one;
+clients never test for it (a ticket is opaque to them)."""
 _MAX_GONE = 4096
 
 
 def mint_ticket() -> str:
     """A new ticket: 144 random bits, URL-safe."""
-    return TICKET_PREFIX + secrets.token_urlsafe(18)
+    return _PREFIX + secrets.token_urlsafe(18)
 
 
 STREAM_SEP = ":"
@@ -44,19 +47,31 @@ def split_stream_ticket(key: str, streams: tuple[str, ...]) -> tuple[str, str | 
 
 def is_minted(ticket: str) -> bool:
     """Whether ``ticket`` has the shape mint_ticket gives (used to check a file footer)."""
-    return ticket.startswith(TICKET_PREFIX) and len(ticket) > len(TICKET_PREFIX)
+    return ticket.startswith(_PREFIX) and len(ticket) > len(_PREFIX)
 
 
 class TicketNotFound(KeyError):
     """Unknown, released or expired ticket / rollout id. ``str()`` names it and why."""
 
-    def __init__(self, what: str, reason: str = "unknown") -> None:
+    def __init__(self, what: str, reason: str = "unknown", ended: RolloutState | None = None) -> None:
         super().__init__(what)
         self.what = what
         self.reason = reason
+        self.ended = ended
+        """How the rollout ended, when the store still remembers it (cancelled while queued, released)."""
 
     def __str__(self) -> str:
         return f"{self.what} not found ({self.reason})"
+
+
+class Gone(NamedTuple):
+    """Why a ticket or rollout id names nothing (any more): how it ended, if known, and in words."""
+
+    ended: RolloutState | None
+    reason: str
+
+
+UNKNOWN = Gone(None, "unknown")
 
 
 class Resolved(NamedTuple):
@@ -74,7 +89,7 @@ class TicketRegistry:
     def __init__(self, lock: threading.RLock) -> None:
         self._tickets: dict[str, str] = {}  # ticket -> rollout id
         self._partitions: dict[str, Resolved] = {}
-        self._gone: dict[str, str] = {}  # ticket or id -> "released" / "expired" / ...
+        self._gone: dict[str, Gone] = {}  # ticket or id -> why it is gone
         self._reserved: dict[str, str] = {}  # announced, not started: id -> ticket
         self._cond = threading.Condition(lock)
 
@@ -91,12 +106,12 @@ class TicketRegistry:
     def reserved_ticket(self, rollout_id: str) -> str | None:
         return self._reserved.get(rollout_id)
 
-    def abandon(self, rollout_id: str, reason: str) -> bool:
+    def abandon(self, rollout_id: str, ended: RolloutState, message: str) -> bool:
         ticket = self._reserved.pop(rollout_id, None)
         if ticket is None:
             return False
         self._tickets.pop(ticket, None)
-        self._gone[ticket] = self._gone[rollout_id] = reason
+        self._gone[ticket] = self._gone[rollout_id] = Gone(ended, f"{ended}: {message}")
         self._cond.notify_all()
         return True
 
@@ -118,7 +133,7 @@ class TicketRegistry:
 
     def resolve(
         self, key: str, known: Callable[[str], bool], should_stop: Callable[[], str | None]
-    ) -> Resolved | str:
+    ) -> Resolved | Gone:
         """What ``key`` (a ticket, partition ticket or rollout id) names, or why it is not found.
 
         Waits while it names a reserved rollout (until ``create`` or ``abandon``, or until
@@ -130,7 +145,7 @@ class TicketRegistry:
         while rid is not None and rid in self._reserved:
             why = should_stop()
             if why is not None:
-                return why
+                return Gone(None, why)
             self._cond.wait(timeout=0.2)
             rid = self._tickets.get(key) or (key if key in self._reserved or known(key) else None)
         if rid is not None and known(rid):
@@ -138,20 +153,20 @@ class TicketRegistry:
         part = self._partitions.get(key)
         if part is not None and known(part.rollout_id):
             return part
-        return self._gone.get(key, "unknown")
+        return self._gone.get(key, UNKNOWN)
 
     def rollout_of(self, ticket: str) -> str | None:
         """The rollout a whole-rollout ticket names (no waiting, no partitions)."""
         return self._tickets.get(ticket)
 
-    def gone_reason(self, key: str) -> str:
-        return self._gone.get(key, "unknown")
+    def gone(self, key: str) -> Gone:
+        return self._gone.get(key, UNKNOWN)
 
-    def forget(self, rollout_id: str, ticket: str, reason: str) -> None:
+    def forget(self, rollout_id: str, ticket: str, ended: RolloutState) -> None:
         self._tickets.pop(ticket, None)
         for t in [t for t, p in self._partitions.items() if p.rollout_id == rollout_id]:
             del self._partitions[t]
-        self._gone[ticket] = self._gone[rollout_id] = reason
+        self._gone[ticket] = self._gone[rollout_id] = Gone(ended, str(ended))
         while len(self._gone) > _MAX_GONE:
             self._gone.pop(next(iter(self._gone)))
 

@@ -26,272 +26,38 @@ names the tensors a model accepts and commits staged ones.
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import Any
 
-import crc32c
-import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
-import torch
 from sigmaflight.dataplane.errors import clip, flight_error
+from sigmaflight.dataplane.weights_staging import Staging
+from sigmaflight.dataplane.weights_wire import (
+    HEADER_KEY,
+    SCHEMA,
+    WEIGHTS_STATUS_ACTION,
+    PushRefused,
+    PushStats,
+    TensorSpec,
+    WeightsSink,
+    chunk_batch,
+    declared_tensors,
+    dtype_name,
+    parse_dtype,
+    parse_header,
+)
 
 log = logging.getLogger("sigmaflight.weights")
 
 __all__ = [
-    "HEADER_KEY", "SCHEMA", "WEIGHTS_STATUS_ACTION", "PushRefused", "PushStats", "TensorSpec", "WeightsPushes", "WeightsSink",
-    "chunk_batch", "dtype_name", "parse_dtype",
+    "HEADER_KEY", "SCHEMA", "WEIGHTS_STATUS_ACTION", "PushRefused", "PushStats", "TensorSpec", "WeightsPushes",
+    "WeightsSink", "chunk_batch", "dtype_name", "parse_dtype",
 ]
-
-WEIGHTS_STATUS_ACTION = "weights_push_status"
-"""The do_action that answers what a push has received (to resume it)."""
-
-HEADER_KEY = "sigmaflight.weights"
-"""The key (with version 1) that marks a do_put command as a weights push header."""
-
-SCHEMA = pa.schema([
-    pa.field("tensor", pa.utf8(), nullable=False),
-    pa.field("offset", pa.int64(), nullable=False),
-    pa.field("data", pa.binary(), nullable=False),
-    pa.field("crc32c", pa.uint32(), nullable=False),
-], metadata={HEADER_KEY: "1"})
-"""One row per chunk: tensor key, byte offset, the bytes, CRC32C of the bytes (Castagnoli)."""
-
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_dtype(name: object) -> torch.dtype | None:
-    return _DTYPES.get(name) if isinstance(name, str) else None
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A tensor the model holds: what a pushed one must match."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
-
-
-class PushRefused(Exception):
-    """A push that cannot go on; `reason` is one of REASONS, `tensor` the key it is about."""
-
-    REASONS = ("unknown_model", "unknown_tensor", "missing_tensor", "shape", "dtype", "offset", "overlap",
-               "checksum", "non_finite", "incomplete", "bad_header", "bad_chunk", "push_in_progress",
-               "stale_base", "expired", "commit_failed", "model_failed")
-
-    def __init__(self, reason: str, message: str, *, tensor: str | None = None) -> None:
-        super().__init__(message)
-        self.reason, self.message, self.tensor = reason, message, tensor
-
-
-@dataclass
-class PushStats:
-    """What a push moved: declared and received bytes, the model's bytes, seconds since it began."""
-
-    declared_bytes: int = 0
-    model_bytes: int = 0
-    received_bytes: int = 0
-    started: float = field(default_factory=time.monotonic)
-
-    @property
-    def skipped_bytes(self) -> int:
-        return self.model_bytes - self.declared_bytes
-
-
-class WeightsSink(Protocol):
-    """What the Flight server hands a push to (control/ implements it over the model registry)."""
-
-    def tensor_specs(self, model_id: str) -> Mapping[str, TensorSpec]:
-        """Every tensor of the model's transformer; PushRefused("unknown_model") for an unknown id."""
-        ...
-
-    def commit(self, model_id: str, staged: dict[str, torch.Tensor], *, partial: bool, base_digest: str | None,
-               stats: PushStats) -> dict[str, Any]:
-        """Swap the staged tensors in (the others kept as served); the answer (JSON-able: digest,
-        weights_version, ...). PushRefused("stale_base") when base_digest is not the served one."""
-        ...
-
-    def open_push(self, model_id: str, *, full: bool, base_digest: str | None) -> Mapping[str, torch.Tensor] | None:
-        """A push to `model_id` starts (before its first chunk lands). None: stage it into fresh
-        copies (`--weights-swap staged`); or the served tensors themselves, which the chunks are
-        written straight into (`in-place`: the sink holds the model until `close_push`).
-        `full`: the push declares every tensor. PushRefused when it cannot start."""
-        ...
-
-    def close_push(self, model_id: str, *, wrote: bool, failed: str | None) -> None:
-        """The push opened by `open_push` is over: committed (failed None) or dropped for `failed`;
-        `wrote`: some of its bytes had landed."""
-        ...
-
-
-def chunk_batch(name: str, offset: int, data: memoryview | np.ndarray) -> pa.RecordBatch:
-    """One chunk as a record batch of SCHEMA, without copying `data` (a C-contiguous byte view)."""
-    buf = pa.py_buffer(data)
-    offsets = pa.py_buffer(np.array([0, buf.size], dtype=np.int32))
-    values = pa.Array.from_buffers(pa.binary(), 1, [None, offsets, buf])
-    return pa.RecordBatch.from_arrays(
-        [pa.array([name], pa.utf8()), pa.array([offset], pa.int64()), values,
-         pa.array([crc32c.crc32c(buf)], pa.uint32())], schema=SCHEMA)
-
-
-class _Staging:
-    """One push's staging: a tensor per declared key (allocated at its first chunk) and the byte
-    ranges received so far, merged. `lock` is held by the stream feeding it (one at a time)."""
-
-    def __init__(self, push_id: str, model_id: str, header: dict[str, Any], declared: dict[str, TensorSpec],
-                 model_bytes: int, live: Mapping[str, torch.Tensor] | None = None) -> None:
-        self.push_id, self.model_id, self.header, self.declared = push_id, model_id, header, declared
-        self.partial = bool(header.get("partial", False))
-        self.base_digest: str | None = header.get("base_digest")
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.flat: dict[str, np.ndarray] = {}
-        self.ranges: dict[str, list[tuple[int, int]]] = {k: [] for k in declared}
-        self.stats = PushStats(declared_bytes=sum(s.nbytes for s in declared.values()), model_bytes=model_bytes)
-        self.lock = threading.Lock()
-        self.touched = time.monotonic()
-        self.live = live
-        self.wrote = False
-        """Some bytes were written into their target (checked or not: in-place, the served weights changed)."""
-        """The served tensors the chunks are written into (in-place), or None: fresh staging copies."""
-
-    @property
-    def staged_bytes(self) -> int:
-        return 0 if self.live is not None else sum(t.nbytes for t in self.tensors.values())
-
-    def write(self, name: str, offset: int, data: pa.Buffer | memoryview, crc: int | None) -> None:
-        """Check and stage one chunk (crc None: a body without checksums, PUT .../weights)."""
-        spec = self.declared.get(name)
-        if spec is None:
-            raise PushRefused("unknown_tensor", f"tensor {clip(name, 200)!r} was not declared in this push's header",
-                              tensor=clip(name, 200))
-        size, item = (data.size if isinstance(data, pa.Buffer) else data.nbytes), spec.dtype.itemsize
-        if offset < 0 or offset % item or size % item or offset + size > spec.nbytes:
-            raise PushRefused("offset", f"tensor {name!r}: chunk at byte {offset} of {size} bytes is not a whole "
-                              f"number of {dtype_name(spec.dtype)} elements inside its {spec.nbytes} bytes",
-                              tensor=name)
-        if crc is not None and (got := crc32c.crc32c(data)) != crc:
-            raise PushRefused("checksum", f"tensor {name!r}: chunk at byte {offset} has crc32c {got:08x}, "
-                              f"the chunk says {crc:08x}", tensor=name)
-        ranges = self.ranges[name]
-        i = bisect.bisect_right(ranges, (offset, offset + size))
-        if size and ((i > 0 and ranges[i - 1][1] > offset) or (i < len(ranges) and ranges[i][0] < offset + size)):
-            raise PushRefused("overlap", f"tensor {name!r}: chunk at byte {offset} of {size} bytes overlaps bytes "
-                              "this push has already received", tensor=name)
-        if name not in self.tensors:  # the staging allocation: a fresh copy, or (in-place) the served tensor
-            t = torch.empty(spec.shape, dtype=spec.dtype) if self.live is None else self.live[name]
-            self.tensors[name] = t
-            on_cpu = t.device.type == "cpu"
-            self.flat[name] = t.view(-1).view(torch.uint8).numpy() if t.numel() and on_cpu else np.empty(0, np.uint8)
-        target = self.tensors[name]
-        self.wrote = self.wrote or size > 0
-        if target.device.type == "cpu":
-            self.flat[name][offset:offset + size] = np.frombuffer(data, dtype=np.uint8)
-            values = target.view(-1)[offset // item:(offset + size) // item]
-        else:  # an in-place push into an accelerator's tensor: through one chunk-sized host buffer
-            bounce = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
-            target.view(-1).view(torch.uint8)[offset:offset + size].copy_(bounce)
-            values = bounce.view(spec.dtype)
-        if spec.dtype.is_floating_point and size:
-            if not _all_finite(values):
-                raise PushRefused("non_finite", f"tensor {name!r}: chunk at byte {offset} holds NaN or infinite "
-                                  "values", tensor=name)
-        ranges.insert(i, (offset, offset + size))
-        if i + 1 < len(ranges) and ranges[i][1] == ranges[i + 1][0]:
-            ranges[i:i + 2] = [(ranges[i][0], ranges[i + 1][1])]
-        if i > 0 and ranges[i - 1][1] == ranges[i][0]:
-            ranges[i - 1:i + 1] = [(ranges[i - 1][0], ranges[i][1])]
-        self.stats.received_bytes += size
-        self.touched = time.monotonic()
-
-    def missing(self) -> list[str]:
-        """Declared keys not yet received whole."""
-        out = []
-        for name, spec in self.declared.items():
-            r = self.ranges[name]
-            if spec.nbytes and r != [(0, spec.nbytes)]:
-                out.append(name)
-        return out
-
-    def staged(self) -> dict[str, torch.Tensor]:
-        return {name: self.tensors.get(name, torch.empty(spec.shape, dtype=spec.dtype))
-                for name, spec in self.declared.items()}
-
-    def status(self) -> dict[str, Any]:
-        return {"push_id": self.push_id, "model": self.model_id,
-                "received": {k: [list(r) for r in v] for k, v in self.ranges.items() if v},
-                "received_bytes": self.stats.received_bytes, "declared_bytes": self.stats.declared_bytes}
-
-
-def _all_finite(values: torch.Tensor) -> bool:
-    """No NaN or infinity among `values` (a CPU tensor). numpy's isfinite is SIMD and one thread
-    (torch.isfinite is far slower here); bfloat16 and float8, which numpy lacks, by min and max
-    (both NaN when any value is)."""
-    if values.dtype in (torch.float32, torch.float64, torch.float16):
-        return bool(np.isfinite(values.numpy()).all())
-    lo, hi = torch.aminmax(values if values.dtype.itemsize > 1 else values.float())
-    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
-
-
-def _parse_header(raw: bytes) -> dict[str, Any]:
-    try:
-        header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise PushRefused("bad_header", "the do_put command is not a JSON weights push header") from None
-    if not isinstance(header, dict) or header.get(HEADER_KEY) != 1:
-        raise PushRefused("bad_header", f"the do_put command is not a weights push header ({HEADER_KEY!r}: 1)")
-    for key, kind in (("model", str), ("push_id", str), ("tensors", dict)):
-        if not isinstance(header.get(key), kind) or not header[key]:
-            raise PushRefused("bad_header", f"header field {key!r} must be a non-empty {kind.__name__}")
-    if len(header["push_id"]) > 200:
-        raise PushRefused("bad_header", "header field 'push_id' is longer than 200 characters")
-    if header.get("base_digest") is not None and not isinstance(header["base_digest"], str):
-        raise PushRefused("bad_header", "header field 'base_digest' must be a string or null")
-    return header
-
-
-def _declared(header: dict[str, Any], specs: Mapping[str, TensorSpec]) -> dict[str, TensorSpec]:
-    """The header's tensors checked against the model's: known keys, same shapes and dtypes, and
-    every key unless the push is partial or names the base its unsent tensors come from."""
-    out: dict[str, TensorSpec] = {}
-    for name, want in sorted(header["tensors"].items()):
-        spec = specs.get(name)
-        if spec is None:
-            raise PushRefused("unknown_tensor", f"tensor {clip(name, 200)!r} is not a parameter or buffer of this "
-                              "model's transformer", tensor=clip(name, 200))
-        if not isinstance(want, dict):
-            raise PushRefused("bad_header", f"tensor {name!r}: expected {{'dtype', 'shape'}}", tensor=name)
-        shape = want.get("shape")
-        if not isinstance(shape, list) or tuple(shape) != spec.shape:
-            raise PushRefused("shape", f"tensor {name!r}: shape {clip(str(shape), 100)} does not match the "
-                              f"model's {list(spec.shape)}", tensor=name)
-        if parse_dtype(want.get("dtype")) != spec.dtype:
-            raise PushRefused("dtype", f"tensor {name!r}: dtype {clip(str(want.get('dtype')), 40)} does not match "
-                              f"the model's {dtype_name(spec.dtype)}", tensor=name)
-        out[name] = spec
-    if not header.get("partial") and header.get("base_digest") is None:
-        for name in sorted(set(specs) - set(out)):
-            raise PushRefused("missing_tensor", f"tensor {name!r} is missing from a full push (send every tensor, "
-                              "or partial=true, or the base_digest the others come from)", tensor=name)
-    return out
 
 
 class WeightsPushes:
@@ -305,7 +71,7 @@ class WeightsPushes:
         self.sink = sink
         self.expire_s = float(expire_s)
         self._lock = threading.Lock()
-        self._pushes: dict[str, _Staging] = {}
+        self._pushes: dict[str, Staging] = {}
         self._by_model: dict[str, str] = {}
         self.pushed_bytes = 0
         self.push_seconds = 0.0
@@ -340,7 +106,7 @@ class WeightsPushes:
         with self._lock:
             return len(self._pushes)
 
-    def _drop(self, staging: _Staging, reason: str | None) -> None:
+    def _drop(self, staging: Staging, reason: str | None) -> None:
         """Forget the push and free its staging; a failure's reason is counted once."""
         with self._lock:
             held = self._pushes.get(staging.push_id) is staging
@@ -355,24 +121,45 @@ class WeightsPushes:
             self.sink.close_push(staging.model_id, wrote=staging.wrote, failed=reason)
 
     def sweep(self, now: float | None = None) -> int:
-        """Drop the pushes idle for longer than expire_s (their stream is gone); how many."""
+        """Drop the pushes that received nothing for longer than expire_s, whether their stream is
+        gone or still open and silent (it is refused "expired" if it sends again); how many."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            old = [s for s in self._pushes.values() if now - s.touched > self.expire_s and not s.lock.locked()]
-        for s in old:
+            old = [s for s in self._pushes.values() if now - s.touched > self.expire_s]
+        dropped = [s for s in old if self._mark_dropped(s, f"weights push {s.push_id!r} expired: nothing arrived for "
+                                                           f"{self.expire_s:g} s (--weights-push-timeout-s); its "
+                                                           "staging was freed, start the push again",
+                                                        idle_s=self.expire_s)]
+        for s in dropped:
             log.warning("weights push expired", extra={"model": s.model_id, "push_id": s.push_id,
                                                        "received_bytes": s.stats.received_bytes})
             self._drop(s, "expired")
-        return len(old)
+        return len(dropped)
 
     def drop_idle(self, reason: str) -> int:
-        """Drop every push no stream is feeding now (at shutdown: an in-place one stops holding its
-        model); how many."""
+        """Drop every push not opening, writing a chunk or committing now (at shutdown: an in-place
+        one stops holding its model); how many."""
         with self._lock:
-            idle = [s for s in self._pushes.values() if not s.lock.locked()]
+            pushes = list(self._pushes.values())
+        idle = [s for s in pushes if self._mark_dropped(s, f"weights push {s.push_id!r} dropped: {reason}")]
         for s in idle:
             self._drop(s, reason)
         return len(idle)
+
+    @staticmethod
+    def _mark_dropped(staging: Staging, why: str, idle_s: float | None = None) -> bool:
+        """Mark a push dropped unless it is busy (opening, a chunk landing, committing) or, with
+        `idle_s`, received something within idle_s seconds; a stream that still holds it is refused
+        from its next chunk on."""
+        if not staging.busy.acquire(blocking=False):
+            return False
+        try:
+            if staging.dropped is not None or (idle_s is not None and time.monotonic() - staging.touched <= idle_s):
+                return False
+            staging.dropped = why
+            return True
+        finally:
+            staging.busy.release()
 
     def status(self, push_id: str) -> dict[str, Any]:
         with self._lock:
@@ -382,7 +169,7 @@ class WeightsPushes:
                               "expired)")
         return staging.status()
 
-    def _open(self, header: dict[str, Any]) -> _Staging:
+    def _open(self, header: dict[str, Any]) -> Staging:
         self.sweep()
         model_id, push_id = header["model"], header["push_id"]
         with self._lock:
@@ -394,16 +181,16 @@ class WeightsPushes:
                                   "with the same header or start a new push id")
             return staging
         specs = self.sink.tensor_specs(model_id)
-        declared = _declared(header, specs)
-        fresh = _Staging(push_id, model_id, header, declared, sum(s.nbytes for s in specs.values()))
-        fresh.lock.acquire()  # not swept while the sink opens it (an in-place one waits for the running batch)
+        declared = declared_tensors(header, specs)
+        fresh = Staging(push_id, model_id, header, declared, sum(s.nbytes for s in specs.values()))
+        fresh.busy.acquire()  # not swept while the sink opens it (an in-place one waits for the running batch)
         with self._lock:
             other = self._by_model.get(model_id)
             if other is None:
                 self._pushes[push_id] = fresh
                 self._by_model[model_id] = push_id
         if other is not None:
-            fresh.lock.release()
+            fresh.busy.release()
             raise PushRefused("push_in_progress", f"another weights push ({clip(other, 100)!r}) to model "
                               f"{model_id!r} is under way; retry once it commits, fails or expires "
                               f"(after {self.expire_s:g} s without data)")
@@ -417,11 +204,11 @@ class WeightsPushes:
             raise
         finally:
             fresh.touched = time.monotonic()
-            fresh.lock.release()
+            fresh.busy.release()
         return fresh
 
     # -- one body, not resumable (PUT .../weights): begin, write..., commit, or abort ------------
-    def begin(self, header: dict[str, Any]) -> _Staging:
+    def begin(self, header: dict[str, Any]) -> Staging:
         """A push from a header (as do_put's); PushRefused (counted) when it cannot start."""
         try:
             return self._open(header)
@@ -429,13 +216,13 @@ class WeightsPushes:
             self._count(exc.reason)
             raise
 
-    def write(self, staging: _Staging, name: str, offset: int, data: memoryview) -> None:
+    def write(self, staging: Staging, name: str, offset: int, data: memoryview) -> None:
         """Stage one piece (whole elements); PushRefused as for a chunk (the caller aborts)."""
         staging.write(name, offset, data, None)
         with self._lock:
             self.pushed_bytes += data.nbytes
 
-    def commit(self, staging: _Staging) -> dict[str, Any]:
+    def commit(self, staging: Staging) -> dict[str, Any]:
         """Swap the staged tensors in (every declared one whole) and drop the push; PushRefused
         ("incomplete", or the sink's) drops it too."""
         try:
@@ -443,8 +230,7 @@ class WeightsPushes:
             if missing:
                 raise PushRefused("incomplete", f"the body ended with {len(missing)} tensor(s) not received whole, "
                                   f"first {missing[0]!r}", tensor=missing[0])
-            answer = self.sink.commit(staging.model_id, staging.staged(), partial=staging.partial,
-                                      base_digest=staging.base_digest, stats=staging.stats)
+            answer = self._commit(staging)
         except PushRefused as exc:
             self._drop(staging, exc.reason)
             raise
@@ -457,7 +243,7 @@ class WeightsPushes:
         self._drop(staging, None)
         return answer
 
-    def abort(self, staging: _Staging, reason: str) -> None:
+    def abort(self, staging: Staging, reason: str) -> None:
         self._drop(staging, reason)
 
     # -- the stream --------------------------------------------------------------------------
@@ -467,7 +253,7 @@ class WeightsPushes:
         try:
             if descriptor.descriptor_type != flight.DescriptorType.CMD:
                 raise PushRefused("bad_header", "a weights push needs a CMD descriptor holding its JSON header")
-            header = _parse_header(descriptor.command)
+            header = parse_header(descriptor.command)
             staging = self._open(header)
         except PushRefused as exc:
             self._count(exc.reason)
@@ -478,14 +264,15 @@ class WeightsPushes:
                                           "stream"), staging.push_id)
         try:
             self._feed(staging, reader)
+            with staging.busy:
+                staging.check_live()  # the stream ended after the push expired
             missing = staging.missing()
             if missing:  # an early end: keep what arrived for a resume
                 staging.touched = time.monotonic()
                 raise PushRefused("incomplete", f"the stream ended with {len(missing)} tensor(s) not received whole, "
                                   f"first {missing[0]!r}; resume push {staging.push_id!r} with the rest",
                                   tensor=missing[0])
-            answer = self.sink.commit(staging.model_id, staging.staged(), partial=staging.partial,
-                                      base_digest=staging.base_digest, stats=staging.stats)
+            answer = self._commit(staging)
         except PushRefused as exc:
             if exc.reason == "incomplete":
                 self._count(exc.reason)
@@ -508,7 +295,14 @@ class WeightsPushes:
         self._drop(staging, None)
         writer.write(pa.py_buffer(json.dumps({**answer, "push_id": staging.push_id}).encode()))
 
-    def _feed(self, staging: _Staging, reader: flight.MetadataRecordBatchReader) -> None:
+    def _commit(self, staging: Staging) -> dict[str, Any]:
+        """The sink's commit of a push that has not expired (not swept while it commits)."""
+        with staging.busy:
+            staging.check_live()
+            return self.sink.commit(staging.model_id, staging.staged(), partial=staging.partial,
+                                    base_digest=staging.base_digest, stats=staging.stats)
+
+    def _feed(self, staging: Staging, reader: flight.MetadataRecordBatchReader) -> None:
         got = [(f.name, f.type) for f in reader.schema]
         if got != [(f.name, f.type) for f in SCHEMA]:
             raise PushRefused("bad_chunk", "the stream's schema is not the weights chunk schema "

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Protocol
 
 import pyarrow as pa
 from sigmaflight.dataplane.codec import encode_step
@@ -11,6 +11,8 @@ from sigmaflight.dataplane.durable import DurableDir
 from sigmaflight.dataplane.entry import Entry
 from sigmaflight.dataplane.files import TrajectoryFileWriter
 from sigmaflight.dataplane.record import StepBatch
+
+from sigmaflight.records import ResultInfo, RolloutState
 
 
 class StoreHooks(Protocol):
@@ -46,7 +48,7 @@ class TrajectoryWriter:
 
     def append(self, batch: StepBatch) -> None:
         e = self._entry
-        if e.state != "running":
+        if e.state is not RolloutState.RUNNING:
             raise RuntimeError(f"rollout {e.rollout_id} is {e.state}; cannot append")
         if not self._pending or batch.step != self._pending[0]:
             raise ValueError(
@@ -75,11 +77,13 @@ class TrajectoryWriter:
             e.stream_paths[name] = path
         self._store.appended(e, e.publish(name, table))
 
-    def finish(self) -> None:
+    def finish(self) -> ResultInfo | None:
+        """End the trajectory; what the store now holds of it (None when the store found it lost
+        as it moved it out of memory)."""
         e = self._entry
         if self._pending:
             raise ValueError(f"rollout {e.rollout_id}: steps {self._pending} were never appended")
-        if e.state != "running":
+        if e.state is not RolloutState.RUNNING:
             raise RuntimeError(f"rollout {e.rollout_id} is {e.state}; cannot finish")
         try:
             if self._file is not None:
@@ -90,16 +94,18 @@ class TrajectoryWriter:
         except BaseException as exc:
             # e.g. the rename fails (read-only or full data dir): consumers get the reason
             e.path = None
-            self.fail("failed", f"cannot finish the trajectory file: {type(exc).__name__}: {exc}")
+            self.fail(RolloutState.FAILED, f"cannot finish the trajectory file: {type(exc).__name__}: {exc}")
             raise
+        return e.result()
 
     def abort_file(self) -> None:
         f, self._file = self._file, None
         if f is not None:
             f.abort()
 
-    def fail(self, kind: Literal["failed", "cancelled"], message: str) -> None:
-        if kind not in ("failed", "cancelled"):
+    def fail(self, kind: RolloutState | str, message: str) -> None:
+        """End the rollout's streams as `kind`: failed or cancelled."""
+        if kind not in (RolloutState.FAILED, RolloutState.CANCELLED):
             raise ValueError(f"kind must be 'failed' or 'cancelled', got {kind!r}")
         e = self._entry
         try:
@@ -108,8 +114,8 @@ class TrajectoryWriter:
                 path.unlink(missing_ok=True)
         except OSError:  # a read-only directory cannot lose the temp file: the next scan does
             pass
-        if e.state != "running":
+        if e.state is not RolloutState.RUNNING:
             return
         freed = e.num_bytes + e.extra_bytes
-        e.end(kind, message)
+        e.end(RolloutState(kind), message)
         self._store.failed(e, freed)

@@ -20,13 +20,24 @@ interleaved, for the service's samples/s against both.
 
   .venv/bin/python ops/bench_batching.py --model tiny-sd3 --n 16 --steps 8
   .venv/bin/python ops/bench_batching.py --model small-sd3 --n 8 --steps 4 --rounds 3
+
+`--server-cpu` measures instead what co-batching costs the server itself: one server with
+--batch-wait-ms W per checkout (this one, "after", and with `--before PYTHON` another checkout's
+interpreter, e.g. /work/main/.venv/bin/python, "before"), the same workloads on each in rotating
+rounds, every client polling its rollout's status every 20 ms until it ends (no Flight pull): the
+server process tree's user+sys CPU (psutil) and the wall-clock samples/s of each workload:
+
+  .venv/bin/python ops/bench_batching.py --server-cpu --before /work/main/.venv/bin/python --rounds 8
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -132,6 +143,147 @@ def in_process(model_id: str, n: int, steps: int, repeats: int) -> dict[str, flo
     return {w: n / statistics.median(v) for w, v in times.items()}
 
 
+CPU_LOADS = ("N x B=1", "one-B=N", "lone B=1")
+
+
+class Server:
+    """`sigmaflight serve` run by `python` (any checkout's interpreter; bytecode not written there)."""
+
+    def __init__(self, python: str, *flags: str) -> None:
+        # OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads sleep between ops instead of spinning, so
+        # the CPU counted is work (on a loaded box the spin-wait inflated one server or the other
+        # several-fold at random); both servers run with it.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+        self.proc = subprocess.Popen([os.path.abspath(python), "-m", "sigmaflight.cli", "serve", "--port", "0", "--flight-port", "0",
+                                      "--log-format", "json", *flags], cwd="/", env=env, stderr=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, text=True)
+        assert self.proc.stderr is not None
+        self.rest_url = ""
+        for line in self.proc.stderr:
+            if '"sigmaflight ready"' in line:
+                import json
+
+                self.rest_url = json.loads(line)["rest_url"]
+                break
+        if not self.rest_url:
+            self.proc.kill()
+            raise SystemExit(f"{python}: the server did not start")
+        threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # drain its log
+
+    def cpu_s(self) -> float:
+        """user+sys seconds of the server and every process under it so far."""
+        import psutil
+
+        root = psutil.Process(self.proc.pid)
+        total = 0.0
+        for p in (root, *root.children(recursive=True)):
+            try:
+                t = p.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += t.user + t.system
+        return total
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def poll_requests(url: str, bodies: list[dict[str, Any]], every_s: float = 0.02) -> tuple[float, list[float], int]:
+    """All `bodies` posted at once, one client thread each, each polling its status every `every_s`
+    until it ends: (wall seconds, per-request latency to the status that says succeeded, samples)."""
+    latencies: list[float] = [0.0] * len(bodies)
+    errors: list[str] = []
+    go = threading.Barrier(len(bodies) + 1)
+
+    def one(k: int, body: dict[str, Any]) -> None:
+        with httpx.Client(base_url=url, timeout=600) as c:
+            go.wait()
+            t0 = time.perf_counter()
+            r = c.post("/v1/rollouts", json=body)
+            if r.status_code != 202:
+                errors.append(r.text)
+                return
+            path = f"/v1/rollouts/{r.json()['id']}"
+            while True:
+                time.sleep(every_s)
+                status = c.get(path).json()["status"]
+                if status not in ("queued", "running"):
+                    break
+            latencies[k] = time.perf_counter() - t0
+            if status != "succeeded":
+                errors.append(f"{path} {status}")
+
+    threads = [threading.Thread(target=one, args=(k, b)) for k, b in enumerate(bodies)]
+    for th in threads:
+        th.start()
+    go.wait()
+    t0 = time.perf_counter()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise SystemExit(f"{len(errors)} requests failed, first: {errors[0]}")
+    return wall, latencies, sum(len(b["prompts"]) for b in bodies)
+
+
+def server_cpu(a: argparse.Namespace) -> int:
+    """The --server-cpu measure (module docstring); the ratios are taken within a round, medians printed."""
+    flags = ("--model", a.model, "--workers", "1", "--log-level", "warning", "--queue-size", str(4 * a.n + 8),
+             "--batch-wait-ms", str(a.wait_ms))
+    pythons = {"after": sys.executable, **({"before": a.before} if a.before else {})}
+    with concurrent.futures.ThreadPoolExecutor(len(pythons)) as pool:
+        starting = {k: pool.submit(Server, py, *flags) for k, py in pythons.items()}
+    servers = {k: f.result() for k, f in starting.items()}
+    loads = {w: b for w, b in workloads(a, 0, 0).items() if w in CPU_LOADS}
+    cpu: dict[tuple[str, str], list[float]] = {(w, k): [] for w in loads for k in servers}
+    sps: dict[tuple[str, str], list[float]] = {(w, k): [] for w in loads for k in servers}
+    lat: dict[tuple[str, str], list[float]] = {(w, k): [] for w in loads for k in servers}
+    try:
+        pairs = [(w, k) for w in loads for k in servers]
+        for r in range(a.rounds + 1):
+            for w, k in pairs[r % len(pairs):] + pairs[:r % len(pairs)]:
+                bodies = [{**b, "model": a.model, "seed": 1000 * r + j} for j, b in enumerate(loads[w])]
+                time.sleep(0.2)  # the previous workload's last polls and the reaper settle
+                c0 = servers[k].cpu_s()
+                wall, lats, samples = poll_requests(servers[k].rest_url, bodies)
+                c1 = servers[k].cpu_s()
+                if r:
+                    cpu[(w, k)].append(c1 - c0)
+                    sps[(w, k)].append(samples / wall)
+                    lat[(w, k)].extend(lats)
+    finally:
+        for s in servers.values():
+            s.stop()
+
+    def wall_ratio(k: str) -> float:
+        return statistics.median(x / y for x, y in zip(sps[("N x B=1", k)], sps[("one-B=N", k)], strict=True))
+
+    def cpu_ratio(k: str) -> float:  # totals over the rounds: the OS counts CPU time in 10 ms ticks
+        return sum(cpu[("N x B=1", k)]) / max(sum(cpu[("one-B=N", k)]), 1e-9)
+
+    print(f"server CPU: model={a.model} N={a.n} T={a.steps} --batch-wait-ms {a.wait_ms:g} rounds={a.rounds} "
+          f"(+1 warm-up), status polled every 20 ms")
+    print(f"{'workload':<9} {'server':<7} {'cpu ms':>8} {'samples/s':>10} {'p50 ms':>8}   (cpu: mean a round)")
+    for w in loads:
+        for k in servers:
+            print(f"{w:<9} {k:<7} {statistics.mean(cpu[(w, k)]) * 1e3:>8.1f} {statistics.median(sps[(w, k)]):>10.2f} "
+                  f"{percentile(lat[(w, k)], 50) * 1e3:>8.1f}")
+    for k in servers:
+        print(f"{k}: N x B=1 / one-B=N server CPU {cpu_ratio(k):.2f}x (target <= 1.4), "
+              f"wall samples/s {wall_ratio(k):.2f}x (target >= 0.8)")
+    if "before" in servers:
+        lone = [statistics.median(lat[("lone B=1", k)]) for k in ("after", "before")]
+        big = [statistics.median(sps[("one-B=N", k)]) for k in ("after", "before")]
+        print(f"after / before: lone B=1 latency {lone[0] / lone[1]:.2f} (target <= 1), "
+              f"one-B=N samples/s {big[0] / big[1]:.2f} (target >= 1)")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-sd3", help="built-in model id (default tiny-sd3)")
@@ -140,7 +292,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5, help="counted rounds, after one warm-up round (default 5)")
     ap.add_argument("--wait-ms", type=float, default=25.0, help="--batch-wait-ms of the on-W server (default 25)")
     ap.add_argument("--in-process-repeats", type=int, default=3, help="stock/run_rollout runs each (0 skips them)")
+    ap.add_argument("--server-cpu", action="store_true", help="measure the server's CPU per workload instead")
+    ap.add_argument("--before", metavar="PYTHON", help="--server-cpu: also a server run by this interpreter "
+                    "(another checkout's .venv/bin/python; its sigmaflight is that checkout's)")
     a = ap.parse_args()
+    if a.server_cpu:
+        return server_cpu(a)
 
     common = ("--model", a.model, "--workers", "1", "--log-level", "warning", "--queue-size", str(4 * a.n + 8))
     flags = {"on-0": (), "on-W": ("--batch-wait-ms", str(a.wait_ms)), "off": ("--max-batch-samples", "1")}

@@ -1,10 +1,10 @@
-"""How long `sigmaflight --help` takes, against what the CLI used to import before parsing.
+"""How long `sigmaflight --help` takes, against importing the client stack before parsing.
 
 Each command runs in a fresh interpreter, interleaved, --repeats times; medians of wall time:
 - floor:   `python -c pass` (the interpreter alone);
 - help:    `sigmaflight --help` (the console script of this environment);
-- stack:   importing what `sigmaflight --help` loaded before the lazy imports: the users' client, the
-           data plane's torch client and the replay module (torch + diffusers), then printing help.
+- stack:   importing the users' client, the data plane's torch client and the replay module (torch +
+           diffusers), then printing help: what the CLI's lazy imports keep off `--help`.
 
     .venv/bin/python ops/bench_cli.py              # 7 runs each
     .venv/bin/python ops/bench_cli.py --repeats 3

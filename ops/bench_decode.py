@@ -1,4 +1,4 @@
-"""Issue 13, speed: what `return.outputs` costs, per image, against the rollout it decodes.
+"""What `return.outputs` costs, per image, against the rollout it decodes.
 
 For each model, in one process and one run: the rollout (`run_rollout`, the model's default
 steps, B samples, no capture: what the loop itself costs) and the "outputs/v1" table built

@@ -1,10 +1,10 @@
-"""Issue 12, items 21 and 22: the two measurements, each with a baseline taken in the same run.
+"""A weights push's memory and the REST latency under load, each with a baseline taken in the same run.
 
-push  (item 21): peak RSS of the server process while `PUT /v1/models/{id}/weights` loads a
+push: peak RSS of the server process while `PUT /v1/models/{id}/weights` loads a
       full transformer state dict, against the RSS just before, the pushed tensors' bytes and
-      the whole pipeline's bytes. A push no longer deep-copies the transformer (the registry
-      assigns the parsed tensors); the request still holds the body and its parsed copy.
-load  (item 22): POST /v1/rollouts latency (p50/p99) and GET/DELETE p99 while small rollouts
+      the whole pipeline's bytes. A push does not deep-copy the transformer (the registry
+      assigns the parsed tensors); the request holds the body and its parsed copy.
+load: POST /v1/rollouts latency (p50/p99) and GET/DELETE p99 while small rollouts
       are submitted (and finish) at --rate per second, on a memory-only server (baseline) and
       on a server with --data-dir (sqlite synchronous=FULL journal + fsync'd trajectory files).
 

@@ -687,7 +687,7 @@ def _report(rows: list[dict[str, Any]], size: int) -> None:
 
 
 def _report_pulls(r: dict[str, Any]) -> None:
-    """Each way's median (ms, GB/s) and the issue-22 ratios: per-round pairs, and of the medians."""
+    """Each way's median (ms, GB/s) and the ratios between ways: per-round pairs, and of the medians."""
     ways, nbytes = r["ways"], r["bytes"]
     med = {w: statistics.median(ts) for w, ts in ways.items()}
     for w in PULL_WAYS:

@@ -16,7 +16,9 @@ about --size-mib MiB (random weights, saved as a local diffusers dir, served wit
 full push time and GB/s against a bare Flight do_put of the same chunks to a sink server and
 against memcpy; the server's peak RSS during each push over its RSS before, as a multiple of the
 model's bytes; a push after changing tensors holding about 1% of the bytes, the same tensors with
-partial=True, and a push where nothing changed, each against the full push.
+partial=True, and a push where nothing changed, each against the full push; and a full push
+cut at about half (its client, a subprocess, SIGKILLed once the server holds half the bytes)
+and resumed with the same push id: the bytes sent after the resume over the bytes that remained.
 
     .venv/bin/python ops/bench_weights.py --stream --size-mib 1024
 """
@@ -170,7 +172,7 @@ def stream_main(args: argparse.Namespace) -> int:
 
     import pyarrow.flight as flight
     import torch
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
     from sigmaflight.dataplane.weights import SCHEMA, chunk_batch
 
     from sigmaflight.weights import DEFAULT_CHUNK_BYTES
@@ -222,10 +224,15 @@ def stream_main(args: argparse.Namespace) -> int:
             changed[k] = new[k] + 0.01
     one_pct = {**new, **changed}
 
+    cut_file = tmp / "cut.safetensors"  # what the cut client pushes (every tensor differs from `new`)
+    save_file({k: v + 0.02 if v.is_floating_point() else v for k, v in new.items()}, str(cut_file))
+
     env = {"ARROW_DEFAULT_MEMORY_POOL": args.arrow_pool} if args.arrow_pool else None
-    rows = []
+    rows: list = []
+    cuts: list = []
     for swap in ("staged", "in-place") if args.weights_swap == "both" else (args.weights_swap,):
         full_s, pct_s, part_s, same_s = _stream_pushes(tmp, env, swap, new, one_pct, changed, nbytes, rows)
+        cuts.append(_cut_and_resume(tmp, env, swap, cut_file, nbytes))
 
     gbs = nbytes / 1e9
     print(f"memcpy of the same bytes: {memcpy_s:.2f} s ({gbs / memcpy_s:.2f} GB/s)")
@@ -241,6 +248,11 @@ def stream_main(args: argparse.Namespace) -> int:
           f"{memcpy_s / full_s:.2f}x")
     print(f"1%-changed / full: {pct_s / full_s:.3f}; partial / full: {part_s / full_s:.3f}; nothing changed / full: "
           f"{same_s / full_s:.3f}")
+    for swap, held, resent, resume_s in cuts:
+        remained = nbytes - held
+        print(f"{swap}: cut at {held / nbytes:.0%} and resumed: {remained / MiB:.1f} MiB remained, "
+              f"{resent / MiB:.1f} MiB sent after the resume ({resume_s:.2f} s): {resent / remained:.3f}x "
+              "the bytes that remained")
     import shutil
 
     shutil.rmtree(tmp, ignore_errors=True)
@@ -275,6 +287,63 @@ def _stream_pushes(tmp: Path, env: dict[str, str] | None, swap: str, new: dict, 
         part_s = push("the same tensors, partial=True", {k: v + 0.01 for k, v in changed.items()}, partial=True)
         same_s = push("nothing changed", {**one_pct, **{k: v + 0.01 for k, v in changed.items()}})
     return full_s, pct_s, part_s, same_s
+
+
+_CUT_CLIENT = """
+import sys
+from safetensors.torch import load_file
+from sigmaflight import Client
+url, push_id, path = sys.argv[1:]
+with Client(url) as c:
+    c.push_weights("big-sd3", load_file(path), only_changed=False, push_id=push_id, progress=False)
+"""
+
+
+def _pushed_bytes(client: object) -> int:
+    import re
+
+    text = client._send("GET", "/metrics").text  # type: ignore[attr-defined]
+    m = re.search(r"^sigmaflight_weights_pushed_bytes_total ([0-9.e+]+)$", text, re.M)
+    return int(float(m.group(1))) if m else 0
+
+
+def _cut_and_resume(tmp: Path, env: dict[str, str] | None, swap: str, cut_file: Path,
+                    nbytes: int) -> tuple[str, int, int, float]:
+    """A full push whose client (a subprocess) is SIGKILLed once the server holds about half its
+    bytes, then resumed here with the same push id: (swap, bytes the server held at the cut, bytes
+    that landed after the resume, seconds of the resume)."""
+    import subprocess
+    import uuid
+
+    from safetensors.torch import load_file
+
+    from sigmaflight import Client
+    from sigmaflight.launcher import ServerProcess
+
+    with ServerProcess("--model-dir", str(tmp), "--model", "big-sd3", "--workers", "1", "--weights-swap", swap,
+                       env=env, timeout=600) as server, \
+            Client(server.rest_url) as client:
+        push_id = uuid.uuid4().hex
+        start = _pushed_bytes(client)
+        child = subprocess.Popen([sys.executable, "-c", _CUT_CLIENT, server.rest_url, push_id, str(cut_file)])
+        try:
+            while _pushed_bytes(client) - start < nbytes // 2:
+                if child.poll() is not None:
+                    raise RuntimeError("the cut client ended before half the push landed")
+                time.sleep(0.005)
+        finally:
+            child.kill()
+            child.wait()
+        held = -1
+        while held != (now := _pushed_bytes(client) - start):  # what landed before the cut, settled
+            held = now
+            time.sleep(0.5)
+        state = load_file(str(cut_file))
+        t = time.perf_counter()
+        client.push_weights("big-sd3", state, only_changed=False, push_id=push_id, progress=False)
+        resume_s = time.perf_counter() - t
+        resent = _pushed_bytes(client) - start - held
+    return swap, held, resent, resume_s
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""How sigmaflight calls the stock diffusers pipeline: its `__call__` arguments and the
-per-call attribute overrides (tokenizer locks; per-row model calls).
+"""How sigmaflight calls the stock diffusers pipeline: its `__call__` arguments, the
+per-call attribute overrides (tokenizer locks; per-row model calls), and the record of the
+call a rollout made (`rollout_metadata`, the contract's `sigmaflight.rollout` object).
 
 `call_kwargs` is also what a benchmark or a test passes to the stock pipeline to compare
 a rollout with a plain `__call__`. The per-row calls take each family's batch arguments and
@@ -16,9 +17,10 @@ from sigmaflight.pipeline.conditioning import conditioning_call_kwargs
 from sigmaflight.pipeline.families import family_named
 from sigmaflight.pipeline.models import LoadedModel
 from sigmaflight.pipeline.seeds import sample_generators
-from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec
+from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec, ScheduleSnapshot
 
-__all__ = ["batch_call_kwargs", "call_kwargs", "call_overrides", "recorded_call"]
+__all__ = ["batch_call_kwargs", "call_kwargs", "call_overrides", "parent_metadata", "recorded_call",
+           "rollout_metadata"]
 
 
 def call_kwargs(
@@ -229,3 +231,51 @@ def _per_row_overrides(model: LoadedModel, pipeline: Any) -> dict[str, Any]:
         if enc is not None:
             out[name] = _PerRow(enc, ("attention_mask",), True)
     return out
+
+
+def json_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A scheduler config as JSON values, the same in every process."""
+    out: dict[str, Any] = {}
+    for k, v in config.items():
+        if isinstance(v, (str, int, float, bool)) or v is None:
+            out[k] = v
+        elif isinstance(v, (list, tuple)):
+            # diffusers builds _use_default_values from a set: sort it so metadata is the same in every process
+            out[k] = sorted(v) if k == "_use_default_values" else list(v)
+        else:
+            out[k] = str(v)
+    return out
+
+
+def parent_metadata(spec: RolloutSpec) -> dict[str, Any] | None:
+    """The contract's `sigmaflight.parent` object of a branch rollout, {"rollout", "step",
+    "samples"}; None for a rollout from x_0. A separate metadata entry for the data plane."""
+    return None if spec.branch_from is None else spec.branch_from.ref()
+
+
+def rollout_metadata(model: LoadedModel, spec: RolloutSpec, snapshot: ScheduleSnapshot) -> dict[str, Any]:
+    """The contract's `sigmaflight.rollout` object (without `id`, which control/ assigns)."""
+    request = spec.to_json()
+    return {
+        "model": {
+            "id": model.id,
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "digest": snapshot.model_digest or model.digest,
+            "weights_version": snapshot.model_weights_version,
+            **({"components": dict(snapshot.model_components)} if snapshot.model_components else {}),
+        },
+        "scheduler": {
+            "class": snapshot.scheduler_class,
+            "config": dict(snapshot.scheduler_config),
+            "set_timesteps": dict(snapshot.set_timesteps_kwargs),
+        },
+        "sampler": request["sampler"],
+        "request": request,
+        "call": recorded_call(model, spec),
+        "seeds": list(snapshot.seeds),
+        "num_samples": len(snapshot.seeds),
+        "num_outputs_per_prompt": snapshot.num_outputs_per_prompt,
+        "latent_dtype": str(snapshot.latent_dtype).removeprefix("torch."),
+        "native_dtype": str(snapshot.native_dtype).removeprefix("torch."),
+        **({"batch": snapshot.batch.to_json()} if snapshot.batch is not None else {}),
+    }

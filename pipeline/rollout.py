@@ -1,37 +1,44 @@
-"""The rollout loop: run a diffusers flow-match pipeline and capture its trajectory.
+"""The rollout engine: run a diffusers flow-match pipeline and report its trajectory, a step at a time.
 
 The pipeline's own `__call__` runs (encoding, CFG, latent preparation); a per-call
-`RolloutScheduler` hands every step to `_Driver`, which advances the step with
-`stepping.advance` (the function the replay uses too), captures x_i, scores
-log p(x_{i+1} | x_i) as `kernels.step_log_prob` does (the transition's kernel, computed once for
-the step and the score) and fails the rollout (`RolloutNonFinite`)
-at the first non-finite latent or log-prob. `rollout_metadata` is the contract's
-`sigmaflight.rollout` object for the run.
+`RolloutScheduler` hands every step to `_Driver`, which advances it with `stepping.advance` (the
+function the replay uses too), scores log p(x_{i+1} | x_i) as `kernels.step_log_prob` does (the
+transition's kernel, computed once for the step and the score) and fails a rollout
+(`RolloutNonFinite`) at its first non-finite latent or log-prob.
 
-Co-batching: `run_batch` runs several rollouts that share a batch key (pipeline/batch.py) as
-one `__call__`, their samples one after another (`calls.batch_call_kwargs`). The model sees
-all rows at once; everything else is done per member on its own rows, exactly as for the member
-alone: its own seeds and noise, sde window, kernel step (`advance` on its rows), log-probs,
-captures, callbacks, cancel and failure. The one thing shared is arithmetic: a step's kernel
-(mean, std) is computed once over the call when two or more members are stochastic there, and
-each member takes its rows (elementwise, so the same values as alone; not with per-row calls).
-A member that fails or is cancelled ends at once (its `on_end` is called then) while the others
-run on; `run_rollout` is a batch of one.
+Co-batching: `run_batch` runs several rollouts that share a batch key (pipeline/batch.py) as one
+`__call__`, their samples one after another (`calls.batch_call_kwargs`). A rollout is whatever
+the caller queues (`Rollout`: a spec and a stop flag); the engine's view of it is `Rows`, its rows
+[first, end) of the call and what stays its own (seeds, sde window, captured steps, schedule).
+The engine reports to one `Sink` per call, never per member: `schedule` once the schedule is
+known, `step` once per step with a `CallStep` (x_i, the velocity, x_T and the log-probs of the
+whole call, one host copy each; `CallStep.captures` gives a member its rows as views), `end` per
+member as soon as its outcome is known. The transition runs once over the call (one noise tensor
+from every row's own seed, one kernel, one log-prob, one finite check; a failing check is then
+attributed to the members whose rows fail), or member by member on its rows when the members
+differ at that step (sde window) or with per-row model calls (--batch-invariant). Both give a
+member's rows the values it gets alone: the kernel and the noise are per row. A member that fails
+or is cancelled ends at once while the others run on; `run_rollout` is a batch of one.
 
-Seeds and noise: see pipeline/seeds.py; validation and sizes: pipeline/validation.py; the
-pipeline call: pipeline/calls.py. Their public names are re-exported here, as before the split.
+Seeds and noise: pipeline/seeds.py; validation and sizes: pipeline/validation.py; the pipeline
+call and its metadata: pipeline/calls.py (names re-exported here for the engine's callers).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Generic
 
 import torch
 from sigmaflight.pipeline.batch import batch_key
-from sigmaflight.pipeline.calls import batch_call_kwargs, call_overrides, recorded_call
+from sigmaflight.pipeline.calls import (
+    batch_call_kwargs,
+    call_overrides,
+    json_config,
+    parent_metadata,
+    rollout_metadata,
+)
 from sigmaflight.pipeline.conditioning import (
     TransformerRecorder,
     branch_conditioning,
@@ -41,6 +48,18 @@ from sigmaflight.pipeline.kernels import gaussian_log_prob, kernel_mean_std, sto
 from sigmaflight.pipeline.models import LoadedModel, Policy, WeightsFailed
 from sigmaflight.pipeline.schedules import RolloutScheduler, make_rollout_scheduler, per_call_pipeline
 from sigmaflight.pipeline.seeds import derive_seeds, noise_seed, sample_seeds
+from sigmaflight.pipeline.sink import (
+    BatchMember,
+    Callbacks,
+    CallStep,
+    Failures,
+    Quiet,
+    R,
+    Rollout,
+    RolloutResult,
+    Rows,
+    Sink,
+)
 from sigmaflight.pipeline.spec import (
     BatchInfo,
     RolloutCancelled,
@@ -60,418 +79,285 @@ from sigmaflight.pipeline.validation import (
 )
 
 __all__ = [
-    "BatchMember",
-    "RolloutResult",
-    "derive_seeds",
-    "noise_seed",
-    "sample_seeds",
-    "validate_spec",
-    "latent_shape",
-    "estimate_latent_bytes",
-    "run_batch",
-    "run_rollout",
-    "rollout_metadata",
-    "parent_metadata",
+    "BatchMember", "CallStep", "Rollout", "RolloutResult", "Rows", "Sink", "derive_seeds", "noise_seed",
+    "sample_seeds", "validate_spec", "latent_shape", "estimate_latent_bytes", "run_batch", "run_rollout",
+    "rollout_metadata", "parent_metadata",
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class RolloutResult:
-    snapshot: ScheduleSnapshot
-    captures: tuple[StepCapture, ...]
-    """The StepCaptures in ascending step order (empty with keep=False or capture=False)."""
-    log_probs: torch.Tensor
-    """float32 [B, T] on CPU; NaN on deterministic transitions or when not requested."""
-    seeds: tuple[int, ...]
-    final_latents: torch.Tensor
-    """x_T [B, *latent_shape] in the model's dtype, on the model's device."""
-    digest: str
-    """Weights digest of the model that ran."""
-    conditioning: Mapping[str, torch.Tensor] | None = None
-    """With `return_conditioning`: the tensors the transformer consumed, keyed by the stock
-    `__call__` keyword (`sigmaflight.pipeline.conditioning.CONDITIONING_NAMES`), B rows prompt-major, on CPU."""
-    prompt_index: tuple[int, ...] = ()
-    """Index into the prompts of each sample (the parent row's for a branch)."""
-    parent_sample: tuple[int, ...] | None = None
-    """Branch rollouts: the parent sample of each sample; None otherwise."""
-
-
-@dataclass(eq=False, kw_only=True)
-class BatchMember:
-    """One rollout of a co-batched call, and what it reports to. A callback that raises ends this
-    member with that error, alone; `on_end` gets the member's RolloutResult or its error as soon
-    as it is known (a cancel or a failure at step i: at step i, while the others run on)."""
-
-    spec: RolloutSpec
-    on_start: Callable[[Policy], None] | None = None
-    """Called with the weights the call will run on, before anything runs (raise to refuse them)."""
-    on_schedule: Callable[[ScheduleSnapshot], None] | None = None
-    on_step: Callable[[StepCapture], None] | None = None
-    on_progress: Callable[[int, int], None] | None = None
-    should_stop: Callable[[], bool] | None = None
-    on_end: Callable[[RolloutResult | BaseException], None] | None = None
-    keep: bool = True
-    """Keep the captures in the result (False: only `on_step` sees them)."""
-
-
-@dataclass(frozen=True)
-class _HostStep:
-    """One step's tensors of the whole call on the host, each copied once (`_Driver._host`); None
-    where no member still running needs it."""
-
-    latent: torch.Tensor | None = None
-    """x_i [B, ...] in the capture dtype."""
-    velocity: torch.Tensor | None = None
-    """float32 [B, ...]: the CFG-combined velocity of step i."""
-    next_latent: torch.Tensor | None = None
-    """x_T [B, ...] after the last transition."""
 
 
 class _BatchOver(Exception):
     """Every member of the call has ended: stop the pipeline's loop."""
 
 
-@dataclass(eq=False)
-class _Run:
-    """One member inside the call: its rows [first, end) and everything that is its own."""
+class _Driver(Generic[R]):
+    """The scheduler's step driver for one call: the transition over the call, one report a step."""
 
-    member: BatchMember
-    seeds: tuple[int, ...]
-    first: int
-    end: int
-    model: LoadedModel
-    policy: Policy
-    steps: frozenset[int] = frozenset()
-    sde_steps: frozenset[int] = frozenset()
-    captures: list[StepCapture] = field(default_factory=list)
-    snapshot: ScheduleSnapshot | None = None
-    conditioning: dict[str, torch.Tensor] | None = None
-    outcome: RolloutResult | BaseException | None = None
-
-    def __post_init__(self) -> None:
-        spec = self.member.spec
-        self.T = spec.num_inference_steps
-        self.steps = frozenset(captured_steps(spec)) if spec.capture else frozenset()
-        self.sde_steps = frozenset(requested_sde_steps(spec))
-        self.capture_dtype = capture_dtype(self.model, spec)
-        self.log_probs = torch.full((len(self.seeds), self.T), float("nan"), dtype=torch.float32)
+    def __init__(self, model: LoadedModel, policy: Policy, members: list[Rows[R]], sink: Sink[R], *,
+                 keep: bool, per_row: bool, batch_id: str) -> None:
+        self.model, self.policy, self.sink = model, policy, sink
+        self.keep, self.per_row, self.batch_id = keep, per_row, batch_id
+        self.rows = [r for r in members if not r.ended]
+        self.samples = self.rows[-1].end
+        self.seeds = tuple(s for r in self.rows for s in r.seeds)
+        spec = self.rows[0].spec  # what the call shares (batch_key): steps, sampler, latent dtype, start
+        self.T, self.sampler = spec.num_inference_steps, spec.sampler
+        self.capture_dtype = capture_dtype(model, spec)
+        self.log_probs = torch.full((self.samples, self.T), float("nan"), dtype=torch.float32)  # [B, T]
         self.sigmas: torch.Tensor | None = None
-        self.whole = False
-        """This member's rows are the whole call (a batch of one): stored tensors need no copy."""
-        self.lp: torch.Tensor | None = None
-        """The log-prob of the transition `step` just made (float32 [B_m], CPU), for `record`."""
-
-    @property
-    def ended(self) -> bool:
-        return self.outcome is not None
-
-    def close(self, outcome: RolloutResult | BaseException) -> None:
-        self.outcome = outcome
-        if self.member.on_end is not None:
-            self.member.on_end(outcome)
-
-    def report_schedule(self, scheduler: RolloutScheduler, sample: torch.Tensor, batch: BatchInfo,
-                        original_scheduler: Any) -> None:
-        spec = self.member.spec
-        assert scheduler.sigmas_snapshot is not None and scheduler.timesteps_snapshot is not None
-        sigmas = scheduler.sigmas_snapshot
-        if sigmas.shape[0] != self.T + 1:
-            raise RuntimeError(f"the pipeline ran {sigmas.shape[0] - 1} steps, the request asked for {self.T}")
-        self.sigmas = sigmas
-        self.sde_steps = frozenset(stochastic_transitions(self.sde_steps, sigmas, sampler=spec.sampler))
-        self.snapshot = ScheduleSnapshot(
-            sigmas=sigmas,
-            timesteps=scheduler.timesteps_snapshot,
-            set_timesteps_kwargs=dict(scheduler.set_timesteps_kwargs or {}),
-            scheduler_class=type(original_scheduler).__name__,
-            scheduler_config=_json_config(original_scheduler.config),
-            sde_steps=tuple(sorted(self.sde_steps)),
-            steps=tuple(sorted(self.steps)),
-            seeds=self.seeds,
-            num_outputs_per_prompt=spec.num_outputs_per_prompt,
-            latent_shape=tuple(sample.shape[1:]),
-            latent_dtype=self.capture_dtype,
-            native_dtype=sample.dtype,
-            model_digest=self.policy.digest,
-            model_weights_version=self.policy.weights_version,
-            model_components=dict(self.policy.components) if self.policy.components else None,
-            start_step=spec.start_step,
-            prompt_index=spec.prompt_indices(),
-            parent_sample=spec.parent_samples(),
-            conditioning=self.conditioning,
-            batch=batch,
-        )
-        if self.member.on_schedule is not None:
-            self.member.on_schedule(self.snapshot)
-
-    def _own(self, host: torch.Tensor) -> torch.Tensor:
-        """This member's rows of `host`, a tensor of the whole call on the host (`_Driver._host`):
-        `host` itself when the rows are the whole call, else a copy of the rows on the host (a
-        member keeps its own rows, not a view that would keep the whole call's tensor alive)."""
-        return host if self.whole else host[self.first:self.end].clone()  # [B_m, ...]
-
-    def _emit(self, step: int, latent: torch.Tensor, log_prob: torch.Tensor | None,
-              velocity: torch.Tensor | None = None) -> None:
-        cap = StepCapture(step=step, latent=latent, log_prob=log_prob, velocity=velocity)
-        if self.member.keep:
-            self.captures.append(cap)
-        if self.member.on_step is not None:
-            self.member.on_step(cap)
-
-    def step(self, scheduler: RolloutScheduler, i: int, sample: torch.Tensor, velocity: torch.Tensor,
-             kernel: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """This member's transition i on its own rows (on the model's device): sample, velocity
-        [B_m, ...]; returns x_{i+1} [B_m, ...] and records the log-prob. `kernel`: the transition's
-        (mean [B_m, ...], std) when the driver computed it for the whole call. `record` follows."""
-        spec = self.member.spec
-        assert self.sigmas is not None
-        stochastic = i in self.sde_steps
-        if stochastic and kernel is None:
-            kernel = kernel_mean_std(sample, velocity, self.sigmas, i, sampler=spec.sampler)
-        x_next = advance(scheduler, i, sample, velocity, self.sigmas, sampler=spec.sampler, seeds=self.seeds,
-                         stochastic=stochastic, kernel=kernel)
-        self.lp = None
-        if stochastic and spec.return_log_probs:
-            assert kernel is not None
-            # Score the stored values as `step_log_prob` (the public replay function) does: its
-            # kernel of (sample, velocity), then the Gaussian of x_next; the kernel made once.
-            lp = gaussian_log_prob(x_next, *kernel, spec.sampler.log_prob).to("cpu")  # [B_m], B_m floats
-            if not bool(torch.isfinite(lp).all()):
-                raise RolloutNonFinite(i, "log_prob")
-            self.log_probs[:, i] = lp
-            self.lp = lp
-        if not bool(torch.isfinite(x_next).all()):
-            raise RolloutNonFinite(i + 1, "latent")
-        return x_next
-
-    def record(self, i: int, host: _HostStep) -> None:
-        """After transition i of every member: emit x_i (and x_T after the last transition) from the
-        call's host copies, report progress, honour a stop."""
-        if i in self.steps:
-            assert host.latent is not None
-            v = None
-            if self.member.spec.return_velocities:
-                assert host.velocity is not None
-                v = self._own(host.velocity)
-            self._emit(i, self._own(host.latent), self.lp, v)
-        if i == self.T - 1 and self.T in self.steps:
-            assert host.next_latent is not None
-            self._emit(self.T, self._own(host.next_latent), None)
-        if self.member.on_progress is not None:
-            self.member.on_progress(i + 1, self.T)
-        if i + 1 < self.T and self.member.should_stop is not None and self.member.should_stop():
-            raise RolloutCancelled(f"cancelled after step {i + 1} of {self.T}")
-
-    def result(self, final: torch.Tensor) -> RolloutResult:
-        assert self.snapshot is not None
-        return RolloutResult(
-            snapshot=self.snapshot,
-            captures=tuple(self.captures),
-            log_probs=self.log_probs,
-            seeds=self.seeds,
-            final_latents=final,
-            digest=self.policy.digest,
-            conditioning=self.conditioning,
-            prompt_index=self.snapshot.prompt_index,
-            parent_sample=self.snapshot.parent_sample,
-        )
-
-
-class _Driver:
-    """The scheduler's step driver for one call: hands each member its rows, joins their x_{i+1}."""
-
-    def __init__(self, runs: list[_Run], batch_id: str, original_scheduler: Any, family: str,
-                 per_row: bool = False) -> None:
-        self.runs = runs
-        self.per_row = per_row
-        self.batch_id = batch_id
-        self.original_scheduler = original_scheduler
-        self.family = family
-        self.samples = runs[-1].end
+        self.original_scheduler = policy.pipeline.scheduler
         self.recorder: TransformerRecorder | None = None
         self.started = False
 
+    def close(self, rows: Rows[R], outcome: RolloutResult | BaseException) -> None:
+        rows.outcome = outcome
+        self.sink.end(rows, outcome)
+
+    def fail(self, failures: Failures[R]) -> None:
+        for rows, exc in failures:
+            if not rows.ended:
+                self.close(rows, exc)
+
+    def running(self) -> list[Rows[R]]:
+        return [r for r in self.rows if not r.ended]
+
     def on_set_timesteps(self, scheduler: RolloutScheduler) -> None:
         self.started = False  # the last schedule wins; reported at the first step
-        b = self.runs[0].member.spec.branch_from  # members share it (batch_key)
+        b = self.rows[0].spec.branch_from  # members share it (batch_key)
         if b is not None:  # the parent's schedule, bit for bit, from step k
             scheduler.start_at(b.step, b.sigmas, b.timesteps, dict(b.set_timesteps_kwargs))
 
     def _start(self, scheduler: RolloutScheduler, sample: torch.Tensor) -> None:
         self.started = True
+        assert scheduler.sigmas_snapshot is not None and scheduler.timesteps_snapshot is not None
+        sigmas = self.sigmas = scheduler.sigmas_snapshot
+        if sigmas.shape[0] != self.T + 1:
+            self.fail([(r, RuntimeError(f"the pipeline ran {sigmas.shape[0] - 1} steps, the request asked for "
+                                        f"{self.T}")) for r in self.rows])
+            return
         conditioning = None
         if self.recorder is not None:
-            conditioning = conditioning_from_calls(self.family, self.recorder.stop(), self.samples)
-        for run in self.runs:
-            if run.ended:
-                continue
+            conditioning = conditioning_from_calls(self.model.family, self.recorder.stop(), self.samples)
+        common: dict[str, Any] = dict(sigmas=sigmas, timesteps=scheduler.timesteps_snapshot,
+                      set_timesteps_kwargs=dict(scheduler.set_timesteps_kwargs or {}),
+                      scheduler_class=type(self.original_scheduler).__name__,
+                      scheduler_config=json_config(self.original_scheduler.config),
+                      latent_shape=tuple(sample.shape[1:]), latent_dtype=self.capture_dtype, native_dtype=sample.dtype,
+                      model_digest=self.policy.digest, model_weights_version=self.policy.weights_version,
+                      model_components=dict(self.policy.components) if self.policy.components else None)
+        running = self.running()
+        stochastic: dict[frozenset[int], frozenset[int]] = {}  # members mostly share a window: one check each
+        for r in running:
+            spec = r.spec
             if conditioning is not None:
-                run.conditioning = {k: v[run.first:run.end].clone() for k, v in conditioning.items()}
-            batch = BatchInfo(id=self.batch_id, samples=self.samples, rows=(run.first, run.end),
-                              requests=len(self.runs))
-            try:
-                run.report_schedule(scheduler, sample[run.first:run.end], batch, self.original_scheduler)
-            except Exception as exc:
-                run.close(exc)
+                r.conditioning = {k: v[r.first:r.end].clone() for k, v in conditioning.items()}
+            if r.sde_steps not in stochastic:
+                stochastic[r.sde_steps] = stochastic_transitions(r.sde_steps, sigmas, sampler=self.sampler)
+            r.sde_steps = stochastic[r.sde_steps]
+            batch = BatchInfo(id=self.batch_id, samples=self.samples, rows=(r.first, r.end), requests=len(self.rows))
+            r.snapshot = ScheduleSnapshot(
+                **common, sde_steps=tuple(sorted(r.sde_steps)), steps=tuple(sorted(r.steps)), seeds=r.seeds,
+                num_outputs_per_prompt=spec.num_outputs_per_prompt, start_step=spec.start_step,
+                prompt_index=spec.prompt_indices(), parent_sample=spec.parent_samples(),
+                conditioning=r.conditioning, batch=batch)
+            r.metadata = rollout_metadata(self.model, spec, r.snapshot)
+        self.fail(self.sink.schedule(running))
 
-    def _kernel(self, i: int, sample: torch.Tensor, velocity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Transition i's (mean, std) over the whole call, once, when two or more members are
-        stochastic at i (members share sampler, noise level and schedule: `batch_key`); each takes
-        its rows. The kernel is elementwise, so a row's values do not depend on the others; with
-        per-row model calls (--batch-invariant) every member computes its own, as alone."""
-        live = [r for r in self.runs if not r.ended and i in r.sde_steps]
-        if self.per_row or len(live) < 2:
-            return None
-        run = live[0]
-        assert run.sigmas is not None
-        return kernel_mean_std(sample, velocity, run.sigmas, i, sampler=run.member.spec.sampler)
+    def _transition(self, scheduler: RolloutScheduler, i: int, sample: torch.Tensor, velocity: torch.Tensor,
+                    seeds: Sequence[int], stochastic: bool, score: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x_{i+1} of these rows (sample, velocity [b, ...]) and, when `score`, their log-probs
+        (float32 [b], CPU; None on a deterministic transition)."""
+        assert self.sigmas is not None
+        kernel = kernel_mean_std(sample, velocity, self.sigmas, i, sampler=self.sampler) if stochastic else None
+        x_next = advance(scheduler, i, sample, velocity, self.sigmas, sampler=self.sampler, seeds=seeds,
+                         stochastic=stochastic, kernel=kernel)
+        if kernel is None or not score:
+            return x_next, None
+        # Scored as `step_log_prob` (the public replay function) scores the stored values: the
+        # kernel of (sample, velocity), then the Gaussian of x_next; the kernel made once.
+        return x_next, gaussian_log_prob(x_next, *kernel, self.sampler.log_prob).to("cpu")  # [b]
+
+    def _advance(self, scheduler: RolloutScheduler, i: int, sample: torch.Tensor, velocity: torch.Tensor,
+                 running: list[Rows[R]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x_{i+1} of the call [B, ...] and its log-probs [B] (None when no member scores i)."""
+        scoring = [r for r in running if i in r.sde_steps and r.spec.return_log_probs]
+        kinds = {i in r.sde_steps for r in running}
+        if not self.per_row and len(kinds) == 1:
+            return self._transition(scheduler, i, sample, velocity, self.seeds, kinds.pop(), bool(scoring))
+        out, lp = [], torch.full((self.samples,), float("nan")) if scoring else None
+        for r in self.rows:  # member by member, as alone
+            rs = slice(r.first, r.end)
+            if r.ended:
+                out.append(torch.zeros_like(sample[rs]))
+                continue
+            x, own = self._transition(scheduler, i, sample[rs], velocity[rs], r.seeds, i in r.sde_steps, r in scoring)
+            out.append(x)
+            if own is not None and lp is not None:
+                lp[rs] = own
+        return out[0] if len(out) == 1 else torch.cat(out, dim=0), lp  # [B, ...]
+
+    def _check(self, i: int, x_next: torch.Tensor, lp: torch.Tensor | None, running: list[Rows[R]]) -> None:
+        """Once over the call: non-finite log-probs or x_{i+1}; on failure, each member whose rows fail ends."""
+        bad: Failures[R] = []
+        if lp is not None and not bool(torch.isfinite(lp).all()):
+            bad += [(r, RolloutNonFinite(i, "log_prob")) for r in running if r.spec.return_log_probs
+                    and i in r.sde_steps and not bool(torch.isfinite(lp[r.first:r.end]).all())]
+        if not bool(torch.isfinite(x_next).all()):
+            bad += [(r, RolloutNonFinite(i + 1, "latent")) for r in running
+                    if not bool(torch.isfinite(x_next[r.first:r.end]).all())]
+        self.fail(bad)
 
     def step(self, scheduler: RolloutScheduler, i: int, sample: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
         if not self.started:
             self._start(scheduler, sample)
-        kernel = self._kernel(i, sample, velocity)
-        out = []
-        for run in self.runs:
-            rows = slice(run.first, run.end)
-            if not run.ended:
-                try:
-                    mine = (kernel[0][rows], kernel[1]) if kernel is not None and i in run.sde_steps else None
-                    out.append(run.step(scheduler, i, sample[rows], velocity[rows], mine))
-                    continue
-                except Exception as exc:
-                    run.close(exc)
-            out.append(torch.zeros_like(sample[rows]))  # an ended member's rows: ignored from now on
-        x_next = out[0] if len(out) == 1 else torch.cat(out, dim=0)  # [B, ...]
-        host = self._host(i, sample, velocity, x_next)
-        for run in self.runs:
-            if not run.ended:
-                try:
-                    run.record(i, host)
-                except Exception as exc:
-                    run.close(exc)
-        if all(run.ended for run in self.runs):
+        running = self.running()
+        if not running:
+            raise _BatchOver
+        x_next, lp = self._advance(scheduler, i, sample, velocity, running)
+        self._check(i, x_next, lp, running)
+        for r in self.rows:
+            if r.ended:  # its rows are zeros from now on (a non-finite row must not reach the model)
+                x_next[r.first:r.end] = 0
+        if lp is not None:
+            self.log_probs[:, i] = lp
+        running = self.running()
+        report = CallStep(i, self.T, tuple(running), *self._host(i, sample, velocity, x_next, running), log_prob=lp)
+        self.fail(self.sink.step(report))
+        for r in self.running():
+            if self.keep:
+                whole = r.end - r.first == self.samples
+                r.captures += [_kept(c, whole) for c in report.captures(r)]
+            if i + 1 < self.T and r.rollout.should_stop():
+                self.close(r, RolloutCancelled(f"cancelled after step {i + 1} of {self.T}"))
+        if not self.running():
             raise _BatchOver
         return x_next
 
-    def _host(self, i: int, sample: torch.Tensor, velocity: torch.Tensor, x_next: torch.Tensor) -> _HostStep:
-        """The step's host copies, each made once for the whole call and only when a member still
-        running captures it: x_i, the velocity, x_T. Explicit and blocking (`.to("cpu")`); none on
-        a CPU model whose capture dtype is its own (then the tensors themselves)."""
-        live = [r for r in self.runs if not r.ended]
-        if not live:
-            return _HostStep()
-        dtype = live[0].capture_dtype  # members share latent_dtype (batch_key)
-        capturing = [r for r in live if i in r.steps]
-        latent = sample.to("cpu", dtype).contiguous() if capturing else None  # [B, ...]
-        velocity_h = None
-        if any(r.member.spec.return_velocities for r in capturing):
-            velocity_h = velocity.to("cpu", torch.float32).contiguous()  # [B, ...]
-        last = i == live[0].T - 1 and any(r.T in r.steps for r in live)
-        next_latent = x_next.to("cpu", dtype).contiguous() if last else None  # [B, ...]
-        return _HostStep(latent=latent, velocity=velocity_h, next_latent=next_latent)
+    def _host(self, i: int, sample: torch.Tensor, velocity: torch.Tensor, x_next: torch.Tensor,
+              running: list[Rows[R]]) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The step's host copies (x_i, velocity, x_T), each made once for the whole call and only
+        when a running member captures it. Explicit and blocking (`.to("cpu")`); none on a CPU
+        model whose capture dtype is its own (then the tensors themselves)."""
+        capturing = [r for r in running if i in r.steps]
+        latent = sample.to("cpu", self.capture_dtype).contiguous() if capturing else None  # [B, ...]
+        v = None
+        if any(r.spec.return_velocities for r in capturing):
+            v = velocity.to("cpu", torch.float32).contiguous()  # [B, ...]
+        last = i == self.T - 1 and any(self.T in r.steps for r in running)
+        next_latent = x_next.to("cpu", self.capture_dtype).contiguous() if last else None  # [B, ...]
+        return latent, v, next_latent
+
+    def result(self, rows: Rows[R], final: torch.Tensor) -> RolloutResult:
+        assert rows.snapshot is not None
+        requested = rows.spec.return_log_probs
+        return RolloutResult(
+            snapshot=rows.snapshot, captures=tuple(rows.captures), seeds=rows.seeds,
+            log_probs=rows.own(self.log_probs) if requested else torch.full((len(rows.seeds), self.T), float("nan")),
+            final_latents=final if rows.end - rows.first == final.shape[0] else final[rows.first:rows.end],
+            digest=self.policy.digest, conditioning=rows.conditioning, prompt_index=rows.snapshot.prompt_index,
+            parent_sample=rows.snapshot.parent_sample)
 
 
-def _json_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in config.items():
-        if isinstance(v, (str, int, float, bool)) or v is None:
-            out[k] = v
-        elif isinstance(v, (list, tuple)):
-            # diffusers builds _use_default_values from a set: sort it so metadata is the same in every process
-            out[k] = sorted(v) if k == "_use_default_values" else list(v)
-        else:
-            out[k] = str(v)
-    return out
+def _kept(cap: StepCapture, whole: bool) -> StepCapture:
+    """A capture a result keeps: the views themselves when the rows are the whole call, else copies."""
+    if whole:
+        return cap
+    return StepCapture(step=cap.step, latent=cap.latent.clone(), log_prob=_clone(cap.log_prob),
+                       velocity=_clone(cap.velocity))
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
 
 
 def run_batch(
     model: LoadedModel,
-    members: Sequence[BatchMember],
+    rollouts: Sequence[R],
+    sink: Sink[R] | None = None,
     *,
+    keep: bool = True,
     per_sample_model_calls: bool = False,
     batch_id: str | None = None,
 ) -> list[RolloutResult | BaseException]:
-    """Run `members` (sharing one `batch_key`) as one pipeline call; each member's result or error,
-    in order (each also given to its `on_end` as soon as it is known).
+    """Run `rollouts` (sharing one `batch_key`) as one pipeline call, reporting to `sink`; each
+    one's result or error, in order (each also given to `sink.end` as soon as it is known).
+    `keep`: keep each rollout's captures in its result (False: only the sink sees them).
 
-    A member that is invalid, refuses the weights (`on_start`) or is stopped before the first step
-    ends at once and takes no rows. Thread-safe: each call builds its own scheduler and pipeline
-    copy over the shared modules; the weights (`model.policy()`) are read once, so a push during
-    the call leaves every member on the weights it started with."""
-    if not members:
+    A rollout that is invalid, refused by `sink.start` or stopped before the first step ends at
+    once and takes no rows. Thread-safe: each call builds its own scheduler and pipeline copy over
+    the shared modules; the weights (`model.policy()`) are read once, so a push during the call
+    leaves every rollout on the weights it started with."""
+    if not rollouts:
         return []
-    keys = {batch_key(model, m.spec) for m in members}
-    if len(keys) != 1:
+    if len({batch_key(model, r.spec) for r in rollouts}) != 1:
         raise ValueError("co-batched rollouts must share one batch_key (pipeline/batch.py)")
+    out: Sink[R] = sink if sink is not None else Quiet()
+    members = [Rows(rollout=r) for r in rollouts]
+
+    def all_stopped() -> bool:  # a held call is given up once every member is cancelled
+        return all(r.rollout.should_stop() for r in members)
+
     try:
-        with model.in_use():  # an in-place weights push waits for this call; a failed one refuses it
-            return _run_batch(model, members, per_sample_model_calls, batch_id)
-    except WeightsFailed as closed:
-        for member in members:
-            if member.on_end is not None:
-                member.on_end(closed)
-        return [closed for _ in members]
+        with model.in_use(all_stopped):  # an in-place weights push holds this call; a failed one refuses it
+            _run_batch(model, members, out, keep, per_sample_model_calls, batch_id or uuid.uuid4().hex)
+    except (WeightsFailed, RolloutCancelled) as closed:
+        for rows in members:  # a member cancelled meanwhile ends cancelled, not on the push's failure
+            if not rows.ended:
+                rows.outcome = (RolloutCancelled("cancelled while an in-place weights push held the model")
+                                if rows.rollout.should_stop() else closed)
+                out.end(rows, rows.outcome)
+    return [r.outcome if r.outcome is not None else RuntimeError("the rollout never ended") for r in members]
 
 
-def _run_batch(model: LoadedModel, members: Sequence[BatchMember], per_sample_model_calls: bool,
-               batch_id: str | None) -> list[RolloutResult | BaseException]:
+def _run_batch(model: LoadedModel, members: list[Rows[R]], sink: Sink[R], keep: bool, per_row: bool,
+               batch_id: str) -> None:
     policy = model.policy()  # pipeline, digest and weights_version read together
-    runs: list[_Run] = []
-    ended: list[tuple[BatchMember, BaseException]] = []
-    first = 0
-    for member in members:
+    first, refused = 0, []
+    for rows in members:
         try:
-            validate_spec(model, member.spec)
-            if member.on_start is not None:
-                member.on_start(policy)
-            if member.should_stop is not None and member.should_stop():
+            validate_spec(model, rows.spec)
+            sink.start(rows.rollout, policy)
+            if rows.rollout.should_stop():
                 raise RolloutCancelled("cancelled before the first step")
-        except Exception as refused:
-            ended.append((member, refused))
+        except Exception as exc:
+            refused.append((rows, exc))
             continue
-        seeds = sample_seeds(member.spec)
-        runs.append(_Run(member, seeds, first, first + len(seeds), model, policy))
-        first += len(seeds)
-    for member, error in ended:
-        if member.on_end is not None:
-            member.on_end(error)
-    if runs:
-        runs[0].whole = len(runs) == 1
-        _call(model, policy, runs, per_sample_model_calls, batch_id or uuid.uuid4().hex)
-    outcomes: dict[int, RolloutResult | BaseException] = {id(m): error for m, error in ended}
-    for run in runs:
-        assert run.outcome is not None
-        outcomes[id(run.member)] = run.outcome
-    return [outcomes[id(m)] for m in members]
+        spec = rows.spec
+        rows.seeds = sample_seeds(spec)
+        rows.first, rows.end, first = first, first + len(rows.seeds), first + len(rows.seeds)
+        rows.steps = frozenset(captured_steps(spec)) if spec.capture else frozenset()
+        rows.sde_steps = frozenset(requested_sde_steps(spec))
+    for rows, error in refused:
+        rows.outcome = error
+        sink.end(rows, error)
+    if all(r.ended for r in members):
+        return
+    driver = _Driver(model, policy, members, sink, keep=keep, per_row=per_row, batch_id=batch_id)
+    _call(model, policy, driver)
 
 
-def _call(model: LoadedModel, policy: Policy, runs: list[_Run], per_sample_model_calls: bool, batch_id: str) -> None:
+def _call(model: LoadedModel, policy: Policy, driver: _Driver[R]) -> None:
     """The one pipeline call of a batch; ends every member that is still running."""
     pipeline = policy.pipeline
-    driver = _Driver(runs, batch_id, pipeline.scheduler, model.family, per_row=per_sample_model_calls)
     scheduler = make_rollout_scheduler(pipeline.scheduler, driver)
-    overrides = call_overrides(model, pipeline, per_sample_model_calls)
-    if any(r.member.spec.return_conditioning for r in runs):  # captured once, kept by who asked
+    overrides = call_overrides(model, pipeline, driver.per_row)
+    if any(r.spec.return_conditioning for r in driver.rows):  # captured once, kept by who asked
         driver.recorder = TransformerRecorder(overrides.get("transformer", pipeline.transformer))
         overrides["transformer"] = driver.recorder
     pipe = per_call_pipeline(pipeline, scheduler, overrides)
-    specs = [r.member.spec for r in runs]
+    specs = [r.spec for r in driver.rows]
     try:
         with torch.inference_mode():
             cond = ([branch_conditioning(model, pipe, s) for s in specs] if specs[0].branch_from is not None
                     else None)
-            out = pipe(**batch_call_kwargs(model, specs, [r.seeds for r in runs], conditioning=cond))
+            out = pipe(**batch_call_kwargs(model, specs, [r.seeds for r in driver.rows], conditioning=cond))
     except _BatchOver:
         return  # every member has ended
     except Exception as exc:  # the call itself failed: every member still running fails with it
-        for run in runs:
-            if not run.ended:
-                run.close(exc)
+        driver.fail([(r, exc) for r in driver.running()])
         return
     final = out.frames if model.defaults.is_video else out.images  # [B, ...]
-    for run in runs:
-        if not run.ended:
-            run.close(run.result(final if run.whole else final[run.first:run.end]))
+    for rows in driver.running():
+        driver.close(rows, driver.result(rows, final))
 
 
 def run_rollout(
@@ -486,46 +372,12 @@ def run_rollout(
     per_sample_model_calls: bool = False,
 ) -> RolloutResult:
     """Run one rollout (a batch of one); see the module docstring and docs/pipeline.md for semantics.
+    A callback that raises ends the rollout with its error.
 
     Raises its error (RolloutInputError before anything runs, RolloutCancelled, RolloutNonFinite,
     an error of a callback). Thread-safe: each call builds its own scheduler and pipeline copy."""
-    member = BatchMember(spec=spec, on_schedule=on_schedule, on_step=on_step, on_progress=on_progress,
-                         should_stop=should_stop, keep=keep)
-    (outcome,) = run_batch(model, [member], per_sample_model_calls=per_sample_model_calls)
+    (outcome,) = run_batch(model, [BatchMember(spec, should_stop)], Callbacks(on_schedule, on_step, on_progress),
+                           keep=keep, per_sample_model_calls=per_sample_model_calls)
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome
-
-
-def parent_metadata(spec: RolloutSpec) -> dict[str, Any] | None:
-    """The contract's `sigmaflight.parent` object of a branch rollout, {"rollout", "step",
-    "samples"}; None for a rollout from x_0. A separate metadata entry for the data plane."""
-    return None if spec.branch_from is None else spec.branch_from.ref()
-
-
-def rollout_metadata(model: LoadedModel, spec: RolloutSpec, snapshot: ScheduleSnapshot) -> dict[str, Any]:
-    """The contract's `sigmaflight.rollout` object (without `id`, which control/ assigns)."""
-    request = spec.to_json()
-    return {
-        "model": {
-            "id": model.id,
-            "dtype": str(model.dtype).removeprefix("torch."),
-            "digest": snapshot.model_digest or model.digest,
-            "weights_version": snapshot.model_weights_version,
-            **({"components": dict(snapshot.model_components)} if snapshot.model_components else {}),
-        },
-        "scheduler": {
-            "class": snapshot.scheduler_class,
-            "config": dict(snapshot.scheduler_config),
-            "set_timesteps": dict(snapshot.set_timesteps_kwargs),
-        },
-        "sampler": request["sampler"],
-        "request": request,
-        "call": recorded_call(model, spec),
-        "seeds": list(snapshot.seeds),
-        "num_samples": len(snapshot.seeds),
-        "num_outputs_per_prompt": snapshot.num_outputs_per_prompt,
-        "latent_dtype": str(snapshot.latent_dtype).removeprefix("torch."),
-        "native_dtype": str(snapshot.native_dtype).removeprefix("torch."),
-        **({"batch": snapshot.batch.to_json()} if snapshot.batch is not None else {}),
-    }

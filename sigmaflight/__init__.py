@@ -25,17 +25,18 @@ from sigmaflight.errors import (
 if TYPE_CHECKING:
     from sigmaflight.aclient import AsyncClient
     from sigmaflight.advantages import group_advantages
-    from sigmaflight.client import Client, replay_log_probs, rollout_spec
+    from sigmaflight.client import Client
     from sigmaflight.dataplane.client import Trajectory, Transition
     from sigmaflight.pipeline.kernels import step_log_prob
     from sigmaflight.pipeline.replay import Replayer
+    from sigmaflight.replay import replay_log_probs, rollout_spec
 
 _LAZY = {
     "AsyncClient": "sigmaflight.aclient",
     "group_advantages": "sigmaflight.advantages",  # numpy only
     "Client": "sigmaflight.client",
-    "replay_log_probs": "sigmaflight.client",
-    "rollout_spec": "sigmaflight.client",
+    "replay_log_probs": "sigmaflight.replay",
+    "rollout_spec": "sigmaflight.replay",
     "Trajectory": "sigmaflight.dataplane.client",
     "Transition": "sigmaflight.dataplane.client",
     "step_log_prob": "sigmaflight.pipeline.kernels",  # torch only: scoring needs no diffusers

@@ -1,7 +1,7 @@
 """`sigmaflight` command line: the client commands, and `serve`.
 
 The client commands (submit, status, list, cancel, pull, inspect, plot, models;
-sigmaflight/commands.py) load no server code; `serve` imports control/serve.py only when it runs
+sigmaflight/commands/) load no server code; `serve` imports control/serve.py only when it runs
 (`sigmaflight serve --help` explains every flag). No parser takes abbreviations: `--step` is an
 unknown flag, never `--steps`; an unknown flag prints the usage of the subcommand it was given to.
 """
@@ -14,7 +14,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from sigmaflight import commands
+from sigmaflight.commands import parser as commands
 
 SERVE_HELP = "Start the REST and Flight servers (see `sigmaflight serve --help`)."
 

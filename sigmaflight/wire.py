@@ -6,18 +6,22 @@ converter, `to_spec`, turns a validated request into a `RolloutSpec`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+
+from sigmaflight.records import STATES as STATES  # re-exported: the wire's names for the shared records
+from sigmaflight.records import TERMINAL as TERMINAL
+from sigmaflight.records import ErrorInfo as ErrorInfo
+from sigmaflight.records import RestStatus
+from sigmaflight.records import ResultInfo as ResultInfo
 
 if TYPE_CHECKING:  # the engine's records hold torch tensors; a client reading a status needs no torch
     from sigmaflight.pipeline.spec import RolloutSpec
 
 INT64_MAX = (1 << 63) - 1
-RolloutState = Literal["queued", "running", "succeeded", "failed", "cancelled", "expired"]
-STATES: tuple[str, ...] = get_args(RolloutState)
-"""Every status a rollout can have, in lifecycle order (the server's job manager uses these)."""
-TERMINAL = frozenset(STATES[2:])
+RolloutState = RestStatus
+"""A status on the wire: one of the contract's six `sigmaflight.records.RolloutState`s."""
 
 
 class _Wire(BaseModel):
@@ -164,17 +168,6 @@ class Ticket(_Wire):
 class Progress(_Wire):
     steps_done: int
     steps_total: int
-
-
-class ErrorInfo(_Wire):
-    type: str
-    message: str
-
-
-class ResultInfo(_Wire):
-    num_rows: int
-    num_bytes: int
-    steps: list[int]
 
 
 class RolloutStatus(_Wire):

@@ -1,7 +1,8 @@
 """The local backend: runs rollouts in this process and keeps results in the result store.
 
-This is where the planes meet: the pipeline's records (ScheduleSnapshot, StepCapture)
-become the data plane's (TrajectoryHeader, StepBatch), batch by batch, as the loop runs.
+This is where the planes meet: the engine reports each step of a model call once for all its
+rollouts (`pipeline.rollout.CallStep`), and `_Writers`, the call's sink, writes each rollout's rows
+into its own `TrajectoryWriter` (TrajectoryHeader, StepBatch) and reports the call's progress once.
 It implements the `Backend` protocol (control/jobs/backend.py); each Ray worker runs its
 rollouts through one of these too, so a trajectory is the same whichever backend ran it.
 """
@@ -14,8 +15,13 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
-from sigmaflight.control.jobs.backend import Outcome, ParentTrajectory, RunContext, outcome_of
-from sigmaflight.control.jobs.states import ResultInfo
+from sigmaflight.control.jobs.backend import (
+    Outcome,
+    ParentTrajectory,
+    RunContext,
+    outcome_of,
+    report_progress,
+)
 from sigmaflight.control.policy import check_started_with
 from sigmaflight.control.streams import outputs_table, stream_names
 from sigmaflight.dataplane.record import StepBatch, TrajectoryHeader
@@ -23,14 +29,10 @@ from sigmaflight.dataplane.store import ResultStore
 from sigmaflight.dataplane.streams import CONDITIONING, OUTPUTS, StreamNotFound, stream_table
 from sigmaflight.dataplane.writer import TrajectoryWriter
 from sigmaflight.pipeline.models import LoadedModel, ModelRegistry, Policy
-from sigmaflight.pipeline.rollout import (
-    BatchMember,
-    RolloutResult,
-    parent_metadata,
-    rollout_metadata,
-    run_batch,
-)
-from sigmaflight.pipeline.spec import RolloutCancelled, RolloutInputError, ScheduleSnapshot, StepCapture
+from sigmaflight.pipeline.rollout import CallStep, RolloutResult, Rows, parent_metadata, run_batch
+from sigmaflight.pipeline.spec import RolloutCancelled, RolloutInputError, ScheduleSnapshot
+
+from sigmaflight.records import ResultInfo
 
 log = logging.getLogger("sigmaflight.backend")
 
@@ -87,8 +89,7 @@ class LocalBackend:
             for ctx in batch:
                 self._end(ctx, None, exc)
             return
-        members = [_Member(self, model, ctx) for ctx in batch]
-        run_batch(model, [m.member for m in members], per_sample_model_calls=self.batch_invariant,
+        run_batch(model, batch, _Writers(self, model), keep=False, per_sample_model_calls=self.batch_invariant,
                   batch_id=uuid.uuid4().hex)
 
     def _end(self, ctx: RunContext, writer: TrajectoryWriter | None, exc: BaseException) -> None:
@@ -118,12 +119,9 @@ class LocalBackend:
 
     def result_info(self, job_id: str) -> ResultInfo | None:
         try:
-            info = self.store.info(job_id)
+            return self.store.result(job_id)
         except KeyError:
             return None
-        if info.state != "succeeded":
-            return None
-        return ResultInfo(num_rows=info.num_rows, num_bytes=info.num_bytes, steps=tuple(info.steps))
 
     def locations_for(self, job_id: str) -> list[str]:
         return self.locations()
@@ -136,7 +134,7 @@ class LocalBackend:
             entry = self.store.get(rollout_id)
         except KeyError:
             return None
-        state = entry.info().state
+        state = entry.state
         batches = entry.snapshot()
         if state != "succeeded" or batches is None:
             raise RolloutInputError("branch_from.rollout", f"rollout {rollout_id!r} is {state}; a parent must have succeeded")
@@ -167,40 +165,59 @@ class LocalBackend:
         """Nothing to do: the node that built this backend stops its store and Flight server."""
 
 
-class _Member:
-    """One rollout of a local batch: its writer into the store, fed by its `BatchMember` callbacks."""
+Failures = list[tuple[Rows[RunContext], BaseException]]
 
-    def __init__(self, backend: LocalBackend, model: LoadedModel, ctx: RunContext) -> None:
-        self.backend, self.model, self.ctx = backend, model, ctx
-        self.writer: TrajectoryWriter | None = None
-        self.header: TrajectoryHeader | None = None
-        self.member = BatchMember(
-            spec=ctx.spec, on_start=self.on_start, on_schedule=self.on_schedule, on_step=self.on_step,
-            on_progress=ctx.progress, should_stop=ctx.should_stop, on_end=self.on_end, keep=False,
-        )
 
-    def on_start(self, policy: Policy) -> None:
-        check_started_with(self.ctx.spec.expected_digest, policy.digest)
+class _Writers:
+    """The sink of one local model call: each rollout's writer into the store. A step is written
+    member by member (each has its own stream) from the call's host tensors, and its progress
+    reported once for the call."""
 
-    def on_schedule(self, snapshot: ScheduleSnapshot) -> None:
-        spec, job_id = self.ctx.spec, self.ctx.job_id
-        rollout = {"id": job_id, **rollout_metadata(self.model, spec, snapshot)}
-        rollout["streams"] = stream_names(spec)
-        self.header = header_for(job_id, snapshot, rollout, spec.return_log_probs,
-                                 velocities=spec.return_velocities, parent=parent_metadata(spec))
-        self.writer = self.backend.store.create(self.header)
+    def __init__(self, backend: LocalBackend, model: LoadedModel) -> None:
+        self.backend, self.model = backend, model
+        self.writers: dict[str, TrajectoryWriter] = {}
+        self.headers: dict[str, TrajectoryHeader] = {}
 
-    def on_step(self, capture: StepCapture) -> None:
-        assert self.writer is not None
-        self.writer.append(StepBatch(step=capture.step, latent=capture.latent, log_prob=capture.log_prob,
-                                     velocity=capture.velocity))
+    def start(self, ctx: RunContext, policy: Policy) -> None:
+        check_started_with(ctx.spec.expected_digest, policy.digest)
 
-    def on_end(self, outcome: RolloutResult | BaseException) -> None:
-        ctx, store = self.ctx, self.backend.store
+    def schedule(self, running: Sequence[Rows[RunContext]]) -> Failures:
+        failures: Failures = []
+        for rows in running:
+            ctx, spec = rows.rollout, rows.spec
+            assert rows.snapshot is not None and rows.metadata is not None
+            rollout = {"id": ctx.job_id, **rows.metadata, "streams": stream_names(spec)}
+            try:
+                header = header_for(ctx.job_id, rows.snapshot, rollout, spec.return_log_probs,
+                                    velocities=spec.return_velocities, parent=parent_metadata(spec))
+                self.writers[ctx.job_id] = self.backend.store.create(header)
+                self.headers[ctx.job_id] = header
+            except Exception as exc:
+                failures.append((rows, exc))
+        return failures
+
+    def step(self, step: CallStep[RunContext]) -> Failures:
+        failures: Failures = []
+        for rows in step.running:
+            try:
+                writer = self.writers[rows.rollout.job_id]
+                for cap in step.captures(rows):
+                    # a copy of its rows unless they are the whole call: the store counts (and may
+                    # keep for long) each trajectory's own bytes, not a view of the call's tensor
+                    writer.append(StepBatch(step=cap.step, latent=_own(cap.latent), log_prob=cap.log_prob,
+                                            velocity=None if cap.velocity is None else _own(cap.velocity)))
+            except Exception as exc:
+                failures.append((rows, exc))
+        report_progress([r.rollout for r in step.running], step.i + 1, step.total)
+        return failures
+
+    def end(self, rows: Rows[RunContext], outcome: RolloutResult | BaseException) -> None:
+        ctx, store = rows.rollout, self.backend.store
+        writer, header = self.writers.pop(ctx.job_id, None), self.headers.pop(ctx.job_id, None)
         try:
             if isinstance(outcome, BaseException):
                 raise outcome
-            spec, writer, header = ctx.spec, self.writer, self.header
+            spec = ctx.spec
             assert writer is not None and header is not None
             if spec.return_outputs:  # after the last step, on the rollout's device; nothing otherwise
                 writer.publish(OUTPUTS, outputs_table(self.model, spec, header, outcome.final_latents,
@@ -210,10 +227,14 @@ class _Member:
                     raise RuntimeError("return.conditioning: the rollout captured no conditioning tensors")
                 writer.publish(CONDITIONING, stream_table(CONDITIONING, header, outcome.conditioning,
                                                           max_batch_bytes=store.max_batch_bytes))
-            writer.finish()
+            result = writer.finish()
         except Exception as exc:
-            self.backend._end(ctx, self.writer, exc)
+            self.backend._end(ctx, writer, exc)
             return
-        info = self.backend.result_info(ctx.job_id)
-        ctx.settle(Outcome.success(info) if info is not None else
+        ctx.settle(Outcome.success(result) if result is not None else
                    Outcome.failure("result_unavailable", "the trajectory was finished but the store does not hold it"))
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """`t` when it is all of its storage (the rows are the whole call), else a copy of it."""
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()

@@ -12,7 +12,6 @@ Nothing here imports Ray: the class is testable (and usable) in-process.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
@@ -23,10 +22,13 @@ from typing import Any
 import pyarrow as pa
 import torch
 from sigmaflight.control.jobs.backend import Outcome, RunContext
-from sigmaflight.control.jobs.states import ErrorInfo, JobState, ResultInfo
 from sigmaflight.control.node import Node, NodeConfig
 from sigmaflight.dataplane.streams import StreamNotFound
-from sigmaflight.pipeline.spec import BranchStart, RolloutSpec
+from sigmaflight.pipeline.loaded import StaleWeights
+from sigmaflight.pipeline.spec import BranchStart, RolloutInputError, RolloutSpec
+from sigmaflight.pipeline.swaps import StagedWeights
+
+from sigmaflight.records import ErrorInfo, ResultInfo, RolloutState
 
 log = logging.getLogger("sigmaflight.worker")
 
@@ -75,7 +77,7 @@ def outcome_to_json(outcome: Outcome) -> dict[str, Any]:
 
 def outcome_from_json(data: dict[str, Any]) -> Outcome:
     return Outcome(
-        state=JobState(data["state"]),
+        state=RolloutState(data["state"]),
         result=ResultInfo.from_json(data["result"]) if data["result"] is not None else None,
         error=ErrorInfo(type=data["error"][0], message=data["error"][1]) if data["error"] is not None else None,
     )
@@ -98,6 +100,7 @@ class RolloutWorker:
         self._cancelled: dict[str, str | None] = {}  # cancelled before it ran: id -> stop reason
         self._outcomes: dict[str, dict[str, Any]] = {}  # ended, not yet polled: id -> outcome JSON
         self._lost: list[tuple[str, str]] = []
+        self._prepared: dict[str, StagedWeights] = {}  # push id -> weights staged, not yet committed
         self.backend.on_result_lost(self._result_lost)
         log.info("worker %d ready at %s (pid %d)", config.index, self.flight.locations[0], os.getpid())
 
@@ -120,8 +123,7 @@ class RolloutWorker:
         contexts, run = [], []
         for job_id, spec_json, branch in zip(job_ids, spec_jsons, branches, strict=True):
             spec = RolloutSpec.from_json(spec_json, branch_from=branch)
-            ctx = RunContext(job_id, spec, on_progress=functools.partial(self._set_progress, job_id),
-                             on_settle=functools.partial(self._set_outcome, job_id))
+            ctx = RunContext(job_id, spec, on_progress=self._set_progress, on_settle=self._set_outcome)
             with self._lock:
                 self._running[job_id] = ctx
                 self._progress[job_id] = (0, spec.num_inference_steps)
@@ -145,11 +147,12 @@ class RolloutWorker:
         return {ctx.job_id: {**outcome_to_json(ctx.outcome or missing), "progress": self._progress.pop(ctx.job_id, None)}
                 for ctx in contexts}
 
-    def _set_progress(self, job_id: str, done: int, total: int) -> None:
-        self._progress[job_id] = (done, total)
+    def _set_progress(self, contexts: Sequence[RunContext], done: int, total: int) -> None:
+        for ctx in contexts:
+            self._progress[ctx.job_id] = (done, total)
 
-    def _set_outcome(self, job_id: str, outcome: Outcome) -> None:
-        self._outcomes[job_id] = outcome_to_json(outcome)
+    def _set_outcome(self, ctx: RunContext, outcome: Outcome) -> None:
+        self._outcomes[ctx.job_id] = outcome_to_json(outcome)
 
     def poll(self, job_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         """Of each running or just-finished rollout of `job_ids`: (steps_done, steps_total) and its
@@ -201,10 +204,50 @@ class RolloutWorker:
         self.node.flight.set_tokens(tokens)
         return "ok"
 
+    def prepare_weights(self, push_id: str, model_id: str, state: dict[str, torch.Tensor],
+                        expected_base: str | None = None) -> dict[str, Any]:
+        """Stage new transformer weights for `model_id` (checked and built; nothing served changes)
+        under `push_id`, for `commit_weights` or `abort_weights`. Answers plain data: {"digest"} it
+        would serve, or the refusal: {"field", "reason"} (a tensor that does not fit) or {"stale":
+        [expected, served]} (this worker serves another base than `expected_base`)."""
+        try:
+            served = self.registry.get(model_id).policy().base_digest
+            if expected_base is not None and served != expected_base:
+                raise StaleWeights(expected_base, served)
+            staged = self.registry.stage_weights(model_id, state)
+        except StaleWeights as exc:
+            return {"stale": [exc.expected, exc.digest]}
+        except RolloutInputError as exc:
+            return {"field": exc.field, "reason": exc.reason}
+        with self._lock:
+            self._prepared[push_id] = staged
+        return {"digest": staged.digest}
+
+    def commit_weights(self, push_id: str) -> str:
+        """Serve the weights `prepare_weights` staged under `push_id`; rollouts that start after this
+        returns run on them. Returns the model's new digest."""
+        with self._lock:
+            staged = self._prepared.pop(push_id)
+        return self.registry.install(staged).digest
+
+    def abort_weights(self, push_id: str) -> bool:
+        """Drop what `prepare_weights` staged under `push_id` (True if it held some)."""
+        with self._lock:
+            return self._prepared.pop(push_id, None) is not None
+
+    def weights_of(self, model_id: str) -> dict[str, Any]:
+        """What this worker serves for `model_id` (digest, base_digest, weights_version) and how many
+        pushes it holds staged, not committed."""
+        policy = self.registry.get(model_id).policy()
+        with self._lock:
+            staged = len(self._prepared)
+        return {"digest": policy.digest, "base_digest": policy.base_digest,
+                "weights_version": policy.weights_version, "staged": staged}
+
     def load_weights(self, model_id: str, state: dict[str, torch.Tensor]) -> str:
-        """New transformer weights for `model_id` (checked by the control plane); rollouts that
-        start after this returns run on them. Returns the model's new digest."""
-        return self.registry.load_weights(model_id, state)
+        """The cluster's committed weights for `model_id`, at once (a replacement worker catching
+        up before it takes rollouts). Returns the model's new digest."""
+        return self.registry.replace_weights(model_id, state).digest
 
     def load_lora(self, model_id: str, tensors: dict[str, torch.Tensor], lora_config: dict[str, Any]) -> str:
         """A LoRA adapter for `model_id` (checked by the control plane), replacing any; returns the digest."""
@@ -242,9 +285,6 @@ class RolloutWorker:
             return entry.stream_table(name)
         except StreamNotFound:
             return None
-
-    def ping(self) -> int:
-        return os.getpid()
 
     def stop(self) -> None:
         with self._lock:

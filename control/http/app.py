@@ -34,8 +34,7 @@ from sigmaflight.control.http.weights import (
     put_lora,
     put_weights,
 )
-from sigmaflight.control.jobs.manager import iso
-from sigmaflight.control.jobs.states import JobView
+from sigmaflight.control.jobs import JobView, iso
 from sigmaflight.control.policy import policy
 from sigmaflight.control.service import Service
 from sigmaflight.control.settings import Settings
@@ -54,12 +53,10 @@ from starlette.routing import Route
 
 from sigmaflight.wire import (
     STATES,
-    ErrorInfo,
     FlightTicket,
     ModelInfo,
     ModelList,
     Progress,
-    ResultInfo,
     RolloutList,
     RolloutRequest,
     RolloutStatus,
@@ -146,45 +143,10 @@ def check_query(request: Request, route: str) -> None:
             raise invalid(["query", name], f"unknown query parameter; this route {takes}", "extra_forbidden")
 
 
-# ---- conversions --------------------------------------------------------------------------
-
-
-def flight_ticket(service: Service, job: JobView) -> FlightTicket:
-    streams = stream_tickets(job.ticket, job.id, list(job.streams))
-    return FlightTicket(
-        ticket=job.ticket, locations=service.backend.locations_for(job.id), descriptor_path=["rollouts", job.id],
-        streams=streams,  # type: ignore[arg-type]
-    )
-
-
-def status_of(service: Service, job: JobView) -> RolloutStatus:
-    return RolloutStatus(
-        id=job.id,
-        status=job.status.value,
-        model=job.model,
-        progress=Progress(steps_done=job.steps_done, steps_total=job.steps_total),
-        created_at=iso(job.created_at) or "",
-        started_at=iso(job.started_at),
-        finished_at=iso(job.finished_at),
-        error=ErrorInfo(type=job.error.type, message=job.error.message) if job.error else None,
-        result=ResultInfo(**job.result.to_json()) if job.result and job.status == "succeeded" else None,
-        flight=flight_ticket(service, job),
-    )
-
-
-# ---- routes -------------------------------------------------------------------------------
-
-
-async def create_rollout(request: Request) -> Response:
-    """POST /v1/rollouts. A little over 60 lines for a reason: the contract's checks in its order
-    (body, validation, limits, idempotency, queue), each answering its own status."""
-    service = _service(request)
-    settings = service.settings
-    require_json(request)
-    key = idempotency_key(request)
-    body = await request.body()
+def parse_request(body: bytes) -> RolloutRequest:
+    """The wire model of a POST body, else 422 naming every bad field under "body"."""
     try:
-        req = RolloutRequest.model_validate_json(body or b"{}")
+        return RolloutRequest.model_validate_json(body or b"{}")
     except ValidationError as exc:
         details = [
             {"loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]}
@@ -193,34 +155,34 @@ async def create_rollout(request: Request) -> Response:
         first = details[0]
         where = ".".join(map(str, first["loc"][1:])) or "body"
         raise HttpError(422, "validation_error", f"{where}: {first['msg']}", details) from None
+
+
+def _check_samples(n: int, how: str, settings: Settings) -> None:
+    if n > settings.max_samples:
+        raise invalid(["body", "num_outputs_per_prompt"], f"{n} samples ({how} x num_outputs_per_prompt) exceed "
+                      f"the limit of {settings.max_samples} ({limit_flag('max_samples')})")
+
+
+def check_request(req: RolloutRequest, settings: Settings) -> None:
+    """The checks that need no model: prompts given (or inherited by a branch), the server's limits."""
     if req.prompts is None and req.branch_from is None:
         raise invalid(["body", "prompts"], "Field required (only a branch_from request inherits its parent's)", "missing")
     if req.prompts is not None and len(req.prompts) > settings.max_prompts:
         raise invalid(["body", "prompts"], f"{len(req.prompts)} prompts exceed the limit of {settings.max_prompts} "
                       f"({limit_flag('max_prompts')})")
-    if req.num_samples > settings.max_samples:
-        raise invalid(
-            ["body", "num_outputs_per_prompt"],
-            f"{req.num_samples} samples (prompts x num_outputs_per_prompt) exceed the limit of {settings.max_samples} "
-            f"({limit_flag('max_samples')})",
-        )
+    _check_samples(req.num_samples, "prompts", settings)
     if req.num_inference_steps is not None and req.num_inference_steps > settings.max_steps:
         raise invalid(
             ["body", "num_inference_steps"],
             f"{req.num_inference_steps} exceeds the limit of {settings.max_steps} ({limit_flag('max_steps')})",
         )
-    model_id = req.model or settings.model
-    parent: Parent | None = None
-    if req.branch_from is not None:
-        parent = await run_in_threadpool(find_parent, service.backend, req.branch_from.rollout)
-        model_id = parent.model
-    model = await run_in_threadpool(service.registry.get, model_id)
-    if model.failed is not None:
-        raise WeightsFailed(model.id, model.failed)
-    seed = secrets.randbits(63)
-    spec = to_spec(req, model_id=model_id, default_steps=model.defaults.num_inference_steps, seed=seed)
-    if parent is not None and req.branch_from is not None:
-        spec = await _branch(service, req, parent, model, spec)
+
+
+def check_spec(settings: Settings, req: RolloutRequest, model: Any, spec: RolloutSpec, *, branch: bool) -> None:
+    """The checks of the engine's spec on its model, in the contract's order: a branch's samples
+    limit, the fields (422), the policy (409 stale_policy), the size (413 rollout_too_large)."""
+    if branch:
+        _check_samples(spec.num_samples, "parent samples", settings)
     validate_spec(model, spec)
     validate_outputs(model, spec)
     if req.expected_digest is not None:
@@ -242,6 +204,60 @@ async def create_rollout(request: Request) -> Response:
             "return.steps or a smaller size",
             {"estimated_bytes": estimate, "limit_bytes": settings.max_rollout_bytes},
         )
+
+
+# ---- conversions --------------------------------------------------------------------------
+
+
+def flight_ticket(service: Service, job: JobView) -> FlightTicket:
+    streams = stream_tickets(job.ticket, job.id, list(job.streams))
+    return FlightTicket(
+        ticket=job.ticket, locations=service.backend.locations_for(job.id), descriptor_path=["rollouts", job.id],
+        streams=streams,  # type: ignore[arg-type]
+    )
+
+
+def status_of(service: Service, job: JobView) -> RolloutStatus:
+    return RolloutStatus(
+        id=job.id,
+        status=job.status,
+        model=job.model,
+        progress=Progress(steps_done=job.steps_done, steps_total=job.steps_total),
+        created_at=iso(job.created_at) or "",
+        started_at=iso(job.started_at),
+        finished_at=iso(job.finished_at),
+        error=job.error,
+        result=job.result if job.status == "succeeded" else None,
+        flight=flight_ticket(service, job),
+    )
+
+
+# ---- routes -------------------------------------------------------------------------------
+
+
+async def create_rollout(request: Request) -> Response:
+    """POST /v1/rollouts: the contract's checks in its order (body, validation, limits,
+    idempotency, queue), each answering its own status; every check of the request is in
+    `parse_request`, `check_request` and `check_spec`, made once here."""
+    service = _service(request)
+    settings = service.settings
+    require_json(request)
+    key = idempotency_key(request)
+    req = parse_request(await request.body())
+    check_request(req, settings)
+    model_id = req.model or settings.model
+    parent: Parent | None = None
+    if req.branch_from is not None:
+        parent = await run_in_threadpool(find_parent, service.backend, req.branch_from.rollout)
+        model_id = parent.model
+    model = await run_in_threadpool(service.registry.get, model_id)
+    if model.failed is not None:
+        raise WeightsFailed(model.id, model.failed)
+    seed = secrets.randbits(63)
+    spec = to_spec(req, model_id=model_id, default_steps=model.defaults.num_inference_steps, seed=seed)
+    if parent is not None and req.branch_from is not None:
+        spec = await _branch(req, parent, model, spec)
+    check_spec(settings, req, model, spec, branch=parent is not None)
     canonical = req.model_dump(mode="json", by_alias=True)
     digest = hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
     # off the event loop: the journal write (sqlite, synchronous=FULL) and the manager's lock;
@@ -256,7 +272,7 @@ async def create_rollout(request: Request) -> Response:
     return _model(ticket, 202, headers={"Location": status_url})
 
 
-async def _branch(service: Service, req: RolloutRequest, parent: Parent, model: Any, spec: RolloutSpec) -> RolloutSpec:
+async def _branch(req: RolloutRequest, parent: Parent, model: Any, spec: RolloutSpec) -> RolloutSpec:
     """The branch's spec on its parent (422 naming the field, 409 stale_parent)."""
     assert req.branch_from is not None
     given = {name: getattr(req, name) for name in req.model_fields_set}
@@ -266,18 +282,12 @@ async def _branch(service: Service, req: RolloutRequest, parent: Parent, model: 
     digest, version = policy(model)
     if parent.digest != digest:
         raise StaleParent(parent.rollout_id, parent.digest, digest, version)
-    if spec.num_samples > service.settings.max_samples:
-        raise invalid(
-            ["body", "num_outputs_per_prompt"],
-            f"{spec.num_samples} samples (parent samples x num_outputs_per_prompt) exceed the limit of "
-            f"{service.settings.max_samples} ({limit_flag('max_samples')})",
-        )
     return spec
 
 
 async def get_rollout(request: Request) -> Response:
     service = _service(request)
-    job = await run_in_threadpool(service.jobs.get, request.path_params["rollout_id"])
+    job = service.jobs.get(request.path_params["rollout_id"])  # a dict read: no thread hop
     if job is None:
         raise unknown_rollout(request.path_params["rollout_id"])
     return _model(status_of(service, job))

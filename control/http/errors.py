@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from sigmaflight.control.branches import StaleParent
-from sigmaflight.control.jobs.manager import IdempotencyConflict, NotAccepting, QueueFull, Unavailable
+from sigmaflight.control.jobs import IdempotencyConflict, NotAccepting, QueueFull, Unavailable
 from sigmaflight.pipeline.models import LoraNotLoaded, WeightsFailed
 from sigmaflight.pipeline.spec import RolloutInputError
 from starlette.exceptions import HTTPException

@@ -54,8 +54,8 @@ def _errors(*codes: int) -> dict[str, Any]:
 
 
 def openapi_document(*, auth: bool = False) -> dict[str, Any]:
-    """The OpenAPI 3.1 document. Long (~100 lines) for a reason: it is one literal, the paths
-    and their answers written out as the document has them, with the schemas from the wire models."""
+    """The OpenAPI 3.1 document (served at GET /openapi.json): one literal with the paths and their
+    answers written out as the document has them, and the schemas generated from the wire models."""
     _, schemas = models_json_schema(
         [
             (RolloutRequest, "validation"),

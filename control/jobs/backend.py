@@ -3,8 +3,9 @@
 Two backends implement `Backend`: the local one (control/backends/local.py: the pipeline and
 this process's result store) and the Ray one (control/backends/ray.py: worker actors with their
 own stores). The manager hands a backend `RunContext`s, never its own mutable `Job`: a context
-carries the rollout's id and spec, takes its progress, tells it to stop, and is settled once
-with the rollout's `Outcome`, as soon as that is known.
+carries the rollout's id and spec, tells it to stop, and is settled once with the rollout's
+`Outcome`, as soon as that is known. Progress is reported for a whole model call at once
+(`report_progress`: one call of the manager's progress hook a step, not one per rollout).
 """
 
 from __future__ import annotations
@@ -12,49 +13,52 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import pyarrow as pa
 import torch
-from sigmaflight.control.jobs.states import ErrorInfo, JobState, ResultInfo
 from sigmaflight.dataplane.record import TrajectoryHeader
-from sigmaflight.pipeline.spec import RolloutCancelled, RolloutSpec
+from sigmaflight.pipeline.spec import RolloutCancelled, RolloutInputError, RolloutSpec
 
-__all__ = ["Backend", "Outcome", "ParentTrajectory", "RunContext", "outcome_of"]
+from sigmaflight.records import ERROR_TYPES, ErrorInfo, ResultInfo, RolloutState, error_type
+
+__all__ = ["Backend", "Outcome", "ParentTrajectory", "Progress", "RunContext", "outcome_of", "report_progress"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class Outcome:
     """How one rollout ended: succeeded (with its result), failed (with why) or cancelled."""
 
-    state: JobState
+    state: RolloutState
     result: ResultInfo | None = None
     error: ErrorInfo | None = None
 
     def __post_init__(self) -> None:
-        if self.state not in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED):
+        if self.state not in (RolloutState.SUCCEEDED, RolloutState.FAILED, RolloutState.CANCELLED):
             raise ValueError(f"an outcome is succeeded, failed or cancelled, not {self.state}")
-        if (self.state is JobState.SUCCEEDED) != (self.result is not None):
+        if (self.state is RolloutState.SUCCEEDED) != (self.result is not None):
             raise ValueError("a succeeded outcome, and only that, carries a result")
-        if (self.state is JobState.FAILED) != (self.error is not None):
+        if (self.state is RolloutState.FAILED) != (self.error is not None):
             raise ValueError("a failed outcome, and only that, carries an error")
+        if self.error is not None and self.error.type not in ERROR_TYPES:
+            raise ValueError(f"error type {self.error.type!r} is not one of the contract's words (ERROR_TYPES)")
 
     @classmethod
     def success(cls, result: ResultInfo) -> Outcome:
-        return cls(state=JobState.SUCCEEDED, result=result)
+        return cls(state=RolloutState.SUCCEEDED, result=result)
 
     @classmethod
     def failure(cls, type_: str, message: str) -> Outcome:
-        return cls(state=JobState.FAILED, error=ErrorInfo(type=type_, message=message))
+        return cls(state=RolloutState.FAILED, error=ErrorInfo(type=type_, message=message))
 
     @classmethod
     def cancel(cls) -> Outcome:
-        return cls(state=JobState.CANCELLED)
+        return cls(state=RolloutState.CANCELLED)
 
     @property
-    def kind(self) -> Literal["failed", "cancelled"]:
+    def kind(self) -> RolloutState:
         """How the data plane ends the streams of a rollout that did not succeed."""
-        return "cancelled" if self.state is JobState.CANCELLED else "failed"
+        return RolloutState.CANCELLED if self.state is RolloutState.CANCELLED else RolloutState.FAILED
 
     @property
     def message(self) -> str:
@@ -64,46 +68,81 @@ class Outcome:
 def outcome_of(exc: BaseException, stop_reason: str | None) -> Outcome:
     """The outcome of a rollout that raised `exc`. A stop asked with a reason (shutdown) is a
     failure "shutdown" with that reason, a stop without one (the client's) a cancel; any other
-    error fails with its `error_type` (RolloutNonFinite "non_finite", StalePolicy "stale_policy",
-    ...) or its class name."""
+    error fails with its `error_type` when that is one of the contract's words (RolloutNonFinite
+    "non_finite", StalePolicy "stale_policy", ...), "validation_error" for a request found invalid
+    only when it ran, and "internal_error" otherwise, the message then naming the exception's class."""
     if stop_reason is not None:
         return Outcome.failure("shutdown", stop_reason)
     if isinstance(exc, RolloutCancelled):
         return Outcome.cancel()
-    return Outcome.failure(str(getattr(exc, "error_type", type(exc).__name__)), str(exc) or repr(exc))
+    word = "validation_error" if isinstance(exc, RolloutInputError) else error_type(getattr(exc, "error_type", None))
+    message = str(exc) or repr(exc)
+    if word == "internal_error":
+        message = f"{type(exc).__name__}: {message}"
+    return Outcome.failure(word, message)
+
+
+Progress = Callable[[Sequence["RunContext"], int, int], None]
+"""A progress hook: `done` of `total` steps finished by each of these rollouts (one model call)."""
+
+
+def report_progress(batch: Sequence[RunContext], done: int, total: int) -> None:
+    """`done` of `total` steps finished by every rollout of `batch`: one call of each distinct hook
+    (the manager's is one for all its contexts) with the contexts that share it."""
+    hooks: dict[Progress, list[RunContext]] = {}
+    for ctx in batch:
+        if ctx.on_progress is not None:
+            hooks.setdefault(ctx.on_progress, []).append(ctx)
+    for hook, contexts in hooks.items():
+        hook(contexts, done, total)
 
 
 class RunContext:
     """One rollout as a backend runs it: id, spec, progress, stop, and its outcome (settled once).
 
-    The manager makes one per rollout it starts; the Ray worker makes its own for the rollouts
-    it runs. `settle` is called by whoever learns the outcome first (the backend, or the manager
-    for a backend that returned without settling); later calls are ignored."""
+    The job manager's record of a rollout (`Job`, control/jobs/job.py) is one: the queue's record
+    is what the backend gets. The Ray worker makes plain ones for the rollouts it runs. `settle`
+    is called by whoever learns the outcome first (the backend, or the manager for a backend that
+    returned without settling); later calls are ignored. `on_settle(context, outcome)` and
+    `on_progress` are the owner's hooks, set before the run."""
+
+    on_progress: Progress | None = None
+    on_settle: Callable[[RunContext, Outcome], None] | None = None
 
     def __init__(
         self,
         job_id: str,
         spec: RolloutSpec,
         *,
-        on_progress: Callable[[int, int], None] | None = None,
-        on_settle: Callable[[Outcome], None] | None = None,
+        on_progress: Progress | None = None,
+        on_settle: Callable[[RunContext, Outcome], None] | None = None,
     ) -> None:
-        self.job_id = job_id
-        self.spec = spec
-        self._on_progress = on_progress
-        self._on_settle = on_settle
+        self._job_id, self._spec = job_id, spec
+        self.on_progress, self.on_settle = on_progress, on_settle
+        self._init_run()
+
+    def _init_run(self) -> None:
+        """The run's own state: not stopped, no outcome (a subclass's constructor calls this)."""
         self._stop = threading.Event()
         self._stop_reason: str | None = None
         self._lock = threading.Lock()
         self._outcome: Outcome | None = None
 
+    @property
+    def job_id(self) -> str:
+        return self._job_id
+
+    @property
+    def spec(self) -> RolloutSpec:
+        return self._spec
+
     def __repr__(self) -> str:
         return f"RunContext({self.job_id!r}, outcome={self._outcome})"
 
     def progress(self, done: int, total: int) -> None:
-        """`done` of `total` denoising steps finished."""
-        if self._on_progress is not None:
-            self._on_progress(done, total)
+        """`done` of `total` denoising steps finished (of this rollout alone: `report_progress`)."""
+        if self.on_progress is not None:
+            self.on_progress([self], done, total)
 
     def stop(self, reason: str | None = None) -> None:
         """Ask the rollout to stop at its next step: cancelled (no reason) or failed with `reason`."""
@@ -127,8 +166,8 @@ class RunContext:
             if self._outcome is not None:
                 return False
             self._outcome = outcome
-        if self._on_settle is not None:
-            self._on_settle(outcome)
+        if self.on_settle is not None:
+            self.on_settle(self, outcome)
         return True
 
     def settle_error(self, exc: BaseException) -> bool:

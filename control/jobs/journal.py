@@ -1,7 +1,7 @@
 """Durable job records in `<data_dir>/jobs.sqlite3`, so statuses survive a restart.
 
 One row per rollout, written at each state change (never per step). The restart scan
-(control/jobs/manager.py `recover_jobs`) reconciles the rows with the trajectories the
+(control/jobs/lifecycle.py `Lifecycle.recover`) reconciles the rows with the trajectories the
 backend still holds. A write can fail (full or read-only disk): `put` and `delete` raise
 `sqlite3.Error`, the connection stays usable, and `probe` tells when writes work again.
 """

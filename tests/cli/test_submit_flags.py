@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from sigmaflight.cli import build_parser
-from sigmaflight.commands import request_from_args
+from sigmaflight.commands.submit import request_from_args
 from sigmaflight.wire import RolloutRequest
 
 

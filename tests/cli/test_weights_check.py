@@ -11,7 +11,7 @@ import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from sigmaflight.pipeline.models import ModelRegistry
 
-from sigmaflight.client import current_components, current_digest
+from sigmaflight.replay import current_components, current_digest
 
 TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
 

@@ -9,8 +9,7 @@ import time
 
 import pytest
 from sigmaflight.control.backends.local import LocalBackend
-from sigmaflight.control.jobs.manager import IdempotencyConflict, JobManager, NotFinished, QueueFull
-from sigmaflight.control.jobs.states import JobView
+from sigmaflight.control.jobs import IdempotencyConflict, JobManager, JobView, NotFinished, QueueFull
 from sigmaflight.dataplane.store import ResultStore
 from sigmaflight.pipeline.models import ModelRegistry
 from sigmaflight.pipeline.spec import RolloutSpec
@@ -54,6 +53,7 @@ def test_a_failing_rollout_is_marked_failed_and_the_next_one_runs(registry):
         assert wait(jobs, bad.id, {"failed", "succeeded"}) == "failed"
         bad = known(jobs.get(bad.id))
         assert bad.error is not None and bad.error.message
+        assert bad.error.type == "validation_error"  # the contract's word, not the exception's class
         assert wait(jobs, good.id, {"failed", "succeeded"}) == "succeeded"
         good = known(jobs.get(good.id))
         assert good.result is not None
@@ -76,13 +76,13 @@ def test_ttl_expires_results_and_releases_the_store(registry):
     try:
         job, _ = jobs.submit(spec())
         wait(jobs, job.id, {"succeeded"})
-        assert store.info(job.id).state == "succeeded"
+        assert store.get(job.id).state == "succeeded"
         jobs.reap(now=time.time() + 30)
         assert known(jobs.get(job.id)).status == "succeeded"
         jobs.reap(now=time.time() + 61)
         assert known(jobs.get(job.id)).status == "expired"
         with pytest.raises(KeyError):
-            store.info(job.id)
+            store.get(job.id)
     finally:
         jobs.stop()
 
@@ -115,7 +115,7 @@ def test_restart_marks_unfinished_rollouts_failed_and_keeps_finished_ones(regist
     # The process "dies" here: no stop(), nothing cleaned up; a new one opens the same directory.
     again, store2 = manager(registry, tmp_path)
     assert known(again.get(done.id)).status == "succeeded"
-    assert store2.info(done.id).state == "succeeded"
+    assert store2.get(done.id).state == "succeeded"
     failed = known(again.get(lost.id))
     assert failed.status == "failed" and failed.error is not None
     assert failed.error.type == "server_restarted" and "queued" in failed.error.message
@@ -134,7 +134,7 @@ def test_cancel_only_cancels_and_release_refuses_unfinished(registry):
         wait(jobs, queued.id, {"succeeded"})
         assert jobs.cancel_active(queued.id) is False
         assert known(jobs.get(queued.id)).status == "succeeded"
-        assert store.info(queued.id).state == "succeeded"
+        assert store.get(queued.id).state == "succeeded"
         assert jobs.release(queued.id) is True
         assert known(jobs.get(queued.id)).status == "expired"
         assert jobs.release(queued.id) is False
@@ -170,7 +170,8 @@ def test_restart_reconciles_a_finished_file_the_journal_calls_running(registry, 
     again, store2 = manager(registry, tmp_path)
     job = known(again.get(done.id))
     assert job.status == "succeeded" and job.error is None
-    info = store2.info(done.id)
+    info = store2.result(done.id)
+    assert info is not None
     assert job.result is not None
     assert job.result.to_json() == {"num_rows": info.num_rows, "num_bytes": info.num_bytes, "steps": [0, 1, 2]}
     again.stop()
@@ -187,7 +188,7 @@ def test_a_reader_never_sees_a_failed_rollout_without_its_error(registry):
     import sys
     import threading
 
-    from sigmaflight.control.jobs.manager import iso
+    from sigmaflight.control.jobs import iso
 
     jobs, _ = manager(registry)
     jobs.start()
@@ -231,20 +232,45 @@ def test_a_reader_never_sees_a_failed_rollout_without_its_error(registry):
 def test_every_change_of_state_is_one_of_the_table():
     """The transition table against the contract's lifecycle: a finished rollout never runs
     again, an expired one never changes, and only a succeeded one can fail later (its result lost)."""
-    from sigmaflight.control.jobs.states import TRANSITIONS, InvalidTransition, JobState
+    from sigmaflight.control.jobs import Job
 
-    assert [s.value for s in JobState] == ["queued", "running", "succeeded", "failed", "cancelled", "expired"]
-    assert TRANSITIONS[JobState.EXPIRED] == frozenset()
-    for done in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED):
-        assert JobState.RUNNING not in TRANSITIONS[done] and JobState.QUEUED not in TRANSITIONS[done]
-    assert {s for s in JobState if JobState.FAILED in TRANSITIONS[s]} == {
-        JobState.QUEUED, JobState.RUNNING, JobState.SUCCEEDED}
-    from sigmaflight.control.jobs.manager import Job
+    from sigmaflight.records import STATES, TRANSITIONS, InvalidTransition, RolloutState
 
-    job = Job(id="j", model="m", spec=None, spec_json={}, streams=("trajectory",), steps_total=1, created_at=0.0)
-    job.move(JobState.CANCELLED)
+    assert [s.value for s in STATES] == ["queued", "running", "succeeded", "failed", "cancelled", "expired"]
+    assert set(TRANSITIONS) == set(STATES)
+    assert TRANSITIONS[RolloutState.EXPIRED] == frozenset()
+    for done in (RolloutState.SUCCEEDED, RolloutState.FAILED, RolloutState.CANCELLED):
+        assert RolloutState.RUNNING not in TRANSITIONS[done] and RolloutState.QUEUED not in TRANSITIONS[done]
+    assert {s for s in STATES if RolloutState.FAILED in TRANSITIONS[s]} == {
+        RolloutState.QUEUED, RolloutState.RUNNING, RolloutState.SUCCEEDED}
+
+    job = Job(id="j", model="m", request=None, spec_json={}, streams=("trajectory",), steps_total=1, created_at=0.0)
+    job.move(RolloutState.CANCELLED)
     with pytest.raises(InvalidTransition, match="cancelled -> running"):
-        job.move(JobState.RUNNING)
+        job.move(RolloutState.RUNNING)
+
+
+def test_error_type_is_a_contract_word_and_an_unexpected_exception_is_internal_error():
+    """`error.type` never carries a Python class name: an exception the contract has no word for
+    is "internal_error" with the class in the message; a known one keeps its word; an outcome with
+    any other word is refused where it is made."""
+    from sigmaflight.control.jobs.backend import Outcome, outcome_of
+    from sigmaflight.pipeline.spec import RolloutNonFinite
+
+    from sigmaflight.records import ERROR_TYPES
+
+    unexpected = outcome_of(KeyError("boom"), None).error
+    assert unexpected is not None and unexpected.type == "internal_error"
+    assert unexpected.message == "KeyError: 'boom'"
+    odd_word = type("Odd", (RuntimeError,), {"error_type": "SomethingElse"})("odd")
+    assert (odd := outcome_of(odd_word, None).error) is not None and odd.type == "internal_error"
+    non_finite = outcome_of(RolloutNonFinite(2, "latent"), None).error
+    assert non_finite is not None and non_finite.type == "non_finite" and "absolute step 2" in non_finite.message
+    stopped = outcome_of(RuntimeError("x"), "server shutting down").error
+    assert stopped is not None and (stopped.type, stopped.message) == ("shutdown", "server shutting down")
+    assert {"internal_error", "non_finite", "shutdown", "worker_died", "server_restarted"} <= ERROR_TYPES
+    with pytest.raises(ValueError, match="not one of the contract's words"):
+        Outcome.failure("WorkerDied", "worker 1 died")
 
 
 def _batch_of(store: ResultStore, job_id: str) -> dict:
@@ -276,7 +302,7 @@ def test_a_burst_longer_than_the_wait_lands_in_one_batch_and_a_steady_stream_is_
     """--batch-wait-ms W is the wait for the next compatible request, restarted by each one that
     joins: eight requests 0.1 s apart (0.7 s in all, 1.75 times W = 0.4 s) share one batch. A
     stream that never pauses is cut at BATCH_WAIT_ROUNDS x W after the head was taken."""
-    from sigmaflight.control.jobs.manager import BATCH_WAIT_ROUNDS
+    from sigmaflight.control.jobs import BATCH_WAIT_ROUNDS
     from sigmaflight.pipeline.batch import batch_key
 
     model = registry.get("tiny-sd3")

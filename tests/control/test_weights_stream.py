@@ -6,6 +6,7 @@ per model at a time. References: digests and rollouts made here from the same we
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -558,3 +559,83 @@ def test_a_cut_in_place_push_holds_rollouts_then_expires_and_fails_the_model_clo
         assert ready.status_code == 503 and ready.json()["weights_failed"] == {MODEL: "expired"}
         assert client.push_weights(MODEL, new, only_changed=False) == _digest(new)
         _stock_equal(_roll(client, seed=1), new)
+
+
+def _open_silent(fc: flight.FlightClient, state: dict[str, torch.Tensor]):
+    """A do_put of a full push opened with plain pyarrow: header and schema sent, no chunk yet."""
+    cmd = {"sigmaflight.weights": 1, "model": MODEL, "push_id": uuid.uuid4().hex, "partial": False,
+           "base_digest": None, "tensors": _spec(state, sorted(state))}
+    return fc.do_put(flight.FlightDescriptor.for_command(json.dumps(cmd).encode()), SCHEMA)
+
+
+def _chunk(name: str, data: bytes) -> pa.RecordBatch:
+    return pa.record_batch([pa.array([name]), pa.array([0], pa.int64()), pa.array([data], pa.binary()),
+                            pa.array([crc32c.crc32c(data)], pa.uint32())], schema=SCHEMA)
+
+
+def _late_chunk_is_refused_expired(writer, reader, chunk: pa.RecordBatch) -> None:
+    with pytest.raises(flight.FlightError) as late:  # at the latest when the stream closes
+        writer.write_batch(chunk)
+        writer.done_writing()
+        reader.read()
+        writer.close()
+    assert json.loads(late.value.extra_info)["reason"] == "expired"
+
+
+def test_an_open_push_stream_that_sends_nothing_expires_and_the_model_takes_pushes_again(server, client):
+    base = _base()
+    new = _changed(base, _floats(base), 0.375)
+    served = _served(client)
+    expired = _metrics(client).get('sigmaflight_weights_push_failures_total{reason="expired"}', 0)
+    with flight.FlightClient(server.flight_url) as fc:
+        writer, reader = _open_silent(fc, new)
+        try:
+            wait_for(lambda: _metrics(client)["sigmaflight_weights_pushes_open"] == 1, "the silent push open")
+            with pytest.raises(WeightsPushError) as busy:
+                client.push_weights(MODEL, new, only_changed=False)
+            assert busy.value.reason == "push_in_progress"
+            wait_for(lambda: _metrics(client)["sigmaflight_weights_pushes_open"] == 0,
+                     "the silent push expired (--weights-push-timeout-s 5)", 30)
+            m = _metrics(client)
+            assert m["sigmaflight_weights_staged_bytes"] == 0
+            assert m['sigmaflight_weights_push_failures_total{reason="expired"}'] == expired + 1
+            assert _served(client) == served
+            assert client.push_weights(MODEL, new, only_changed=False) == _digest(new)
+            name = sorted(new)[0]
+            _late_chunk_is_refused_expired(writer, reader, _chunk(name, _bytes(new[name])))
+        finally:
+            with contextlib.suppress(pa.ArrowException):
+                writer.close()
+    assert _served(client)[0] == _digest(new)
+
+
+def test_a_rollout_held_by_a_silent_in_place_push_is_cancelled_at_once(in_place_server):
+    """The push writes one tensor into the served weights and goes silent: a rollout submitted then
+    waits for it, and a cancel ends that rollout cancelled (not when the push expires, and not
+    failed by the model failing closed). The push then expires and fails the model closed."""
+    with Client(in_place_server.rest_url) as client:
+        base = _base()
+        client.push_weights(MODEL, base, only_changed=False)
+        new = _changed(base, _floats(base), 0.05)
+        name = sorted(new)[0]
+        with flight.FlightClient(in_place_server.flight_url) as fc:
+            writer, reader = _open_silent(fc, new)
+            try:
+                writer.write_batch(_chunk(name, _bytes(new[name])))
+                wait_for(lambda: _metrics(client)["sigmaflight_weights_pushes_open"] == 1, "the silent push open")
+                held = client.submit(model=MODEL, prompts=["a red cube"], num_inference_steps=2, seed=5,
+                                     sampler={"type": "ode"})
+                wait_for(lambda: client.status(held).status == "running", "the rollout held by the push")
+                client.cancel(held)
+                status = client.wait(held, timeout=3, raise_on_failure=False)  # the push expires only after 5 s
+                assert status.status == "cancelled", status
+                wait_for(lambda: _metrics(client)["sigmaflight_weights_pushes_open"] == 0, "the push expired", 30)
+                ready = httpx.get(f"{in_place_server.rest_url}/readyz")
+                assert ready.status_code == 503 and ready.json()["weights_failed"] == {MODEL: "expired"}
+                second = sorted(new)[1]
+                _late_chunk_is_refused_expired(writer, reader, _chunk(second, _bytes(new[second])))
+            finally:
+                with contextlib.suppress(pa.ArrowException):
+                    writer.close()
+        assert client.push_weights(MODEL, new, only_changed=False) == _digest(new)
+        assert httpx.get(f"{in_place_server.rest_url}/readyz").status_code == 200

@@ -61,7 +61,7 @@ def test_consumer_joining_mid_way_gets_every_step_once(server, store):
         w.append(steps[i])
     for i in (0, 3, 7):  # every consumer follows live: steps 0..7 arrive before the rollout finishes
         _wait_until(lambda k=i: received[k] == list(range(8)), f"the consumer joining at {i} has steps 0..7")
-    assert store.info("live").state == "running"
+    assert store.get("live").state == "running"
     w.finish()
     for th in threads:
         th.join(timeout=10)
@@ -110,7 +110,7 @@ def test_failed_or_cancelled_rollout_ends_streams_with_reason(server, store, kin
     assert isinstance(exc, error), exc
     assert kind in str(exc) and "out of memory in step 1" in str(exc)
     assert not isinstance(exc, flight.FlightCancelledError)  # would become a KeyboardInterrupt in read_all
-    assert store.info(h.rollout_id).state == kind
+    assert store.get(h.rollout_id).state == kind
     assert store.stats()["bytes_in_memory"] == 0
 
 

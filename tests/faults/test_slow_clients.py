@@ -167,3 +167,16 @@ def test_trickled_body_is_408_with_the_error_body(server: InProcessServer) -> No
     finally:
         for s in socks:
             s.close()
+
+
+def test_request_headers_over_16_kib_are_refused_with_400_and_the_connection_closed(server):
+    """The request line and headers are bounded (16 KiB, as h11 bounds them) whichever HTTP parser
+    serves: a client cannot hold the server's memory with endless headers inside the header timeout."""
+    with contextlib.closing(_connect(server)) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: test\r\n" + b"x-padding: " + b"p" * (20 * 1024) + b"\r\n\r\n")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 400 "), reply[:200]
+    with httpx.Client(base_url=server.rest_url, timeout=10) as c:  # others are served
+        assert c.get("/healthz").status_code == 200

@@ -175,22 +175,47 @@ def test_with_per_row_model_calls_a_member_is_bit_identical_to_the_request_alone
         assert batch_of(res).requests == 3 and batch_of(alone).requests == 1
 
 
+class Recorder:
+    """A sink of the test's own: each member's steps done and its end, by name; `refuse` names a
+    member whose weights check fails."""
+
+    def __init__(self, names: dict[int, str], refuse: str | None = None) -> None:
+        self.names, self.refuse = names, refuse
+        self.done = dict.fromkeys(names.values(), 0)
+        self.events: list[str] = []
+        self.steps = 0
+
+    def start(self, rollout, policy) -> None:
+        if self.names[id(rollout)] == self.refuse:
+            raise RuntimeError(f"stale: {policy.digest[:8]}")
+
+    def schedule(self, running):
+        return []
+
+    def step(self, step):
+        self.steps += 1
+        for r in step.running:
+            self.done[self.names[id(r.rollout)]] = step.i + 1
+        return []
+
+    def end(self, rows, outcome) -> None:
+        name = self.names[id(rows.rollout)]
+        self.events.append(f"{name} {type(outcome).__name__} while {self.done}")
+
+
 def test_a_member_that_is_cancelled_ends_at_once_and_the_others_finish(registry):
     model = registry.get("tiny-sd3")
-    events: list[str] = []
-    done = {"A": 0, "B": 0}
-
-    def progress(name):
-        return lambda d, t: done.__setitem__(name, d)
-
-    cancelled = BatchMember(spec=A, on_progress=progress("A"), should_stop=lambda: done["A"] >= 1,
-                            on_end=lambda o: events.append(f"A {type(o).__name__} while B at step {done['B']}"))
-    other = BatchMember(spec=B, on_progress=progress("B"), on_end=lambda o: events.append(f"B {type(o).__name__}"))
-    a, b = run_batch(model, [cancelled, other])
+    cancelled = BatchMember(A)
+    other = BatchMember(B)
+    sink = Recorder({id(cancelled): "A", id(other): "B"})
+    cancelled.stop = lambda: sink.done["A"] >= 1
+    a, b = run_batch(model, [cancelled, other], sink)
     assert isinstance(a, RolloutCancelled) and "after step 1 of 4" in str(a)
     assert isinstance(b, RolloutResult) and [c.step for c in b.captures] == [0, 1, 2, 3, 4]
-    assert done == {"A": 1, "B": 4}
-    assert events == ["A RolloutCancelled while B at step 0", "B RolloutResult"]  # A ended in step 0, not at the end
+    assert sink.done == {"A": 1, "B": 4}
+    assert sink.steps == 4  # one report a step for the whole call
+    # A ended in step 0, not at the end
+    assert sink.events == ["A RolloutCancelled while {'A': 1, 'B': 1}", "B RolloutResult while {'A': 1, 'B': 4}"]
 
 
 def _branch(res: RolloutResult, step: int, scale: float = 1.0) -> BranchStart:
@@ -217,10 +242,8 @@ def test_a_member_that_turns_non_finite_fails_alone_with_its_own_first_step(regi
 def test_a_member_that_refuses_the_weights_takes_no_rows(registry):
     model = registry.get("tiny-sd3")
 
-    def refuse(policy):
-        raise RuntimeError(f"stale: {policy.digest[:8]}")
-
-    a, b = run_batch(model, [BatchMember(spec=A, on_start=refuse), BatchMember(spec=B)])
+    members = [BatchMember(A), BatchMember(B)]
+    a, b = run_batch(model, members, Recorder({id(members[0]): "A", id(members[1]): "B"}, refuse="A"))
     assert isinstance(a, RuntimeError) and str(a).startswith("stale: ")
     assert isinstance(b, RolloutResult) and batch_of(b).rows == (0, 2) and batch_of(b).requests == 1
 

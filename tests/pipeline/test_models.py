@@ -38,14 +38,14 @@ def test_local_directory_round_trip(registry, tmp_path):
     assert all(torch.equal(x.latent, y.latent) for x, y in zip(a.captures, b.captures, strict=True))
 
 
-def test_load_weights_swaps_digest_and_policy():
+def test_replace_weights_swaps_digest_and_policy():
     reg = ModelRegistry()
     model = reg.get("tiny-sd3")
     old_digest = model.digest
     spec = RolloutSpec(model="tiny-sd3", prompts=("a cat",), num_inference_steps=2, seed=1)
     before = run_rollout(model, spec)
     state = {k: v + 0.01 for k, v in model.pipeline.transformer.state_dict().items()}
-    new_digest = reg.load_weights("tiny-sd3", state)
+    new_digest = reg.replace_weights("tiny-sd3", state).digest
     assert new_digest != old_digest and model.digest == new_digest
     after = run_rollout(model, spec)
     assert after.digest == new_digest and before.digest == old_digest

@@ -30,7 +30,7 @@ def test_version_counts_pushes_and_digest_is_the_whole_pipelines():
     p1 = reg.replace_weights("tiny-sd3", _shifted(model, 0.01))
     assert p1.weights_version == 1 and p1.digest != p0.digest
     assert p1.digest == weights_digest(model.pipeline) and p1.pipeline is model.pipeline
-    assert reg.load_weights("tiny-sd3", _shifted(model, 0.01)) == model.digest
+    assert reg.replace_weights("tiny-sd3", _shifted(model, 0.01)).digest == model.digest
     assert model.weights_version == 2
     row = next(r for r in reg.describe() if r["id"] == "tiny-sd3")
     assert row["digest"] == model.digest and row["weights_version"] == 2 and row["lora"] is None
@@ -86,7 +86,7 @@ def test_a_running_rollout_keeps_its_weights_and_the_next_sees_the_new():
 
     def push_mid_rollout(step: int, total: int) -> None:
         if step == 1:
-            pushed.append(reg.load_weights("tiny-sd3", state))
+            pushed.append(reg.replace_weights("tiny-sd3", state).digest)
 
     during = run_rollout(model, SPEC, on_progress=push_mid_rollout)
     assert pushed and model.digest == pushed[0]

@@ -15,12 +15,11 @@ from sigmaflight.control.backends.local import LocalBackend
 from sigmaflight.control.backends.ray import RayBackend, trajectory_ref
 from sigmaflight.control.backends.worker import WorkerConfig
 from sigmaflight.control.branches import branch_spec, find_parent
-from sigmaflight.control.jobs.manager import JobManager
-from sigmaflight.control.jobs.states import JobView
+from sigmaflight.control.jobs import JobManager, JobView
 from sigmaflight.dataplane.client import Trajectory
 from sigmaflight.dataplane.store import ResultStore
 from sigmaflight.dataplane.streams import column_tensor
-from sigmaflight.pipeline.models import ModelRegistry
+from sigmaflight.pipeline.models import ModelRegistry, StaleWeights
 from sigmaflight.pipeline.spec import RolloutSpec, SamplerSpec
 
 ray = pytest.importorskip("ray", reason="the Ray backend needs `pip install sigmaflight[ray]`")
@@ -220,6 +219,42 @@ def test_compatible_rollouts_batch_on_the_worker_they_were_placed_on(backend):
         assert all(a[1] == b[0] for a, b in zip(rows, rows[1:], strict=False))
 
 
+def _noisy(state: dict, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + 0.01 * torch.randn(v.shape, generator=g, dtype=v.dtype) if v.is_floating_point() else v.clone()
+            for k, v in state.items()}
+
+
+def test_a_weights_push_one_worker_refuses_changes_no_worker_and_a_good_one_then_commits_on_both(backend):
+    """All or none: worker 1 serves other weights (pushed to it alone), so a push made against the
+    cluster's base is refused by worker 1 after worker 0 staged it: both serve what they served
+    before and hold nothing staged. Once worker 1 is back on the base, the same push commits on
+    both. Reference digests: a plain in-process ModelRegistry given the same state dicts."""
+    reference = ModelRegistry()
+    base = {k: v.clone() for k, v in reference.get("tiny-sd3").pipeline.transformer.state_dict().items()}
+    d_base = reference.replace_weights("tiny-sd3", base).digest
+    diverged, new = _noisy(base, 21), _noisy(base, 22)
+    d_diverged = ModelRegistry().replace_weights("tiny-sd3", diverged).digest
+    d_new = ModelRegistry().replace_weights("tiny-sd3", new).digest
+    assert len({d_base, d_diverged, d_new}) == 3
+
+    assert backend.load_weights("tiny-sd3", base) == [d_base, d_base]
+    w0, w1 = (s.handle for s in backend._slots)
+    assert ray.get(w1.load_weights.remote("tiny-sd3", diverged)) == d_diverged
+    before = [ray.get(w.weights_of.remote("tiny-sd3")) for w in (w0, w1)]
+
+    with pytest.raises(StaleWeights):
+        backend.load_weights("tiny-sd3", new, expected_base=d_base, expected_digest=d_new)
+    after = [ray.get(w.weights_of.remote("tiny-sd3")) for w in (w0, w1)]
+    assert after == before
+    assert [a["digest"] for a in after] == [d_base, d_diverged] and [a["staged"] for a in after] == [0, 0]
+
+    assert ray.get(w1.load_weights.remote("tiny-sd3", base)) == d_base
+    assert backend.load_weights("tiny-sd3", new, expected_base=d_base, expected_digest=d_new) == [d_new, d_new]
+    served = [ray.get(w.weights_of.remote("tiny-sd3")) for w in (w0, w1)]
+    assert [s["digest"] for s in served] == [d_new, d_new] and [s["staged"] for s in served] == [0, 0]
+
+
 def test_a_killed_worker_fails_its_rollout_naming_it_and_a_replacement_takes_new_ones(jobs, backend):
     before = {w["actor"] for w in backend.workers()}
     job, _ = jobs.submit(long_spec())
@@ -230,7 +265,7 @@ def test_a_killed_worker_fails_its_rollout_naming_it_and_a_replacement_takes_new
     error = known(jobs.get(job.id)).error
     assert error is not None
     kind, message = error.type, error.message
-    assert kind == "WorkerDied"
+    assert kind == "worker_died"
     assert message.startswith(f"worker {victim['index']} (actor {victim['actor']}) died: ")
 
     after = [jobs.submit(spec(seed=100 + k))[0] for k in range(3)]  # served by the rest meanwhile
@@ -252,17 +287,16 @@ def test_a_killed_worker_fails_its_rollout_naming_it_and_a_replacement_takes_new
 
 def test_pushed_weights_reach_every_worker_and_a_replacement_loads_them(jobs, backend):
     """load_weights returns once each live worker has the new weights; a worker started
-    later (replacing a killed one) loads them before it takes rollouts. Reference digest:
+    later (replacing a killed one) loads the committed ones (not a refused push's) before it
+    takes rollouts. Reference digest:
     the same state dict loaded by a plain in-process ModelRegistry."""
-    import torch
-
     reference = ModelRegistry()
     state = reference.get("tiny-sd3").pipeline.transformer.state_dict()
-    g = torch.Generator().manual_seed(11)
-    new = {k: v + 0.01 * torch.randn(v.shape, generator=g, dtype=v.dtype) if v.is_floating_point() else v.clone()
-           for k, v in state.items()}
-    digest = reference.load_weights("tiny-sd3", new)
+    new = _noisy(state, 11)
+    digest = reference.replace_weights("tiny-sd3", new).digest
     assert backend.load_weights("tiny-sd3", new) == [digest, digest]
+    with pytest.raises(StaleWeights):  # refused by every worker: the replacement must not get it
+        backend.load_weights("tiny-sd3", _noisy(state, 12), expected_base="0" * 64)
 
     before = {w["actor"] for w in backend.workers()}
     victim = backend.workers()[0]

@@ -1,0 +1,53 @@
+"""The reaper: expires finished results past their TTL, forgets the oldest records beyond the
+cap, and retries journal rows that could not be written, twice a second."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from sigmaflight.control.jobs.lifecycle import Lifecycle
+from sigmaflight.control.jobs.table import JobTable
+
+from sigmaflight.records import RolloutState
+
+log = logging.getLogger("sigmaflight.jobs")
+
+
+class Reaper:
+    def __init__(self, table: JobTable, lifecycle: Lifecycle, ttl_s: float, keep_records: int) -> None:
+        self.table = table
+        self.lifecycle = lifecycle
+        self.ttl_s = ttl_s
+        self.keep_records = keep_records
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._loop, name="sigmaflight-reaper", daemon=True)
+        thread.start()
+        return thread
+
+    def _loop(self) -> None:
+        while not self.table.stopped.wait(0.5):
+            try:
+                self.lifecycle.retry_journal()
+                self.reap()
+            except Exception:
+                log.exception("reaper error")
+
+    def reap(self, now: float | None = None) -> None:
+        """Expire finished results past their TTL and forget the oldest records beyond the cap."""
+        now = time.time() if now is None else now
+        table = self.table
+        with table.lock:
+            for job in list(table.jobs.values()):
+                if job.state.finished and job.finished_at is not None and now - job.finished_at > self.ttl_s:
+                    self.lifecycle.backend.release(job.id)
+                    self.lifecycle.change(job, RolloutState.EXPIRED, keep_time=True)
+                    log.info("rollout expired", extra={"rollout": job.id})
+            done = [j for j in table.jobs.values() if not j.state.active]
+            if len(done) > self.keep_records:
+                done.sort(key=lambda j: j.created_at)
+                for j in done[: len(done) - self.keep_records]:
+                    table.forget(j)
+                    self.lifecycle.delete_row(j.id)

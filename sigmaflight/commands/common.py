@@ -1,0 +1,109 @@
+"""What the client subcommands share: the connection flags, the output formats, a rollout
+named on the command line, and the exit status a rollout's state gives."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class UsageError(Exception):
+    """Bad usage found after parsing (an unreadable --json file): one line on stderr, exit 2."""
+
+
+def add_parser(sub: Any, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """One subcommand's parser; like every sigmaflight parser, it takes no abbreviated flags."""
+    return sub.add_parser(name, formatter_class=argparse.HelpFormatter, allow_abbrev=False, **kwargs)  # type: ignore[no-any-return]
+
+
+def add_client_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=os.environ.get("SIGMAFLIGHT_URL", DEFAULT_URL),
+                   help="REST URL of the server [env SIGMAFLIGHT_URL; default %(default)s]")
+    p.add_argument("--token", default=os.environ.get("SIGMAFLIGHT_TOKEN"),
+                   help="bearer token [env SIGMAFLIGHT_TOKEN; default none]")
+
+
+def add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """--json / --table: the format of a listing (default: a table on a terminal, else JSON)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json", dest="format", action="store_const", const="json",
+                   help="print JSON [default when stdout is not a terminal]")
+    g.add_argument("--table", dest="format", action="store_const", const="table",
+                   help="print a table [default on a terminal]")
+
+
+def check_url(url: str) -> str:
+    """`url` if it can be the REST URL (http:// or https://); UsageError naming what it is instead:
+    a URL without a scheme, or the Flight location (grpc+tcp://, the other port)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise UsageError(f"--url {url}: no scheme; the REST URL is http://HOST:PORT (e.g. http://{url})")
+    if scheme.lower().startswith("grpc"):
+        raise UsageError(f"--url {url}: that is the Flight location; --url takes the REST URL, http://HOST:PORT "
+                         "(`sigmaflight serve --port`, default 8000; Flight listens on --flight-port)")
+    if scheme.lower() not in ("http", "https"):
+        raise UsageError(f"--url {url}: {scheme}:// is not a REST URL; use http://HOST:PORT or https://HOST:PORT")
+    return url
+
+
+def connect(args: argparse.Namespace) -> Any:
+    """A Client for --url and --token (imported here: `sigmaflight --help` needs no httpx)."""
+    from sigmaflight.client import Client
+
+    return Client(check_url(args.url), token=args.token)
+
+
+def rollout_ref(text: str) -> str:
+    """A rollout as `status`, `cancel` and `pull` take it: a rollout id, a Flight ticket, or the
+    file that `sigmaflight submit > FILE` (or `status`) wrote, whose "id" is used."""
+    path = Path(text)
+    if not path.is_file():
+        return text
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{text}: a file, but not the JSON ticket `sigmaflight submit` prints ({exc})") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("id"), str):
+        raise UsageError(f"{text}: a file, but it holds no rollout \"id\" (expected the JSON ticket "
+                         "`sigmaflight submit` prints)")
+    return str(obj["id"])
+
+
+def print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=False))
+
+
+def print_rollout(ticket_or_status: Any, *, quiet: bool) -> None:
+    """The ticket or status as JSON, or (quiet) its rollout id alone on one line."""
+    if quiet:
+        print(ticket_or_status.id)
+    else:
+        print_json(ticket_or_status.model_dump(mode="json", by_alias=True))
+
+
+def exit_status(status: str) -> int:
+    """0 for a rollout that is running or succeeded, 1 when it failed, was cancelled or expired."""
+    return 1 if status in ("failed", "cancelled", "expired") else 0
+
+
+def wants_table(args: argparse.Namespace) -> bool:
+    return args.format == "table" if args.format else sys.stdout.isatty()
+
+
+def clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def print_table(header: list[str], rows: list[list[str]]) -> None:
+    """Left-aligned columns, two spaces apart, the header first ("(none)" when there are no rows)."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    if not rows:
+        print("(none)")
