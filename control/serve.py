@@ -20,12 +20,15 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 from pydantic_settings import CliSettingsSource, SettingsError
 from sigmaflight.control.settings import Settings, TokenFileError, token_file_exposed
 from sigmaflight.control.startup import StartupError, preflight, prepare_shm_dir
+
+if TYPE_CHECKING:
+    import uvicorn
 
 log = logging.getLogger("sigmaflight")
 
@@ -96,14 +99,23 @@ def _defer_sighup() -> None:
 
 
 def serve(settings: Settings) -> int:
+    from sigmaflight.control import logs
+
+    logs.configure(settings.log_level, settings.log_format)
+    server = build_server(settings)
+    server.run()
+    return 0 if server.started else 1
+
+
+def build_server(settings: Settings) -> uvicorn.Server:
+    """The uvicorn server of `sigmaflight serve` (the app, its Service built by the lifespan, the
+    "sigmaflight ready" line), not yet running; the tests' in-process server runs it on a thread."""
     # transformers announces optional backends it lacks (torchvision) on import; not our users' concern.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     import uvicorn
-    from sigmaflight.control import logs
     from sigmaflight.control.http.app import create_app
     from sigmaflight.control.http.timeouts import header_timeout_protocol
 
-    logs.configure(settings.log_level, settings.log_format)
     prepare_shm_dir(settings.shm_dir)
     if settings.token_file is not None and token_file_exposed(settings.token_file):
         log.warning(
@@ -151,7 +163,8 @@ def serve(settings: Settings) -> int:
             await super().startup(sockets)
             if self.should_exit:
                 return
-            if hasattr(signal, "SIGHUP"):
+            # Signals reach only the main thread's loop: a server run on another thread has no reload.
+            if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread():
                 def on_sighup() -> None:
                     threading.Thread(target=reload_tokens, name="sigmaflight-sighup").start()
 
@@ -183,9 +196,7 @@ def serve(settings: Settings) -> int:
                 },
             )
 
-    server = Server(config)
-    server.run()
-    return 0 if server.started else 1
+    return Server(config)
 
 
 def invalid_setting_lines(exc: ValidationError) -> list[str]:

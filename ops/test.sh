@@ -9,9 +9,9 @@ echo "== ruff" >&2
 echo "== mypy" >&2
 ops/typecheck.sh
 # One pytest worker per CPU (at most 4; SIGMAFLIGHT_TEST_WORKERS overrides, 0 runs in this
-# process). Most tests wait on a real server process starting (~6 s of imports and model builds),
-# so two workers on two cores nearly halve the wall time. --dist loadfile keeps a file's tests
-# on one worker: its module-scoped servers start once.
+# process). Most tests run the server inside the pytest worker (tests/servers.py, InProcessServer);
+# those marked e2e start `sigmaflight serve` as a child process (-m "not e2e" leaves them out of a
+# quick run). --dist loadfile keeps a file's tests on one worker: its module-scoped servers start once.
 workers="${SIGMAFLIGHT_TEST_WORKERS:-$(.venv/bin/python -c 'import os; print(min(4, len(os.sched_getaffinity(0))))')}"
 echo "== pytest ($workers workers)" >&2
 exec .venv/bin/python -m pytest -n "$workers" --dist loadfile "$@"

@@ -13,12 +13,12 @@ from PIL import Image
 
 from sigmaflight.cli import main
 from sigmaflight.plot import PLOT_HEIGHT, PLOT_WIDTH
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer
 
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess() as s:
+    with InProcessServer() as s:
         yield s
 
 

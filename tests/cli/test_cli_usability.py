@@ -21,7 +21,7 @@ import pytest
 from sigmaflight import Client
 from sigmaflight.cli import build_parser, main
 from tests.docs.markdown import blocks
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer
 
 ROOT = Path(__file__).resolve().parents[2]
 SIGMAFLIGHT = [sys.executable, "-m", "sigmaflight.cli"]
@@ -29,7 +29,7 @@ SIGMAFLIGHT = [sys.executable, "-m", "sigmaflight.cli"]
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess() as s:
+    with InProcessServer() as s:
         yield s
 
 
@@ -231,7 +231,7 @@ def test_no_flag_takes_an_abbreviation():
 
 @pytest.fixture(scope="module")
 def secured():
-    with ServerProcess("--token", "s3cret") as s:
+    with InProcessServer("--token", "s3cret") as s:
         yield s
 
 

@@ -13,7 +13,7 @@ from sigmaflight.pipeline.replay import Replayer as ReplayerImpl
 from sigmaflight import Client as ReExported
 from sigmaflight import Replayer, Trajectory, step_log_prob
 from sigmaflight.client import ApiError, Client, NotFound, RolloutFailed, replay_log_probs, rollout_spec
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer
 
 
 def _stock_velocity(model, spec, x, t):
@@ -36,7 +36,7 @@ def _stock_velocity(model, spec, x, t):
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess() as s:
+    with InProcessServer() as s:
         yield s
 
 
@@ -145,7 +145,7 @@ def test_weights_endpoint_changes_digest_and_trajectories(server, model):
                                                                           before.log_probs.nan_to_num())
 
 
-def _bytes_served(server: ServerProcess) -> float:
+def _bytes_served(server: InProcessServer) -> float:
     import re
 
     with server.client() as c:
@@ -157,7 +157,7 @@ def _bytes_served(server: ServerProcess) -> float:
 def test_transport_and_host_reach_the_flight_client(tmp_path):
     """With --shm-dir, Client's default reads the same-host file (no gRPC bytes); transport="flight"
     and a foreign host id stream over gRPC: the arguments reach the TrajectoryClient."""
-    with ServerProcess("--shm-dir", str(tmp_path / "shm")) as server, Client(server.rest_url) as client:
+    with InProcessServer("--shm-dir", str(tmp_path / "shm")) as server, Client(server.rest_url) as client:
         ticket = client.submit(prompts=["a red cube"], num_inference_steps=2, seed=3)
         client.wait(ticket, timeout=60)
         served = _bytes_served(server)
@@ -203,7 +203,7 @@ def test_wait_backs_off_between_polls(server):
 def test_a_bare_flight_ticket_is_found_through_the_rollout_it_belongs_to():
     """`Client.locate`/`pull` with a Flight ticket string (as `sigmaflight pull TICKET` passes it):
     GET /v1/rollouts?ticket= names its rollout, on an empty server too (NotFound naming it)."""
-    with ServerProcess() as s, Client(s.rest_url) as c:
+    with InProcessServer() as s, Client(s.rest_url) as c:
         with pytest.raises(NotFound, match="no rollout or ticket 'sft1_nothing'"):
             c.locate("sft1_nothing")
         first = c.submit(prompts=["a red cube"], num_inference_steps=2, seed=1)

@@ -13,7 +13,7 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from sigmaflight.pipeline.models import ModelRegistry
 
 from sigmaflight import ApiError, Client, NotFound
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer
 
 HOSTILE = [
     "../models/tiny-sd3/lora", "../models", "..", ".", "", "?status=succeeded", "#x", "a/b", "%2e%2e",
@@ -23,7 +23,7 @@ HOSTILE = [
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess() as s:
+    with InProcessServer() as s:
         yield s
 
 

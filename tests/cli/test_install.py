@@ -30,7 +30,7 @@ import pytest
 from packaging.version import Version
 
 from tests.docs.markdown import CODE, blocks
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer
 
 ROOT = Path(__file__).resolve().parents[2]
 HEADING = "## Install the client into your trainer's environment"
@@ -116,7 +116,7 @@ def control_standin_wheel(folder: Path) -> Path:
     return path
 
 
-def run_trainers_page(src: Path, server: ServerProcess, env: dict[str, str], work: Path) -> str:
+def run_trainers_page(src: Path, server: InProcessServer, env: dict[str, str], work: Path) -> str:
     """Every runnable block of docs/trainers.md, in order, with the fresh environment as `.venv`
     (tests/docs/run_page.py run by its python, the checkout not on the path): the page needs nothing
     beyond the wheel with [train]. Returns run_page's `ran PAGE:LINE` lines."""
@@ -164,17 +164,18 @@ print(json.dumps({
 """
 
 
+@pytest.mark.e2e
 def test_the_client_installs_into_a_trainers_environment_as_the_docs_say(tmp_path):
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        starting = pool.submit(ServerProcess)  # the server starts while pip works
+        starting = pool.submit(InProcessServer)  # the server starts while pip works
         try:
             _install_and_check(tmp_path, starting)
         finally:
             if starting.done() and starting.exception() is None:
-                starting.result().kill()  # already terminated on success; a kill is a no-op then
+                starting.result().terminate()  # already terminated on success; a no-op then
 
 
-def _install_and_check(tmp_path: Path, starting: concurrent.futures.Future[ServerProcess]) -> None:
+def _install_and_check(tmp_path: Path, starting: concurrent.futures.Future[InProcessServer]) -> None:
     src = tmp_path / "sigmaflight"
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     for name in filter(None, tracked.decode().split("\0")):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sigmaflight import Client
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,7 +50,7 @@ def test_the_probe_sees_server_modules():
     assert "starlette" in mods and "sigmaflight.control.jobs.journal" in mods and "sqlite3" in mods
 
 
-# ---- issue 21: the users' side loads no model stack until it needs one -----------------------
+# ---- the users' side loads no model stack until it needs one -----------------------
 
 MODEL_STACK = ("torch", "diffusers", "transformers")
 
@@ -71,7 +71,7 @@ def _cli_modules(*argv: str) -> tuple[int, list[str]]:
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess() as s:
+    with InProcessServer() as s:
         yield s
 
 

@@ -20,7 +20,7 @@ from PIL import Image
 from sigmaflight.cli import main
 from sigmaflight.plot import PLOT_HEIGHT, PLOT_WIDTH, decode_final, draw
 from sigmaflight.report import build_report, read_arrow_file
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer
 
 PROMPTS = ["a red cube on a table", "a dog"]
 
@@ -36,7 +36,7 @@ def files(tmp_path_factory):
         "no_xt": ["--model", "tiny-sd3", "--steps", "3", "--return-steps", "0,1"],
     }
     out = {}
-    with ServerProcess() as s:
+    with InProcessServer() as s:
         for name, flags in runs.items():
             argv = ["submit", "--url", s.rest_url, "-p", PROMPTS[0], "-p", PROMPTS[1], "--seed", "5", "--wait", *flags]
             buf = io.StringIO()

@@ -42,7 +42,7 @@ BEFORE = {
     "--ttl-s TTL_S": "Seconds a finished result is kept before it expires. [env SIGMAFLIGHT_TTL_S; default 3600.0]",
     "--data-dir DATA_DIR": "Directory for durable trajectories and job records; survives restarts. None = memory "
     "only. [env SIGMAFLIGHT_DATA_DIR; default none]",
-    # issue 20 moved the files into a private DIR/sigmaflight-<uid>/, and the help says so
+    # the files live in a private DIR/sigmaflight-<uid>/, and the help says so
     "--shm-dir SHM_DIR": "Directory in shared memory (e.g. /dev/shm) for finished trajectories as Arrow IPC files, "
     "kept in the private DIR/sigmaflight-<uid>/: served memory-mapped, read directly by trainers on this host (with "
     "--backend ray, each worker uses DIR/worker-N/sigmaflight-<uid>/ on its own node). None = off. "
@@ -77,6 +77,7 @@ def _serve(*argv: str, env: dict[str, str] | None = None) -> subprocess.Complete
                           text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.e2e
 def test_serve_help_keeps_every_flag_its_help_its_variable_and_its_default():
     done = _serve("--help")
     assert done.returncode == 0, done.stderr
@@ -107,6 +108,7 @@ def test_a_flag_beats_its_variable_which_beats_the_default(monkeypatch):
         ([], {"SIGMAFLIGHT_QUEUE_SIZE": "many"}, "sigmaflight serve: --queue-size (SIGMAFLIGHT_QUEUE_SIZE) 'many': "),
     ],
 )
+@pytest.mark.e2e
 def test_a_bad_value_is_one_line_naming_the_flag_and_exit_2(argv, env, line):
     done = _serve(*argv, env=env)
     assert done.returncode == 2

@@ -1,4 +1,4 @@
-"""`sigmaflight submit` has a flag for every RolloutRequest field (issue 19 item 1, the CLI half).
+"""`sigmaflight submit` has a flag for every RolloutRequest field.
 
 The fields are enumerated from the wire model's JSON schema (what the REST API documents), not
 from the CLI's own walk; each flag is found by what it does: parsing it sets that one field.

@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import InProcessServer, wait_for_status
 
 DOCUMENTED = {  # docs/control.md, "Logs and metrics": family name -> (type, label names)
     "sigmaflight_queue_depth": ("gauge", set()),
@@ -24,7 +24,7 @@ DOCUMENTED = {  # docs/control.md, "Logs and metrics": family name -> (type, lab
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess() as s:
+    with InProcessServer() as s:
         yield s
 
 

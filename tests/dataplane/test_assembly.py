@@ -1,4 +1,4 @@
-"""Issue 22: a Trajectory assembled from a Flight stream, a same-host file, a file and a table
+"""A Trajectory assembled from a Flight stream, a same-host file, a file and a table
 equals what plain pyarrow reads from the same stream and file (latents and log-probs, bit for
 bit), for step-filtered streams, branch rollouts (steps k..T), bf16 latents and batches split in
 two; a missing, repeated or unknown step is a clear error.

@@ -1,4 +1,4 @@
-"""trajectory/v1 additions of issue 13: the `velocity` and `parent_sample` columns, a branch's own
+"""trajectory/v1 additions: the `velocity` and `parent_sample` columns, a branch's own
 prompt_index and `sigmaflight.parent`; checked with plain pyarrow against the input tensors, and a
 v1 reader (Trajectory) keeps working. Also through a real store and file (data_dir round trip)."""
 

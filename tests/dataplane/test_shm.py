@@ -22,14 +22,14 @@ from sigmaflight.dataplane.shm import host_id, parse_file_location
 from sigmaflight.dataplane.store import ResultStore, TrajectoryWriter
 
 from tests.dataplane.helpers import build_header, fill, make_steps, mapped_ranges
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import AnyServer, InProcessServer, ServerProcess, wait_for_status
 
 SMALL = {"prompts": ["a red cube", "a blue ball"], "num_inference_steps": 3, "seed": 12}
 TOKEN = "sfk-shm-test-token-4f1e2d3c4b5a6978"
 PRIVATE = f"sigmaflight-{os.geteuid()}"  # the files live in <shm-dir>/sigmaflight-<uid>/
 
 
-def _bytes_served(server: ServerProcess, token: str | None = None) -> float:
+def _bytes_served(server: AnyServer, token: str | None = None) -> float:
     with server.client(token) as c:
         text = c.get("/metrics").text
     m = re.search(r"^sigmaflight_flight_bytes_served_total (\S+)$", text, re.M)
@@ -52,6 +52,7 @@ def _equal(a: object, b: object) -> None:
         assert torch.equal(x, y) or (x.dtype.is_floating_point and torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0))), name
 
 
+@pytest.mark.e2e
 def test_real_server_offers_the_file_and_a_same_host_client_reads_it_without_a_stream(tmp_path, caplog):
     shm, data = tmp_path / "shm", tmp_path / "data"
     server = ServerProcess("--shm-dir", str(shm), "--data-dir", str(data))
@@ -122,7 +123,7 @@ def test_real_server_offers_the_file_and_a_same_host_client_reads_it_without_a_s
 
 def test_real_server_with_tokens_makes_the_files_0600(tmp_path):
     shm = tmp_path / "shm"
-    with ServerProcess("--shm-dir", str(shm), "--token", TOKEN) as server, server.client(TOKEN) as c:
+    with InProcessServer("--shm-dir", str(shm), "--token", TOKEN) as server, server.client(TOKEN) as c:
         t = c.post("/v1/rollouts", json=SMALL).json()
         wait_for_status(c, t["id"], {"succeeded"})
         path = shm / PRIVATE / f"{t['id']}.arrow"

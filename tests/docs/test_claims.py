@@ -1,5 +1,5 @@
 """What the docs say about defaults matches the code, and the docs address their readers, not an issue
-tracker (issue 21 item 8)."""
+tracker."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The docs' code blocks run (README.md, docs/*.md), so the docs cannot drift from the code.
 
-One real server (tests/servers.py ServerProcess) is started for the module, on the documented
+One real server (tests/servers.py InProcessServer) is started for the module, on the documented
 default ports 8000 / 8815 when they are free; otherwise on free ports, and the blocks' URLs
 (http://127.0.0.1:8000, grpc+tcp://127.0.0.1:8815) are replaced by the server's. SIGMAFLIGHT_URL
 points the CLI's default at it either way. Each page runs in
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.docs.markdown import CODE, KINDS, PAGES, ROOT, all_blocks, blocks
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer
 
 DEFAULT_REST = "http://127.0.0.1:8000"
 DEFAULT_FLIGHT = "grpc+tcp://127.0.0.1:8815"
@@ -82,10 +82,10 @@ def server():
     s = None
     if _free(8000) and _free(8815):
         try:
-            s = ServerProcess("--port", "8000", "--flight-port", "8815")
+            s = InProcessServer("--port", "8000", "--flight-port", "8815")
         except RuntimeError:  # taken in between
             s = None
-    with s or ServerProcess() as s:
+    with s or InProcessServer() as s:
         yield s
 
 

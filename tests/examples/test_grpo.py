@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 
 from sigmaflight import Client, NotFound
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "ops" / "examples" / "grpo_train.py"
 LAST_LINE = re.compile(r"eval reward: (\d\.\d{4}) -> (\d\.\d{4})")
@@ -34,7 +34,7 @@ def _load_example():
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--workers", "1") as s:
+    with InProcessServer("--workers", "1") as s:
         yield s
 
 

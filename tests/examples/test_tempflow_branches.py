@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from sigmaflight import Client
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "ops" / "examples" / "tempflow_branches.py"
 
@@ -31,7 +31,7 @@ def _load_example():
 def test_tempflow_branches_prints_per_step_advantages():
     ex = _load_example()
     lines: list[str] = []
-    with ServerProcess() as server:
+    with InProcessServer() as server:
         t0 = time.monotonic()
         res = ex.step_advantages(server.rest_url, step=2, branches=3, steps=4, log=lines.append)
         took = time.monotonic() - t0

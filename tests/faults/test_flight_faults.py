@@ -1,4 +1,4 @@
-"""Issue 12, items 7, 10, 12, 20: Flight consumers that leave, cancel/release actions that do
+"""Flight consumers that leave, cancel/release actions that do
 more than their name, the parallel client's cleanup, pull by id of a queued rollout."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pyarrow.flight as flight
 import pytest
 
 from tests.faults.conftest import LONG, LONG_FLAGS, SMALL, Pull, latent_bytes, options, pull, wait_running
-from tests.servers import ServerProcess, flight_streams, wait_for, wait_for_status
+from tests.servers import InProcessServer, flight_streams, wait_for, wait_for_status
 
 STREAMS = 8
 # 11 captured steps of 16 samples x 64 KiB: 11 batches of 1 MiB; two partitions of ~5.5 MiB each
@@ -20,8 +20,8 @@ MANY = {"prompts": [f"m{i}" for i in range(8)], "num_outputs_per_prompt": 2, "nu
         "height": 128, "width": 128, "guidance_scale": 1.0, "seed": 51}
 
 
-def _server() -> ServerProcess:
-    return ServerProcess("--workers", "1", "--max-flight-streams", str(STREAMS), *LONG_FLAGS)
+def _server() -> InProcessServer:
+    return InProcessServer("--workers", "1", "--max-flight-streams", str(STREAMS), *LONG_FLAGS)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def _action(location: str, kind: str, rollout_id: str) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_consumers_that_leave_a_queued_ticket_free_their_slots(server: ServerProcess) -> None:
+def test_consumers_that_leave_a_queued_ticket_free_their_slots(server: InProcessServer) -> None:
     with server.client() as c:
         done = c.post("/v1/rollouts", json=SMALL).json()
         assert wait_for_status(c, done["id"], {"succeeded"})
@@ -65,7 +65,7 @@ def test_consumers_that_leave_a_queued_ticket_free_their_slots(server: ServerPro
             wait_for_status(c, queued["id"], {"succeeded", "failed"})
 
 
-def _all_slots_serve(server: ServerProcess, ticket: str) -> None:
+def _all_slots_serve(server: InProcessServer, ticket: str) -> None:
     """STREAMS pulls at once, one per stream slot: each streams the whole rollout."""
     pulls = [Pull(server.flight_url, ticket, timeout=10) for _ in range(STREAMS)]
     for p in pulls:
@@ -78,7 +78,7 @@ def _all_slots_serve(server: ServerProcess, ticket: str) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_flight_cancel_of_a_finished_rollout_keeps_it(server: ServerProcess) -> None:
+def test_flight_cancel_of_a_finished_rollout_keeps_it(server: InProcessServer) -> None:
     with server.client() as c:
         done = c.post("/v1/rollouts", json=SMALL).json()
         assert wait_for_status(c, done["id"], {"succeeded"})
@@ -90,7 +90,7 @@ def test_flight_cancel_of_a_finished_rollout_keeps_it(server: ServerProcess) -> 
 
 
 @pytest.mark.timeout(120)
-def test_flight_release_of_a_running_rollout_is_refused(server: ServerProcess) -> None:
+def test_flight_release_of_a_running_rollout_is_refused(server: InProcessServer) -> None:
     mid = {"prompts": ["mid"], "num_inference_steps": 1500, "seed": 52, "return": {"steps": [0, 1500]}}
     with server.client() as c:
         running = c.post("/v1/rollouts", json=mid).json()
@@ -105,7 +105,7 @@ def test_flight_release_of_a_running_rollout_is_refused(server: ServerProcess) -
 
 
 @pytest.mark.timeout(120)
-def test_pull_by_id_of_a_queued_rollout_waits_for_it(server: ServerProcess) -> None:
+def test_pull_by_id_of_a_queued_rollout_waits_for_it(server: InProcessServer) -> None:
     from sigmaflight.dataplane.client import TrajectoryClient
 
     mid = {"prompts": ["mid"], "num_inference_steps": 1500, "seed": 53, "return": {"steps": [0, 1500]}}

@@ -1,4 +1,4 @@
-"""Issue 12, items 8 and 15, with `sigmaflight serve --backend ray` (its own local Ray cluster):
+"""Faults with `sigmaflight serve --backend ray` (its own local Ray cluster):
 a placement that fails must leave nothing behind, and pushed weights must reach every worker."""
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import pyarrow.flight as flight
 import pytest
 
 from tests.faults.conftest import latent_bytes, options
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import InProcessServer, ServerProcess, wait_for_status
+
+pytestmark = pytest.mark.e2e
 
 pytest.importorskip("ray", reason="the Ray backend needs `pip install sigmaflight[ray]`")
 
@@ -67,7 +69,7 @@ def _changed_weights() -> tuple[bytes, dict]:
 def test_pushed_weights_reach_every_ray_worker(ray_server: ServerProcess) -> None:
     body, _ = _changed_weights()
     # Reference: the same push on a local-backend server, same request and seed.
-    with ServerProcess() as local, local.client() as c:
+    with InProcessServer() as local, local.client() as c:
         pushed = c.put("/v1/models/tiny-sd3/weights", content=body,
                        headers={"content-type": "application/octet-stream"})
         assert pushed.status_code == 200, pushed.text

@@ -1,4 +1,4 @@
-"""Issue 20: `sigmaflight serve --backend ray --ray-address local` starts its own Ray instance;
+"""`sigmaflight serve --backend ray --ray-address local` starts its own Ray instance;
 SIGTERM must stop all of it. Before, ray::DashboardAgent and ray::RuntimeEnvAgent (about 85 MB
 each, deaf to SIGTERM) outlived the server as orphans."""
 
@@ -10,6 +10,8 @@ import psutil
 import pytest
 
 from tests.servers import ServerProcess
+
+pytestmark = pytest.mark.e2e
 
 pytest.importorskip("ray", reason="the Ray backend needs `pip install sigmaflight[ray]`")
 

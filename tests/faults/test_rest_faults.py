@@ -1,4 +1,4 @@
-"""Issue 12, items 16-19: wrong answers of the REST plane (query parameters, a client that
+"""Wrong answers of the REST plane (query parameters, a client that
 leaves mid-body, a --model-dir model the sampler cannot run, DELETE of a cancelled rollout)."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.faults.conftest import LONG, LONG_FLAGS, SMALL, wait_running
-from tests.servers import ServerProcess, wait_for, wait_for_status
+from tests.servers import InProcessServer, wait_for, wait_for_status
 
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--workers", "1", *LONG_FLAGS) as s:
+    with InProcessServer("--workers", "1", *LONG_FLAGS) as s:
         yield s
 
 
@@ -30,7 +30,7 @@ def _details_name(body: dict, where: list[str]) -> bool:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("raw", ["%C2%B2", "%C2%B9%E2%81%B0", "%E2%91%A0"], ids=["superscript-2", "superscript-10",
                                                                               "circled-1"])
-def test_limit_unicode_digits_are_422_naming_limit(server: ServerProcess, raw: str) -> None:
+def test_limit_unicode_digits_are_422_naming_limit(server: InProcessServer, raw: str) -> None:
     with server.client() as c:
         r = c.get(f"/v1/rollouts?limit={raw}")
     assert r.status_code == 422, r.text
@@ -41,7 +41,7 @@ def test_limit_unicode_digits_are_422_naming_limit(server: ServerProcess, raw: s
                                         ("limit=1001", "limit"), ("status=nope", "status"),
                                         ("limit=%EF%BC%95", "limit"), ("limit=+5", "limit"), ("limit=", "limit"),
                                         ("status=", "status"), ("offset=5", "offset"), ("limit=5&sort=id", "sort")])
-def test_plain_bad_query_parameters_are_422(server: ServerProcess, query: str, name: str) -> None:
+def test_plain_bad_query_parameters_are_422(server: InProcessServer, query: str, name: str) -> None:
     """ASCII garbage (held before the fix), a full-width digit, an empty value and unknown parameters:
     each a 422 naming the parameter."""
     with server.client() as c:
@@ -50,7 +50,7 @@ def test_plain_bad_query_parameters_are_422(server: ServerProcess, query: str, n
     assert _details_name(r.json(), ["query", name]), r.text
 
 
-def _http_500s(server: ServerProcess) -> float:
+def _http_500s(server: InProcessServer) -> float:
     """POST 500s so far, read with prometheus-client's own parser (whatever the label order)."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -65,7 +65,7 @@ def _http_500s(server: ServerProcess) -> float:
 
 
 @pytest.mark.timeout(60)
-def test_client_disconnect_mid_body_is_not_a_server_error(server: ServerProcess) -> None:
+def test_client_disconnect_mid_body_is_not_a_server_error(server: InProcessServer) -> None:
     url = urlsplit(server.rest_url)
     before_500 = _http_500s(server)
     before_log = len(server.logs)
@@ -96,7 +96,7 @@ def test_client_disconnect_mid_body_is_not_a_server_error(server: ServerProcess)
 
 
 @pytest.mark.timeout(120)
-def test_delete_of_a_cancelled_rollout_keeps_it_cancelled(server: ServerProcess) -> None:
+def test_delete_of_a_cancelled_rollout_keeps_it_cancelled(server: InProcessServer) -> None:
     """docs/operations.md: DELETE of a failed or cancelled rollout keeps its status; a repeated
     DELETE answers 200 with the same status."""
     with server.client() as c:
@@ -128,6 +128,7 @@ def ddim_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_model_dir_with_a_non_flow_match_scheduler_is_refused(ddim_model_dir: Path) -> None:
     """docs/control.md: start-up mistakes are refused before uvicorn starts, with one line on

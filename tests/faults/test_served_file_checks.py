@@ -1,4 +1,4 @@
-"""Issue 19 item 9: a file-backed trajectory is verified (CRC) once per mapping and afterwards
+"""A file-backed trajectory is verified (CRC) once per mapping and afterwards
 checked cheaply before each serve (inode, size, mtime, ctime of the file at its name; verified
 again when any of them moved), so a same-size overwrite is still caught, a touch costs one more
 verification, and a file replaced under its name does not stop the server serving what it
@@ -16,7 +16,7 @@ import pyarrow.flight as flight
 import pytest
 
 from tests.faults.conftest import SMALL, latent_bytes, pull
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import InProcessServer, wait_for_status
 
 pytestmark = pytest.mark.timeout(180)
 PRIVATE = f"sigmaflight-{os.geteuid()}"  # the files live in <shm-dir>/sigmaflight-<uid>/
@@ -40,7 +40,7 @@ def _flip(path: Path, at: int) -> None:
 
 def test_a_same_size_overwrite_after_the_first_serve_is_still_caught(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
-    with ServerProcess("--shm-dir", str(shm)) as server, server.client() as c:
+    with InProcessServer("--shm-dir", str(shm)) as server, server.client() as c:
         t = c.post("/v1/rollouts", json=SMALL).json()
         wait_for_status(c, t["id"], {"succeeded"})
         ticket, path = t["flight"]["ticket"], shm / PRIVATE / f"{t['id']}.arrow"
@@ -63,7 +63,7 @@ def test_a_file_replaced_under_its_name_leaves_the_verified_mapping_served(tmp_p
     """The served file's name now holds another file (of another size): the server goes on
     serving the bytes it mapped, checked against their checksums before each stream."""
     shm = tmp_path / "shm"
-    with ServerProcess("--shm-dir", str(shm)) as server, server.client() as c:
+    with InProcessServer("--shm-dir", str(shm)) as server, server.client() as c:
         t = c.post("/v1/rollouts", json=SMALL).json()
         wait_for_status(c, t["id"], {"succeeded"})
         ticket, path = t["flight"]["ticket"], shm / PRIVATE / f"{t['id']}.arrow"

@@ -1,4 +1,4 @@
-"""Issue 20, bug 6: a restart with `--shm-dir` on a tmpfs too small for the durable trajectories.
+"""A restart with `--shm-dir` on a tmpfs too small for the durable trajectories.
 
 Three finished rollouts of about 1.3 MB with `--data-dir` and `--shm-dir` on a 2 MiB tmpfs are
 served while the server runs (the ones that do not fit stay on the heap); after kill -9 the
@@ -17,6 +17,8 @@ import pytest
 
 from tests.faults.conftest import latent_bytes, pull
 from tests.servers import ServerProcess, wait_for_status
+
+pytestmark = pytest.mark.e2e
 
 # 5 prompts x 2 outputs x 2 latents of 64 KiB: 1.25 MiB of latents (about 1.3 MB as a file)
 MIDDLE = {"prompts": [f"p{i}" for i in range(5)], "num_outputs_per_prompt": 2, "num_inference_steps": 1,

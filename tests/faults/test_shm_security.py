@@ -1,4 +1,4 @@
-"""Issue 20, bug 4 and the world-writable --shm-dir decision, on the real server.
+"""Planted symlinks and a world-writable --shm-dir, on the real server.
 
 With `--shm-dir` a 1777 directory (as /dev/shm is), another local user could create
 `<dir>/<id>.arrow.partial` as a symlink to a file of the server's user before the rollout
@@ -24,7 +24,7 @@ import pyarrow.flight as flight
 import pytest
 
 from tests.faults.conftest import LONG, LONG_FLAGS, SMALL, latent_bytes, pull, wait_running
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import InProcessServer, ServerProcess, wait_for_status
 
 SECRET = b"the victim's own bytes\n"
 PRIVATE = f"sigmaflight-{os.geteuid()}"
@@ -68,7 +68,7 @@ def test_symlinks_planted_at_every_name_the_server_writes_are_never_followed(tmp
     os.chmod(shm, 0o1777)  # as /dev/shm
     flags = ("--workers", "1", "--shm-dir", str(shm), "--data-dir", str(data), *LONG_FLAGS)
     body = {**SMALL, "return": {"outputs": True}}
-    with ServerProcess(*flags) as server, server.client() as c:
+    with InProcessServer(*flags) as server, server.client() as c:
         long, target = _queued_behind_a_long_one(c, body)
         rid = target["id"]
         # every directory the server may write this rollout into, and every name it may use there
@@ -118,7 +118,7 @@ def test_files_live_in_a_private_subdirectory_and_a_writable_shm_dir_is_reported
         (tmp_path / "tokens").write_text(token + "\n")
         os.chmod(tmp_path / "tokens", 0o600)
         flags += ("--token-file", str(tmp_path / "tokens"))
-    with ServerProcess(*flags) as server, server.client(token if tokens else None) as c:
+    with InProcessServer(*flags) as server, server.client(token if tokens else None) as c:
         t = c.post("/v1/rollouts", json=SMALL).json()
         assert wait_for_status(c, t["id"], {"succeeded"})["status"] == "succeeded"
         private = shm / PRIVATE
@@ -136,6 +136,7 @@ def test_files_live_in_a_private_subdirectory_and_a_writable_shm_dir_is_reported
         assert said[0]["level"] == ("warning" if mode == 0o777 else "info")
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("planted", ["symlink", "other-owner"])
 def test_a_private_directory_someone_else_made_is_refused(tmp_path: Path, planted: str) -> None:

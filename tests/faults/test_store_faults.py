@@ -1,4 +1,4 @@
-"""Issue 12, items 6, 11, 13, 14: the result store when file operations fail or files change.
+"""The result store when file operations fail or files change.
 
 Read-only data dir: `<data_dir>/trajectories` is its own small tmpfs, remounted read-only
 (we run as root: chmod would not stop a write; the journal stays on a writable directory).
@@ -16,7 +16,7 @@ import pyarrow.flight as flight
 import pytest
 
 from tests.faults.conftest import BIG, BIG_FLAGS, LONG_FLAGS, SMALL, Pull, alive, options, pull
-from tests.servers import ServerProcess, wait_for, wait_for_log, wait_for_status
+from tests.servers import InProcessServer, ServerProcess, wait_for, wait_for_log, wait_for_status
 
 BIG_ROWS = 64 * 2  # samples x streamed steps
 MID = {"prompts": ["mid"], "num_inference_steps": 600, "seed": 41, "return": {"steps": [0, 600]}}
@@ -40,7 +40,7 @@ def _assert_fails_fast(location: str, ticket: str, what: str) -> None:
 def test_read_only_trajectory_dir_ends_the_stream_as_failed(tmpfs) -> None:
     data = tmpfs("data", "8m")
     traj = tmpfs("trajectories", "8m", under=data.path)
-    with ServerProcess("--data-dir", str(data.path), "--workers", "1") as server, server.client() as c:
+    with InProcessServer("--data-dir", str(data.path), "--workers", "1") as server, server.client() as c:
         traj.read_only()
         ticket = c.post("/v1/rollouts", json=SMALL).json()
         live = Pull(server.flight_url, ticket["flight"]["ticket"], timeout=5)
@@ -63,7 +63,7 @@ def test_a_full_stream_dir_fails_the_rollout_naming_the_stream_and_the_server_go
     data = tmpfs("data", "8m")
     streams = tmpfs("streams", "64k", under=data.path)
     streams.fill()
-    with ServerProcess("--data-dir", str(data.path), "--workers", "1") as server, server.client() as c:
+    with InProcessServer("--data-dir", str(data.path), "--workers", "1") as server, server.client() as c:
         ticket = c.post("/v1/rollouts", json={**SMALL, "return": {"conditioning": True}}).json()
         status = wait_for_status(c, ticket["id"], {"succeeded", "failed"}, timeout=30)
         assert status["status"] == "failed", status
@@ -84,7 +84,7 @@ def test_failed_rename_ends_the_stream_as_failed(tmp_path) -> None:
     while the rollout runs), so os.replace raises IsADirectoryError."""
     data = tmp_path / "data"
     flags = ("--data-dir", str(data), "--workers", "1", "--max-flight-streams", "4", *LONG_FLAGS)
-    with ServerProcess(*flags) as server, server.client() as c:
+    with InProcessServer(*flags) as server, server.client() as c:
         ticket = c.post("/v1/rollouts", json=MID).json()
         blocker = data / "trajectories" / f"{ticket['id']}.arrow"
         blocker.mkdir(parents=True)
@@ -137,7 +137,7 @@ def test_corrupted_spilled_file_is_not_served_silently(tmp_path) -> None:
     a changed batch ends the rollout as failed (FlightInternalError naming the batch, REST
     `result_unavailable`, not listed)."""
     data = tmp_path / "data"
-    with ServerProcess("--data-dir", str(data), *BIG_FLAGS) as server, server.client() as c:
+    with InProcessServer("--data-dir", str(data), *BIG_FLAGS) as server, server.client() as c:
         big = c.post("/v1/rollouts", json=BIG).json()
         assert wait_for_status(c, big["id"], {"succeeded"}, timeout=60)
         wait_for_log(server, f"spilled rollout {big['id']}")  # served from its file now
@@ -160,12 +160,12 @@ def test_corrupted_file_is_not_restored_after_restart(tmp_path) -> None:
     list_flights does not list it."""
     data = tmp_path / "data"
     flags = ("--data-dir", str(data), *BIG_FLAGS)
-    with ServerProcess(*flags) as server, server.client() as c:
+    with InProcessServer(*flags) as server, server.client() as c:
         big = c.post("/v1/rollouts", json=BIG).json()
         assert wait_for_status(c, big["id"], {"succeeded"}, timeout=60)
     path = data / "trajectories" / f"{big['id']}.arrow"
     _corrupt_latents(path, batch=1)
-    with ServerProcess(*flags) as again, again.client() as c:
+    with InProcessServer(*flags) as again, again.client() as c:
         line = wait_for_log(again, "discarding corrupt trajectory file", timeout=5)  # logged before "ready"
         assert big["id"] in line and '"level": "error"' in line, line
         assert not path.exists() and path.with_name(path.name + ".corrupt").exists()
@@ -178,6 +178,7 @@ def test_corrupted_file_is_not_restored_after_restart(tmp_path) -> None:
         assert big["id"] not in _listed(again.flight_url)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_truncated_spilled_file_makes_the_rollout_unavailable(tmp_path) -> None:
     data = tmp_path / "data"

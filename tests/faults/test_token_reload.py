@@ -1,7 +1,7 @@
 """SIGHUP re-reads --token-file on both planes (REST and Flight, and every Ray worker's Flight
 server), and fails closed: a file that is now empty or gone changes nothing, and a server
 without a token file stays up and says so. Real servers, plain httpx and pyarrow.flight. (The Ray
-workers' part is in tests/ray/test_serve_ray_e2e.py, on a server that test starts anyway.)"""
+workers' part is in tests/ray/test_serve_on_ray.py, on a server that test starts anyway.)"""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import pyarrow.flight as flight
 import pytest
 
 from tests.servers import ServerProcess
+
+pytestmark = pytest.mark.e2e
 
 OLD = "sfk-reload-old-0123456789abcdef0123"
 NEW = "sfk-reload-new-fedcba9876543210fedc"

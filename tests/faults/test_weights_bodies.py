@@ -1,4 +1,4 @@
-"""Issue 20, bugs 1-3: safetensors bodies the weights routes must refuse with a 422 naming the
+"""Safetensors bodies the weights routes must refuse with a 422 naming the
 body or the tensor, on the real server (`PUT /v1/models/{id}/lora` and `/weights`), which then
 keeps serving with its weights unchanged.
 
@@ -20,7 +20,7 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import save
 
 from tests.faults.conftest import SMALL
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import InProcessServer, wait_for_status
 
 OCTET = {"content-type": "application/octet-stream"}
 ROUTES = ["weights", "lora"]
@@ -38,8 +38,8 @@ def _with_lora_config(header: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    with ServerProcess("--workers", "1") as s:
+def server() -> Iterator[InProcessServer]:
+    with InProcessServer("--workers", "1") as s:
         yield s
 
 
@@ -63,8 +63,8 @@ def _assert_refused(c: httpx.Client, route: str, body: bytes, loc: list[str], wo
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("route", ROUTES)
-def test_deeply_nested_header_is_422_naming_the_body(server: ServerProcess, route: str) -> None:
-    """Bug 1: `[` x 100000 then `]` x 100000 made json.loads raise RecursionError: a 500."""
+def test_deeply_nested_header_is_422_naming_the_body(server: InProcessServer, route: str) -> None:
+    """`[` x 100000 then `]` x 100000 made json.loads raise RecursionError: a 500."""
     body = _raw("[" * 100000 + "]" * 100000)
     with server.client() as c:
         _assert_refused(c, route, body, ["body"], "header")
@@ -73,8 +73,8 @@ def test_deeply_nested_header_is_422_naming_the_body(server: ServerProcess, rout
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("shape", [[0, 9223372036854775808], [0, 1 << 62, 4], [0, 2, -1 + (1 << 63)]])
-def test_header_shape_overflow_is_422_naming_the_tensor(server: ServerProcess, route: str, shape: list[int]) -> None:
-    """Bug 2: a zero-size entry with a dimension past int64 (or whose strides overflow) went to
+def test_header_shape_overflow_is_422_naming_the_tensor(server: InProcessServer, route: str, shape: list[int]) -> None:
+    """A zero-size entry with a dimension past int64 (or whose strides overflow) went to
     torch.empty unchecked: a 500."""
     header = {"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}
     body = _raw(_with_lora_config(header) if route == "lora" else header)
@@ -92,8 +92,8 @@ def _adapter(value: float) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(240)
-def test_lora_factors_that_overflow_in_the_model_dtype_are_422_naming_the_tensor(server: ServerProcess) -> None:
-    """Bug 3: F64 factors of 1e300 are finite, but float32 (the model's dtype) makes them inf; they
+def test_lora_factors_that_overflow_in_the_model_dtype_are_422_naming_the_tensor(server: InProcessServer) -> None:
+    """F64 factors of 1e300 are finite, but float32 (the model's dtype) makes them inf; they
     were accepted (200, weights_version moved) and every later rollout failed non_finite."""
     tensors = _adapter(1e300)
     assert all(bool(torch.isfinite(t).all()) for t in tensors.values())  # finite as sent
@@ -111,7 +111,7 @@ def test_lora_factors_that_overflow_in_the_model_dtype_are_422_naming_the_tensor
 
 
 @pytest.mark.timeout(240)
-def test_full_weights_in_another_dtype_are_422_naming_the_tensor(server: ServerProcess) -> None:
+def test_full_weights_in_another_dtype_are_422_naming_the_tensor(server: InProcessServer) -> None:
     """Full weights are never converted: a float64 state dict for the float32 model (1e300 in one
     tensor) is refused by dtype, so no value can turn infinite after the check."""
     from sigmaflight.pipeline.models import ModelRegistry

@@ -1,4 +1,4 @@
-"""Issue 12, item 21 (functional part; the memory figure is ops/bench_faults.py): a weights
+"""A weights push (the memory figure is ops/bench_faults.py): a weights
 push keeps a rollout that is running on the weights it started with, and the next one runs
 on the new weights. Holds today (copy-on-write); kept as the guard for the cheaper push."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.faults.conftest import LONG_FLAGS, SMALL, latent_bytes, pull, wait_running
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import InProcessServer, wait_for_status
 
 
 def _digest(table) -> str:
@@ -28,7 +28,7 @@ def test_push_keeps_running_rollout_on_old_weights_and_next_on_new() -> None:
     new = {k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) if v.is_floating_point() else v.clone()
            for k, v in pipe.transformer.state_dict().items()}
     mid = {"prompts": ["mid"], "num_inference_steps": 2000, "seed": 71, "return": {"steps": [0, 2000]}}
-    with ServerProcess("--workers", "2", *LONG_FLAGS) as server, server.client() as c:
+    with InProcessServer("--workers", "2", *LONG_FLAGS) as server, server.client() as c:
         before = c.post("/v1/rollouts", json={**SMALL, "seed": 72}).json()
         assert wait_for_status(c, before["id"], {"succeeded"})
         running = c.post("/v1/rollouts", json=mid).json()

@@ -1,4 +1,4 @@
-"""Issue 20, weights bodies (decision): a `PUT .../weights` that declares a huge Content-Length
+"""A `PUT .../weights` that declares a huge Content-Length
 and sends one byte must not make the server allocate the declared size, a stalled body ends
 with a 408 and the contract's error body, and only `--max-weights-pushes` bodies are taken at
 once (429 beyond, before the body is read). The server keeps serving throughout.
@@ -18,19 +18,19 @@ from urllib.parse import urlsplit
 import psutil
 import pytest
 
-from tests.servers import ServerProcess
+from tests.servers import AnyServer, InProcessServer, ServerProcess
 
 MiB = 1 << 20
 DECLARED = 512 * MiB  # the default --max-weights-bytes: the largest body the server accepts
 
 
-def _address(server: ServerProcess) -> tuple[str, int]:
+def _address(server: AnyServer) -> tuple[str, int]:
     u = urlsplit(server.rest_url)
     assert u.hostname is not None and u.port is not None
     return u.hostname, u.port
 
 
-def stalled_push(server: ServerProcess, route: str = "weights", declared: int = DECLARED) -> socket.socket:
+def stalled_push(server: AnyServer, route: str = "weights", declared: int = DECLARED) -> socket.socket:
     """A PUT whose headers promise `declared` bytes, then one byte of body, then nothing."""
     s = socket.create_connection(_address(server), timeout=60)
     s.sendall(f"PUT /v1/models/tiny-sd3/{route} HTTP/1.1\r\nhost: test\r\n"
@@ -56,12 +56,13 @@ def response(s: socket.socket, timeout: float = 60.0) -> tuple[int, dict[str, st
     return int(lines[0].split()[1]), headers, json.loads(rest) if rest else {}
 
 
-def _version(server: ServerProcess) -> int:
+def _version(server: AnyServer) -> int:
     with server.client() as c:
         (m,) = [m for m in c.get("/v1/models").json()["models"] if m["id"] == "tiny-sd3"]
         return int(m["weights_version"])
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_huge_content_length_with_a_tiny_body_allocates_nothing_and_times_out() -> None:
     with ServerProcess("--body-timeout-s", "3") as server:
@@ -89,7 +90,7 @@ def test_huge_content_length_with_a_tiny_body_allocates_nothing_and_times_out() 
 
 @pytest.mark.timeout(120)
 def test_only_max_weights_pushes_bodies_at_once_and_a_slot_comes_back() -> None:
-    with ServerProcess("--body-timeout-s", "4", "--max-weights-pushes", "1") as server:
+    with InProcessServer("--body-timeout-s", "4", "--max-weights-pushes", "1") as server:
         with stalled_push(server, "lora") as held, server.client() as c:
             deadline = time.monotonic() + 30
             while True:  # the stalled push holds the one slot once its route runs

@@ -24,7 +24,7 @@ def test_bench_transport_prints_the_same_host_and_do_get_ratios():
 
 
 def test_bench_transport_prints_the_pull_ratios_at_every_trainer_size():
-    """Issue 22's table: the five ways at 1, 3, 13, 64 and 256 MiB in one run (one round each
+    """The transport table: the five ways at 1, 3, 13, 64 and 256 MiB in one run (one round each
     here: the figures are the docs', this checks the run and its ratio lines)."""
     sizes = ["1M", "3M", "13M", "64M", "256M"]
     out = subprocess.run(

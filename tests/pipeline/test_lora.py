@@ -1,4 +1,4 @@
-"""LoRA adapters on a model's transformer (issue 13 item 6, registry side).
+"""LoRA adapters on a model's transformer (registry side).
 
 References: the stock base model (a separate registry), and a trainer's own peft-wrapped
 transformer built with `peft.get_peft_model` or diffusers' `add_adapter` from the same base

@@ -1,4 +1,4 @@
-"""Policy versions and full weights pushes (issue 13 item 5 registry side, issue 12 items 18 and 21)."""
+"""Policy versions and full weights pushes, registry side."""
 
 import json
 import threading

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import InProcessServer, wait_for_status
 
 
 @pytest.fixture(scope="module")
 def client():
-    with ServerProcess() as server, server.client() as c:
+    with InProcessServer() as server, server.client() as c:
         yield c
 
 

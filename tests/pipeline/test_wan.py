@@ -138,9 +138,9 @@ def test_served_end_to_end_as_a_fixed_shape_tensor():
     import pyarrow as pa
     import pyarrow.flight as flight
 
-    from tests.servers import ServerProcess, wait_for_status
+    from tests.servers import InProcessServer, wait_for_status
 
-    with ServerProcess("--model", WAN) as server, server.client() as client:
+    with InProcessServer("--model", WAN) as server, server.client() as client:
         models = {m["id"]: m for m in client.get("/v1/models").json()["models"]}
         assert models[WAN]["is_video"] is True
         r = client.post("/v1/rollouts", json={"model": WAN, "prompts": ["a cat"], "num_outputs_per_prompt": 2,

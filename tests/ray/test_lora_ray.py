@@ -15,7 +15,9 @@ import pytest
 
 from tests.faults.conftest import latent_bytes
 from tests.faults.test_ray_faults import RAY, _actor_pids, _digest, _pull
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import InProcessServer, ServerProcess, wait_for_status
+
+pytestmark = pytest.mark.e2e
 
 pytest.importorskip("ray", reason="the Ray backend needs `pip install sigmaflight[ray]`")
 
@@ -59,7 +61,7 @@ def _try_on_both(c) -> list | None:
 @pytest.mark.timeout(500)
 def test_lora_put_and_delete_reach_every_ray_worker_and_replacements() -> None:
     body = _adapter_body()
-    with ServerProcess() as local, local.client() as c:
+    with InProcessServer() as local, local.client() as c:
         base_ref = c.post("/v1/rollouts", json=REQ).json()
         assert wait_for_status(c, base_ref["id"], {"succeeded"})
         put = c.put("/v1/models/tiny-sd3/lora", content=body, headers=OCTET)

@@ -192,7 +192,7 @@ def test_flight_cancel_action_on_the_worker_cancels_its_rollout(jobs, backend):
 
 
 def test_compatible_rollouts_batch_on_the_worker_they_were_placed_on(backend):
-    """Issue 18 on Ray: the manager batches per worker (placement keeps a batch on one worker);
+    """Co-batching on Ray: the manager batches per worker (placement keeps a batch on one worker);
     each trajectory says with whom it ran, and the members of one call are those of one worker."""
     from sigmaflight.pipeline.batch import batch_key
 

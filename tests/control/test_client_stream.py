@@ -26,7 +26,7 @@ from sigmaflight.pipeline.models import ModelRegistry
 from sigmaflight import ApiError, AsyncClient, Client, NotFound, RolloutCancelled
 from sigmaflight.stream import Rollout, Stream
 from sigmaflight.wire import Ticket
-from tests.servers import ServerProcess, wait_for
+from tests.servers import InProcessServer, wait_for
 
 QUEUE = 4
 BLOCKER_STEPS = 100_000
@@ -38,7 +38,7 @@ FAST: dict[str, Any] = {"num_inference_steps": 2, "guidance_scale": 4.5}
 @pytest.fixture(scope="module")
 def server():
     """Two workers, co-batching on (the defaults), a queue of 4: a fifth queued request is a 429."""
-    with ServerProcess("--workers", "2", "--queue-size", str(QUEUE), "--max-batch-samples", "64",
+    with InProcessServer("--workers", "2", "--queue-size", str(QUEUE), "--max-batch-samples", "64",
                        "--batch-wait-ms", "0", "--max-steps", str(BLOCKER_STEPS)) as s:
         yield s
 

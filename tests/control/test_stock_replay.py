@@ -22,7 +22,7 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from sigmaflight.pipeline.models import ModelRegistry
 
 from sigmaflight import Client, replay_log_probs
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer
 
 STOCK = {"tiny-sd3": StableDiffusion3Pipeline, "tiny-flux": FluxPipeline}
 TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
@@ -47,7 +47,7 @@ def stock(saved: dict[str, Path], model_id: str) -> Any:
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--workers", "1") as s:
+    with InProcessServer("--workers", "1") as s:
         yield s
 
 

@@ -12,8 +12,10 @@ import time
 import pyarrow.flight as flight
 import pytest
 
-from tests.hardening.conftest import RssSampler, metric, rss
+from tests.faults.conftest import RssSampler, metric, rss
 from tests.servers import ServerProcess, wait_for_status
+
+pytestmark = pytest.mark.e2e
 
 MiB = 1 << 20
 # 64 prompts x 16 outputs = 1024 samples; T steps -> (T + 1) latents of 16x32x32 fp32 (64 KiB) each.

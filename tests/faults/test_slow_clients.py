@@ -1,4 +1,4 @@
-"""Issue 20, slow clients (decision): uvicorn has no header or body read timeout, so a client
+"""Slow clients: uvicorn has no header or body read timeout, so a client
 that trickles its request a byte at a time (or connects and sends nothing) held its connection
 and its request forever. Bounded now: the request line and headers must arrive within
 SIGMAFLIGHT_HEADER_TIMEOUT_S (the connection is closed, after a 408), the body within
@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer
 
 HEADER_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 3.0
@@ -28,13 +28,13 @@ REQUEST = (b"POST /v1/rollouts HTTP/1.1\r\nhost: test\r\ncontent-type: applicati
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
+def server() -> Iterator[InProcessServer]:
     env = {"SIGMAFLIGHT_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S), "SIGMAFLIGHT_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S)}
-    with ServerProcess(env=env) as s:
+    with InProcessServer(env=env) as s:
         yield s
 
 
-def _connect(server: ServerProcess) -> socket.socket:
+def _connect(server: InProcessServer) -> socket.socket:
     u = urlsplit(server.rest_url)
     assert u.hostname is not None and u.port is not None
     return socket.create_connection((u.hostname, u.port), timeout=30)
@@ -86,7 +86,7 @@ def _status(answer: bytes) -> int | None:
 
 
 @pytest.mark.timeout(120)
-def test_trickled_and_silent_connections_are_closed_after_the_header_timeout(server: ServerProcess) -> None:
+def test_trickled_and_silent_connections_are_closed_after_the_header_timeout(server: InProcessServer) -> None:
     socks = [_connect(server) for _ in range(24)]
     try:
         tricklers = [Trickler(s, REQUEST if i % 3 else b"") for i, s in enumerate(socks)]  # every third sends nothing
@@ -111,7 +111,7 @@ def test_trickled_and_silent_connections_are_closed_after_the_header_timeout(ser
 
 
 @pytest.mark.timeout(120)
-def test_the_header_timeout_408_carries_a_request_id(server: ServerProcess) -> None:
+def test_the_header_timeout_408_carries_a_request_id(server: InProcessServer) -> None:
     """control.md: every response carries x-request-id, the 408 of a request whose headers never
     came in full too (a new id: the caller's header, if any, was never read)."""
     with contextlib.closing(_connect(server)) as a, contextlib.closing(_connect(server)) as b:
@@ -130,7 +130,7 @@ def test_the_header_timeout_408_carries_a_request_id(server: ServerProcess) -> N
 
 
 @pytest.mark.timeout(120)
-def test_next_request_on_a_kept_alive_connection_has_the_same_header_timeout(server: ServerProcess) -> None:
+def test_next_request_on_a_kept_alive_connection_has_the_same_header_timeout(server: InProcessServer) -> None:
     with contextlib.closing(_connect(server)) as s:
         s.sendall(b"GET /healthz HTTP/1.1\r\nhost: test\r\n\r\n")
         first = b""
@@ -144,7 +144,7 @@ def test_next_request_on_a_kept_alive_connection_has_the_same_header_timeout(ser
 
 
 @pytest.mark.timeout(120)
-def test_trickled_body_is_408_with_the_error_body(server: ServerProcess) -> None:
+def test_trickled_body_is_408_with_the_error_body(server: InProcessServer) -> None:
     body = json.dumps({"prompts": ["slow body " * 20], "num_inference_steps": 2}).encode()
     head = (b"POST /v1/rollouts HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n")

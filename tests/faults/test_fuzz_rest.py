@@ -7,7 +7,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer
 
 # Small limits keep every accepted rollout cheap; 413 / 422 / 429 are fine answers, 5xx never.
 LIMITS = ("--max-prompts", "4", "--max-samples", "8", "--max-steps", "6", "--max-rollout-bytes", str(1 << 20),
@@ -16,7 +16,7 @@ LIMITS = ("--max-prompts", "4", "--max-samples", "8", "--max-steps", "6", "--max
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess(*LIMITS) as s:
+    with InProcessServer(*LIMITS) as s:
         yield s
 
 

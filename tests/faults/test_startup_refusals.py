@@ -18,7 +18,9 @@ import psutil
 import pytest
 
 from sigmaflight.launcher import ROOT, ServerProcess
-from tests.hardening.conftest import SERVE, serve_refused
+from tests.faults.conftest import SERVE, serve_refused
+
+pytestmark = pytest.mark.e2e
 
 
 @contextmanager
@@ -59,7 +61,7 @@ def test_a_flight_port_in_use_is_refused_before_the_model_loads():
     assert f"--flight-port {port}: 127.0.0.1:{port} is already in use" in line and "--port " not in line
 
 
-def test_the_same_port_for_both_planes_isserve_refused():
+def test_the_same_port_for_both_planes_is_refused():
     port = _free_port()
     line = serve_refused("--port", str(port), "--flight-port", str(port))
     assert f"--port and --flight-port are both {port}" in line
@@ -74,7 +76,7 @@ def test_a_shm_dir_whose_parent_is_missing_is_refused_and_nothing_is_created(tmp
     assert not target.parent.exists()
 
 
-def test_a_shm_dir_that_is_a_file_isserve_refused(tmp_path):
+def test_a_shm_dir_that_is_a_file_is_refused(tmp_path):
     target = tmp_path / "a-file"
     target.write_text("not a directory")
     line = serve_refused("--port", "0", "--flight-port", "0", "--shm-dir", str(target))
@@ -82,7 +84,7 @@ def test_a_shm_dir_that_is_a_file_isserve_refused(tmp_path):
     assert target.read_text() == "not a directory"
 
 
-def test_a_shm_dir_that_is_a_dangling_symlink_isserve_refused(tmp_path):
+def test_a_shm_dir_that_is_a_dangling_symlink_is_refused(tmp_path):
     target = tmp_path / "link"
     target.symlink_to(tmp_path / "gone")
     line = serve_refused("--port", "0", "--flight-port", "0", "--shm-dir", str(target))

@@ -1,4 +1,4 @@
-"""Co-batched rollouts through the real server (issue 18): who shares a call, what each member
+"""Co-batched rollouts through the real server: who shares a call, what each member
 keeps, and what one member's cancel, stale policy or a weights push does to the others.
 
 Batches are made deterministic with a blocker: a long rollout no other request can join keeps the
@@ -22,7 +22,7 @@ from sigmaflight.pipeline.models import ModelRegistry
 
 from sigmaflight.client import Client, RolloutCancelled, RolloutFailed
 from tests.pipeline.test_kernels import flow_grpo_step
-from tests.servers import ServerProcess, wait_for
+from tests.servers import InProcessServer, ServerProcess, wait_for
 
 T = 4
 BASE: dict[str, Any] = {"num_inference_steps": T, "guidance_scale": 4.5, "sampler": {"type": "sde", "noise_level": 0.7}}
@@ -31,7 +31,7 @@ BASE: dict[str, Any] = {"num_inference_steps": T, "guidance_scale": 4.5, "sample
 @pytest.fixture(scope="module")
 def server():
     """The defaults, spelled out: co-batching on, no wait (each test's requests queue behind a blocker)."""
-    with ServerProcess("--max-batch-samples", "64", "--batch-wait-ms", "0") as s:
+    with InProcessServer("--max-batch-samples", "64", "--batch-wait-ms", "0") as s:
         yield s
 
 
@@ -218,7 +218,7 @@ def test_an_older_request_is_never_overtaken_by_younger_ones(server):
 
 
 def test_with_batch_invariance_a_member_is_bit_identical_to_the_request_alone(tmp_path):
-    with ServerProcess("--batch-invariant") as s, Client(s.rest_url) as c:
+    with InProcessServer("--batch-invariant") as s, Client(s.rest_url) as c:
         block = blocker(c)
         until_running(c, block)
         req: dict[str, Any] = {"prompts": ["a red cube", "a blue ball"], "seed": 61, **BASE}
@@ -237,7 +237,7 @@ def test_with_batch_invariance_a_member_is_bit_identical_to_the_request_alone(tm
 
 
 def test_max_batch_samples_1_runs_every_request_alone():
-    with ServerProcess("--max-batch-samples", "1") as s, Client(s.rest_url) as c:
+    with InProcessServer("--max-batch-samples", "1") as s, Client(s.rest_url) as c:
         block = blocker(c)
         until_running(c, block)
         queued = [c.submit(prompts=[f"p{k}"], seed=70 + k, **BASE) for k in range(3)]
@@ -249,6 +249,7 @@ def test_max_batch_samples_1_runs_every_request_alone():
     assert [i["requests"] for i in infos] == [1, 1, 1] and len({i["id"] for i in infos}) == 3
 
 
+@pytest.mark.e2e
 def test_kill_9_during_a_batch_fails_every_member_and_loses_nothing_finished(tmp_path):
     data = str(tmp_path / "data")
     with ServerProcess("--data-dir", data) as s, Client(s.rest_url) as c:
@@ -264,7 +265,7 @@ def test_kill_9_during_a_batch_fails_every_member_and_loses_nothing_finished(tmp
             until_running(c, m.id, 3)
         os.kill(s.proc.pid, signal.SIGKILL)
         s.proc.wait(30)
-    with ServerProcess("--data-dir", data) as s, Client(s.rest_url) as c:
+    with InProcessServer("--data-dir", data) as restarted, Client(restarted.rest_url) as c:
         for m in members:
             st = c.status(m.id)
             assert st.status == "failed" and st.error is not None and st.error.type == "server_restarted", st

@@ -18,7 +18,7 @@ from sigmaflight.pipeline.replay import Replayer
 from sigmaflight import Client
 from sigmaflight.client import replay_log_probs, rollout_spec
 from sigmaflight.errors import ApiError
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer
 
 TARGETS = ["attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
            "attn.to_k", "attn.to_out.0", "attn.to_q", "attn.to_v"]  # Flow-GRPO's SD3 targets
@@ -68,7 +68,7 @@ def test_lora_put_changes_trajectories_delete_restores_base_and_a_peft_trainer_r
     cfg = json.loads(json.dumps(config.to_dict(), default=sorted))
     # the same adapter put on a registry in this process: the digest is deterministic across processes
     want_digest = ModelRegistry().load_lora("tiny-sd3", dict(adapter), cfg).digest
-    with ServerProcess("--workers", "1") as s, Client(s.rest_url) as client:
+    with InProcessServer("--workers", "1") as s, Client(s.rest_url) as client:
         before = _run(client)
         assert before.metadata["model"]["digest"] == base.digest
         put = client.push_lora("tiny-sd3", adapter, config)
@@ -143,7 +143,7 @@ def test_bad_lora_input_is_a_422_naming_the_key_and_tokens_are_required(tmp_path
     tokens = tmp_path / "tokens"
     tokens.write_text("s3cret\n")
     flags = ("--workers", "1", "--token-file", str(tokens), "--max-body-bytes", "65536", "--max-weights-bytes", "1048576")
-    with ServerProcess(*flags) as s, s.client(token="s3cret") as c:
+    with InProcessServer(*flags) as s, s.client(token="s3cret") as c:
         # the weights limit, not the general one: 512 KiB passes (and is not safetensors), 2 MiB is a 413
         junk = b"\xff" * (512 << 10)
         assert c.put("/v1/models/tiny-sd3/lora", content=junk, headers=OCTET).status_code == 422

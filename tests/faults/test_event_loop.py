@@ -1,4 +1,4 @@
-"""Issue 12 item 22: journal writes (sqlite, synchronous=FULL) never run on the event loop, and a
+"""Journal writes (sqlite, synchronous=FULL) never run on the event loop, and a
 status read never waits for one. The real server with --data-dir; the test itself holds an
 exclusive sqlite lock on the server's journal, so the server's next journal write stalls (for
 sqlite's 5 s busy timeout) exactly as a slow fsync would, and measures what still answers."""
@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.servers import ServerProcess, wait_for, wait_for_status
+from tests.servers import InProcessServer, wait_for, wait_for_status
 
 BODY = {"prompts": ["a red cube"], "num_inference_steps": 2, "seed": 5}
 
@@ -31,7 +31,7 @@ def test_a_stalled_journal_write_blocks_neither_the_event_loop_nor_status_reads(
     write ran at least from (answered - timeout) to (sent + timeout), and the reads that started in
     that window were made while it stalled (the POST itself is the event, no sleep stands for it)."""
     data = tmp_path / "data"
-    with ServerProcess("--data-dir", str(data)) as server, server.client() as c:
+    with InProcessServer("--data-dir", str(data)) as server, server.client() as c:
         done = c.post("/v1/rollouts", json=BODY).json()
         assert wait_for_status(c, done["id"], {"succeeded"})["status"] == "succeeded"
         reads = {**READS, "status": f"/v1/rollouts/{done['id']}"}

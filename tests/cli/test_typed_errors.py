@@ -1,4 +1,6 @@
-"""What a newcomer hit following the docs, each on the real server and the real CLI (issue 11)."""
+"""The errors a user meets following the docs, typed in Python and one line on the CLI: a cancelled
+or failed pull, a replay on other weights, a missing or truncated file, a refused connection or
+token, start-up mistakes; on a real server with the real client and CLI."""
 
 from __future__ import annotations
 
@@ -18,14 +20,14 @@ from sigmaflight.pipeline.models import ModelRegistry, weights_digest
 from sigmaflight import Client, RolloutCancelled, RolloutFailed, replay_log_probs
 from sigmaflight.cli import build_parser, main
 from sigmaflight.errors import NotFound, WeightsMismatch
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer, ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--workers", "1") as s:
+    with InProcessServer("--workers", "1") as s:
         yield s
 
 
@@ -166,6 +168,7 @@ def _serve(*flags: str) -> subprocess.CompletedProcess[str]:
                            *flags], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.e2e
 def test_startup_mistakes_are_one_line_and_exit_2(tmp_path):
     saved = tmp_path / "models" / "mine"
     ModelRegistry().get("tiny-sd3").pipeline.save_pretrained(saved)
@@ -182,6 +185,7 @@ def test_startup_mistakes_are_one_line_and_exit_2(tmp_path):
         assert len(lines) == 1 and message in lines[0] and "Traceback" not in done.stderr
 
 
+@pytest.mark.e2e
 def test_model_dir_logs_are_all_json_with_a_model_loaded_line(tmp_path):
     ModelRegistry().get("tiny-sd3").pipeline.save_pretrained(tmp_path / "models" / "mine")
     with ServerProcess("--model-dir", str(tmp_path / "models"), "--model", "mine") as s:
@@ -194,6 +198,7 @@ def test_model_dir_logs_are_all_json_with_a_model_loaded_line(tmp_path):
     assert loaded and loaded[0]["path"].endswith("mine")
 
 
+@pytest.mark.e2e
 def test_pull_of_a_failed_rollout_raises_rollout_failed_not_cancelled(tmp_path, capsys):
     data = tmp_path / "data"
     with ServerProcess("--workers", "1", "--data-dir", str(data)) as first:
@@ -201,7 +206,7 @@ def test_pull_of_a_failed_rollout_raises_rollout_failed_not_cancelled(tmp_path, 
             _blocker(c)
             lost = c.submit(prompts=["lost"], num_inference_steps=2, seed=8)
         first.kill()  # the process dies with `lost` still queued
-    with ServerProcess("--data-dir", str(data)) as second, Client(second.rest_url) as c:
+    with InProcessServer("--data-dir", str(data)) as second, Client(second.rest_url) as c:
         st = c.status(lost.id)
         assert st.status == "failed" and st.error is not None and st.error.type == "server_restarted"
         with pytest.raises(RolloutFailed) as e:
@@ -216,7 +221,7 @@ def test_pull_of_a_failed_rollout_raises_rollout_failed_not_cancelled(tmp_path, 
 def test_refused_token_and_unknown_rollout_are_typed(tmp_path):
     from sigmaflight import Unauthorized
 
-    with ServerProcess("--token", "s3cret") as s:
+    with InProcessServer("--token", "s3cret") as s:
         with Client(s.rest_url) as anonymous, pytest.raises(Unauthorized) as e:
             anonymous.models()
         assert e.value.status == 401 and "token" in e.value.message

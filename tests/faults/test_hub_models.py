@@ -21,8 +21,10 @@ from diffusers import StableDiffusion3Pipeline
 from sigmaflight.dataplane.client import Trajectory
 from sigmaflight.pipeline.models import ModelRegistry
 
-from tests.hardening.conftest import serve_refused
+from tests.faults.conftest import serve_refused
 from tests.servers import ServerProcess, wait_for_status
+
+pytestmark = pytest.mark.e2e
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

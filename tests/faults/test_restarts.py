@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
-from tests.hardening.conftest import latent_bytes, pull
-from tests.servers import ServerProcess, wait_for_status
+from tests.faults.conftest import latent_bytes, pull
+from tests.servers import InProcessServer, ServerProcess, wait_for_status
 
 FLAGS = ("--store-budget-bytes", str(1 << 20), "--max-samples", "1024", "--max-steps", "5000", "--workers", "1")
 BIG = {"prompts": [f"p{i}" for i in range(16)], "num_outputs_per_prompt": 4, "num_inference_steps": 1,
@@ -30,10 +30,11 @@ def _same(before: pa.Table, after: pa.Table) -> None:
 def _not_served(location: str, ticket: str) -> None:
     t0 = time.monotonic()
     with pytest.raises((flight.FlightError, KeyError), match="not found"):
-        pull(location, ticket)
+        pull(location, ticket, timeout=60)
     assert time.monotonic() - t0 < 3.0  # at once, not at the 60 s deadline (slack for a loaded box: pytest runs a worker per core)
 
 
+@pytest.mark.e2e
 def test_kill_9_mid_rollout_and_after_spill_then_restart(tmp_path):
     data = tmp_path / "data"
     server = ServerProcess("--data-dir", str(data), *FLAGS)
@@ -43,8 +44,8 @@ def test_kill_9_mid_rollout_and_after_spill_then_restart(tmp_path):
             big_status = wait_for_status(c, big["id"], {"succeeded"}, timeout=60)
             small = c.post("/v1/rollouts", json=SMALL).json()
             small_status = wait_for_status(c, small["id"], {"succeeded"})
-            tables = {big["id"]: pull(server.flight_url, big["flight"]["ticket"]),
-                      small["id"]: pull(server.flight_url, small["flight"]["ticket"])}
+            tables = {big["id"]: pull(server.flight_url, big["flight"]["ticket"], timeout=60),
+                      small["id"]: pull(server.flight_url, small["flight"]["ticket"], timeout=60)}
             assert tables[big["id"]].nbytes > 4 << 20
             running = c.post("/v1/rollouts", json=LONG).json()
             queued = c.post("/v1/rollouts", json=SMALL).json()
@@ -66,7 +67,7 @@ def test_kill_9_mid_rollout_and_after_spill_then_restart(tmp_path):
             assert status["status"] == "succeeded"
             assert status["result"] == before["result"]
             assert status["flight"]["ticket"] == ticket["flight"]["ticket"]
-            _same(tables[ticket["id"]], pull(again.flight_url, ticket["flight"]["ticket"]))
+            _same(tables[ticket["id"]], pull(again.flight_url, ticket["flight"]["ticket"], timeout=60))
             with flight.FlightClient(again.flight_url) as fc:
                 info = fc.get_flight_info(flight.FlightDescriptor.for_path("rollouts", ticket["id"]))
                 assert info.total_records == before["result"]["num_rows"]
@@ -79,15 +80,15 @@ def test_kill_9_mid_rollout_and_after_spill_then_restart(tmp_path):
         # the restarted server runs new rollouts and is itself durable
         fresh = c.post("/v1/rollouts", json=SMALL).json()
         wait_for_status(c, fresh["id"], {"succeeded"})
-        fresh_table = pull(again.flight_url, fresh["flight"]["ticket"])  # same request and seed: same values
+        fresh_table = pull(again.flight_url, fresh["flight"]["ticket"], timeout=60)  # same request and seed: same values
         assert latent_bytes(fresh_table) == latent_bytes(tables[small["id"]])
         again.kill()
 
     # a second kill -9 and restart: nothing changes, the failed stay failed
-    with ServerProcess("--data-dir", str(data), *FLAGS) as third, third.client() as c:
+    with InProcessServer("--data-dir", str(data), *FLAGS) as third, third.client() as c:
         assert c.get(f"/v1/rollouts/{running['id']}").json()["error"]["type"] == "server_restarted"
         assert c.get(f"/v1/rollouts/{fresh['id']}").json()["status"] == "succeeded"
-        _same(tables[big["id"]], pull(third.flight_url, big["flight"]["ticket"]))
+        _same(tables[big["id"]], pull(third.flight_url, big["flight"]["ticket"], timeout=60))
 
 
 DAMAGES = ("truncate", "garbage", "flip_footer", "empty")
@@ -106,17 +107,17 @@ def _damage(raw: bytes, how: str) -> bytes:
 
 def test_corrupt_ipc_files_are_refused_with_a_log_line_and_never_served(tmp_path):
     data = tmp_path / "data"
-    with ServerProcess("--data-dir", str(data)) as server, server.client() as c:
+    with InProcessServer("--data-dir", str(data)) as server, server.client() as c:
         bad = {how: c.post("/v1/rollouts", json={**SMALL, "seed": 20 + k}).json() for k, how in enumerate(DAMAGES)}
         good = c.post("/v1/rollouts", json={**SMALL, "seed": 99}).json()
         for t in (*bad.values(), good):
             wait_for_status(c, t["id"], {"succeeded"})
-        good_table = pull(server.flight_url, good["flight"]["ticket"])
+        good_table = pull(server.flight_url, good["flight"]["ticket"], timeout=60)
     for how, t in bad.items():
         path = data / "trajectories" / f"{t['id']}.arrow"
         path.write_bytes(_damage(path.read_bytes(), how))
 
-    with ServerProcess("--data-dir", str(data)) as again, again.client() as c:
+    with InProcessServer("--data-dir", str(data)) as again, again.client() as c:
         lines = [json.loads(line) for line in again.logs if "discarding corrupt trajectory file" in line]
         assert len(lines) == len(DAMAGES) and all(e["level"] == "error" for e in lines)
         with flight.FlightClient(again.flight_url) as fc:
@@ -128,9 +129,10 @@ def test_corrupt_ipc_files_are_refused_with_a_log_line_and_never_served(tmp_path
             status = c.get(f"/v1/rollouts/{t['id']}").json()
             assert status["status"] == "expired" and status["result"] is None
             _not_served(again.flight_url, t["flight"]["ticket"])
-        _same(good_table, pull(again.flight_url, good["flight"]["ticket"]))
+        _same(good_table, pull(again.flight_url, good["flight"]["ticket"], timeout=60))
 
 
+@pytest.mark.e2e
 def test_sigterm_exits_in_time_with_a_stalled_consumer():
     """A consumer that stops reading keeps its gRPC call open; SIGTERM must still exit quickly."""
     body = {**BIG, "num_outputs_per_prompt": 32}  # 64 MiB: more than gRPC buffers for one stream

@@ -24,7 +24,7 @@ from sigmaflight.pipeline.replay import Replayer
 from sigmaflight import Client
 from sigmaflight.client import replay_log_probs, rollout_spec
 from tests.pipeline.test_loop_returns import TEXT_ENCODERS, _stock_call, _without_text_encoders
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import InProcessServer, wait_for_status
 
 TOKEN = "returns-e2e-token-0123456789"
 CASE: dict[str, Any] = dict(prompts=["a cat", "the dog"], num_outputs_per_prompt=2, guidance_scale=4.5,
@@ -34,7 +34,7 @@ T = 4
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--workers", "1") as s:
+    with InProcessServer("--workers", "1") as s:
         yield s
 
 
@@ -182,7 +182,7 @@ def test_branch_refused_when_the_parent_did_not_stream_k(server):
         assert err["details"][0]["loc"] == ["body", "branch_from", "step"] and "did not stream step 2" in err["message"]
 
 
-def httpx_client(server: ServerProcess) -> Any:
+def httpx_client(server: InProcessServer) -> Any:
     return server.client(None)
 
 
@@ -229,7 +229,7 @@ def test_bad_values_are_422_naming_the_field(server):
 
 
 def test_conditioning_stream_honours_tokens():
-    with ServerProcess("--token", TOKEN) as s, s.client(TOKEN) as c:
+    with InProcessServer("--token", TOKEN) as s, s.client(TOKEN) as c:
         t = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2, "seed": 3,
                                          "return": {"conditioning": True}}).json()
         wait_for_status(c, t["id"], {"succeeded"})

@@ -32,7 +32,7 @@ from sigmaflight.client import rollout_spec
 from sigmaflight.errors import ApiError
 from sigmaflight.weights import WeightsPushError
 from tests.pipeline.test_loop_returns import _prompt_inputs, _stock_call
-from tests.servers import ServerProcess, wait_for
+from tests.servers import InProcessServer, ServerProcess, wait_for
 
 MODEL = "tiny-sd3"
 SCHEMA = pa.schema([("tensor", pa.utf8()), ("offset", pa.int64()), ("data", pa.binary()), ("crc32c", pa.uint32())])
@@ -78,7 +78,7 @@ def _served(client: Client) -> tuple[str, int]:
     return m["digest"], m["weights_version"]
 
 
-def _raw(server: ServerProcess, header: dict, chunks: list[tuple[str, int, bytes, int]]) -> bytes | None:
+def _raw(server: InProcessServer, header: dict, chunks: list[tuple[str, int, bytes, int]]) -> bytes | None:
     """One do_put with plain pyarrow: the header and the chunks as given; the answer's bytes."""
     cmd = {"sigmaflight.weights": 1, "model": MODEL, "push_id": uuid.uuid4().hex, "partial": False,
            "base_digest": None, **header}
@@ -119,7 +119,7 @@ def _latents(client: Client, seed: int) -> tuple[dict, torch.Tensor]:
 @pytest.fixture(scope="module")
 def server():
     # --max-weights-bytes far below the model's bytes: the streamed push has no byte cap
-    with ServerProcess("--workers", "2", "--max-batch-samples", "1", "--max-weights-bytes", "1024",
+    with InProcessServer("--workers", "2", "--max-batch-samples", "1", "--max-weights-bytes", "1024",
                        "--weights-push-timeout-s", "5") as s:  # one rollout per model call: a stock call's batch
         yield s
 
@@ -332,11 +332,11 @@ def test_only_changed_tensors_travel_and_nothing_changed_answers_at_once(server,
 @pytest.fixture(scope="module")
 def put_server():
     """The default --max-weights-bytes (512 MiB): the PUT bodies below fit it."""
-    with ServerProcess("--workers", "1") as s:
+    with InProcessServer("--workers", "1") as s:
         yield s
 
 
-def _put(server: ServerProcess, body, length: int) -> httpx.Response:
+def _put(server: InProcessServer, body, length: int) -> httpx.Response:
     with server.client() as http:
         return http.put(f"/v1/models/{MODEL}/weights", content=body,
                         headers={"content-type": "application/octet-stream", "content-length": str(length)})
@@ -396,7 +396,7 @@ def test_the_push_stream_takes_the_bearer_token_as_pulls_do(tmp_path):
     tokens = tmp_path / "tokens.txt"
     tokens.write_text("push-token-0123456789\n")
     new = _changed(_base(), _floats(_base())[:1], 0.5)
-    with ServerProcess("--token-file", str(tokens), "--workers", "1") as s:
+    with InProcessServer("--token-file", str(tokens), "--workers", "1") as s:
         with Client(s.rest_url, token="push-token-0123456789") as ok:
             assert ok.push_weights(MODEL, new) == _digest(new)
             manifest = ok._send("GET", f"/v1/models/{MODEL}/weights/manifest").json()
@@ -411,6 +411,7 @@ def test_the_push_stream_takes_the_bearer_token_as_pulls_do(tmp_path):
             assert _served(ok) == (manifest["digest"], manifest["weights_version"])
 
 
+@pytest.mark.e2e
 def test_a_server_killed_mid_push_restarts_on_its_weights_with_nothing_stored_lost(tmp_path):
     data = tmp_path / "data"
     flags = ("--data-dir", str(data), "--workers", "1")
@@ -428,7 +429,7 @@ def test_a_server_killed_mid_push_restarts_on_its_weights_with_nothing_stored_lo
             s.kill()  # kill -9, staging in its memory
         finally:
             _kill(proc)
-    with ServerProcess(*flags) as s, Client(s.rest_url) as c:
+    with InProcessServer(*flags) as restarted, Client(restarted.rest_url) as c:
         assert _served(c) == (digest, version)  # the weights it loads at start-up, never a part of the push
         assert torch.equal(c.pull(ticket.id).latents, stored)  # by id: the new Flight port
         m = _metrics(c)
@@ -448,7 +449,7 @@ def test_a_same_host_file_push_is_checked_and_swapped_like_a_stream(tmp_path):
     save_file(new, outside / "new.safetensors")
     (allowed / "link.safetensors").symlink_to(outside / "new.safetensors")
     save_file({keys[1]: new[keys[1]] + 1}, allowed / "one.safetensors")
-    with ServerProcess("--weights-file-dir", str(allowed), "--workers", "1") as s, Client(s.rest_url) as c:
+    with InProcessServer("--weights-file-dir", str(allowed), "--workers", "1") as s, Client(s.rest_url) as c:
         digest, version = _served(c)
         for name, where in (("nan.safetensors", allowed), ("new.safetensors", outside), ("link.safetensors", allowed)):
             with pytest.raises(ApiError) as refused:
@@ -474,7 +475,7 @@ def test_progress_shows_bytes_and_rate_when_asked(server, client, capsys):
 
 @pytest.fixture(scope="module")
 def in_place_server():
-    with ServerProcess("--workers", "2", "--max-batch-samples", "1", "--weights-swap", "in-place",
+    with InProcessServer("--workers", "2", "--max-batch-samples", "1", "--weights-swap", "in-place",
                        "--weights-push-timeout-s", "5") as s:
         yield s
 

@@ -1,4 +1,4 @@
-"""Issue 20, bugs 5, 7, 8 and the verify decision: a same-host client reading `--shm-dir` files.
+"""A same-host client reading `--shm-dir` files.
 
 A real `sigmaflight serve --shm-dir`; the client is the public TrajectoryClient. The references
 are plain pyarrow reads of the same rollouts over gRPC. Forged `file://` locations come from a
@@ -24,7 +24,7 @@ from sigmaflight.dataplane.client import TrajectoryClient
 from sigmaflight.dataplane.files import CorruptTrajectoryFile
 from sigmaflight.dataplane.shm import file_location, host_id
 
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import InProcessServer, wait_for_status
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,13 +33,13 @@ PULL_DEADLINE_S = 30.0  # generous on a loaded box; the bug is a pull that never
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path]]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[InProcessServer, Path]]:
     shm = tmp_path_factory.mktemp("samehost") / "shm"
-    with ServerProcess("--shm-dir", str(shm)) as s:
+    with InProcessServer("--shm-dir", str(shm)) as s:
         yield s, shm / f"sigmaflight-{os.geteuid()}"  # the files live in <shm-dir>/sigmaflight-<uid>/
 
 
-def _finished(server: ServerProcess, seeds: list[int]) -> dict[str, Any]:
+def _finished(server: InProcessServer, seeds: list[int]) -> dict[str, Any]:
     with server.client() as c:
         t = c.post("/v1/rollouts", json={**REQUEST, "seeds": seeds}).json()
         wait_for_status(c, t["id"], {"succeeded"})
@@ -95,8 +95,8 @@ def _fifo(path: Path) -> Path:
     return path
 
 
-def test_a_fifo_moved_onto_the_served_file_never_blocks_a_pull(server: tuple[ServerProcess, Path]) -> None:
-    """Bug 7: a FIFO at DIR/<id>.arrow made pull() hang in openat; now it falls back to gRPC."""
+def test_a_fifo_moved_onto_the_served_file_never_blocks_a_pull(server: tuple[InProcessServer, Path]) -> None:
+    """A FIFO at DIR/<id>.arrow made pull() hang in openat; now it falls back to gRPC."""
     srv, shm = server
     a = _finished(srv, [101, 102])
     want = _plain_latents(_plain_table(srv.flight_url, a["flight"]["ticket"]))
@@ -149,8 +149,8 @@ def _forged(kind: str, shm: Path, a: dict[str, Any], b: dict[str, Any], fifo: Pa
 
 
 @pytest.fixture(scope="module")
-def two(server: tuple[ServerProcess, Path]) -> tuple[dict[str, Any], dict[str, Any], torch.Tensor]:
-    """Two finished rollouts A, B whose files have the same size (as in the issue's report; each
+def two(server: tuple[InProcessServer, Path]) -> tuple[dict[str, Any], dict[str, Any], torch.Tensor]:
+    """Two finished rollouts A, B whose files have the same size (as first reported; each
     batch's checksum is written in decimal, so sizes differ now and then by a few bytes), and A's
     latents read with plain pyarrow."""
     srv, shm = server
@@ -168,10 +168,10 @@ def two(server: tuple[ServerProcess, Path]) -> tuple[dict[str, Any], dict[str, A
 @pytest.mark.parametrize("kind", ["fifo", "other-host-id", "etc-passwd", "directory", "dev-zero", "missing",
                                   "another-rollouts-file", "dotdot", "another-host-name"])
 def test_a_forged_file_location_falls_back_to_grpc_with_the_right_data(
-    server: tuple[ServerProcess, Path], two: tuple[dict[str, Any], dict[str, Any], torch.Tensor], tmp_path: Path,
+    server: tuple[InProcessServer, Path], two: tuple[dict[str, Any], dict[str, Any], torch.Tensor], tmp_path: Path,
     kind: str,
 ) -> None:
-    """Bug 8 (a FIFO named with this host's id blocked the client) and the 8 other forgeries."""
+    """A FIFO named with this host's id blocked the client) and the 8 other forgeries."""
     srv, shm = server
     a, b, want = two
     fifo = tmp_path / "forged.fifo"
@@ -191,9 +191,9 @@ def test_a_forged_file_location_falls_back_to_grpc_with_the_right_data(
 
 
 def test_hard_links_of_two_rollouts_swapped_under_pulls_never_hand_over_the_other_one(
-    server: tuple[ServerProcess, Path], two: tuple[dict[str, Any], dict[str, Any], torch.Tensor]
+    server: tuple[InProcessServer, Path], two: tuple[dict[str, Any], dict[str, Any], torch.Tensor]
 ) -> None:
-    """Bug 5: the client checked one file and read another opened by path: B's latents under A's
+    """The client checked one file and read another opened by path: B's latents under A's
     metadata. Every pull must now be A's (read from A's file, or a clean fallback to gRPC)."""
     srv, shm = server
     a, b, want = two
@@ -234,9 +234,9 @@ def test_hard_links_of_two_rollouts_swapped_under_pulls_never_hand_over_the_othe
 
 
 def test_verify_true_refuses_a_byte_changed_in_the_served_file_and_verify_false_does_not_look(
-    server: tuple[ServerProcess, Path],
+    server: tuple[InProcessServer, Path],
 ) -> None:
-    """Issue 20's decision: a same-host read trusts the file (docs/dataplane.md says what it
+    """By design a same-host read trusts the file (docs/dataplane.md says what it
     does not detect); pull(verify=True) checks each batch's checksum over the bytes it read."""
     srv, shm = server
     c = _finished(srv, [201, 202])

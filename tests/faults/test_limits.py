@@ -8,7 +8,7 @@ import time
 import pyarrow.flight as flight
 import pytest
 
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import InProcessServer, wait_for_status
 
 LIMITS = ("--max-body-bytes", "4096", "--max-prompts", "3", "--max-samples", "6", "--max-steps", "10",
           "--max-rollout-bytes", str(256 * 1024), "--max-flight-streams", "2")
@@ -16,7 +16,7 @@ LIMITS = ("--max-body-bytes", "4096", "--max-prompts", "3", "--max-samples", "6"
 
 @pytest.fixture(scope="module")
 def limited():
-    with ServerProcess(*LIMITS) as server, server.client() as c:
+    with InProcessServer(*LIMITS) as server, server.client() as c:
         yield server, c
 
 

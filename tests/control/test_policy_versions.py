@@ -9,7 +9,7 @@ from sigmaflight.pipeline.models import ModelRegistry, weights_digest
 
 from sigmaflight import Client
 from sigmaflight.errors import ApiError
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import InProcessServer, wait_for_status
 
 
 def _rollout_meta(ticket: dict) -> dict:
@@ -29,7 +29,7 @@ def test_policy_version_and_stale_policy(tmp_path):
     pushed.pipeline.transformer.load_state_dict(state)
     new_digest = weights_digest(pushed.pipeline)  # independent: the digest of those weights, made here
 
-    with ServerProcess("--workers", "1", "--max-steps", "5000") as s, s.client() as c, Client(s.rest_url) as client:
+    with InProcessServer("--workers", "1", "--max-steps", "5000") as s, s.client() as c, Client(s.rest_url) as client:
         (m,) = [m for m in client.models() if m["id"] == "tiny-sd3"]
         assert m["digest"] == base.digest and m["weights_version"] == 0
 

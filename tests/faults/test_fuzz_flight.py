@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import InProcessServer, wait_for_status
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 # What the server answers bad input with (dataplane/server.py): FlightServerError, naming the problem.
@@ -24,7 +24,7 @@ SERVER_SAYS: tuple[str, ...] = ("not found", "descriptor", "partition count")
 
 @pytest.fixture(scope="module")
 def live():
-    with ServerProcess() as server, server.client() as c:
+    with InProcessServer() as server, server.client() as c:
         ticket = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2, "seed": 1}).json()
         wait_for_status(c, ticket["id"], {"succeeded"})
         with flight.FlightClient(server.flight_url) as client:
@@ -111,5 +111,5 @@ def test_server_still_serves_after_fuzzing(live):
     _still_serves(client, ticket)
     assert {a.type for a in client.list_actions()} == {"cancel", "release", "weights_push_status"}
     assert [i.descriptor.path[1].decode() for i in client.list_flights()] == [ticket["id"]]
-    assert server.proc.poll() is None
+    assert server.poll() is None
     assert '"level": "critical"' not in server.log_text

@@ -7,10 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
+import pytest
 import torch
 
 from sigmaflight import Client
 from tests.servers import ServerProcess
+
+pytestmark = pytest.mark.e2e
 
 
 def test_extra_streams_survive_kill_9_and_go_with_their_rollout(tmp_path):

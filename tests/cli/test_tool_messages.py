@@ -1,5 +1,7 @@
-"""What a newcomer from the diffusion-RL field hit (issue 21, items 3-6, 9, 10), each on the real
-server, the real client and the real CLI."""
+"""What the tools tell a user from the diffusion-RL field: step_log_prob and the sampler it reads,
+`inspect --strict`, an unreachable server or the wrong port, limits that name their flag, a cancel
+of a finished rollout, Ctrl-C during a pull, no stray notices, and the docs page; on a real server
+with the real client and CLI."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from sigmaflight.pipeline.models import ModelRegistry
 
 from sigmaflight import ApiError, Client, ServerUnreachable, step_log_prob
 from sigmaflight.cli import main
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def server():
     # Limits a test can reach: a rollout of 2000 steps (to interrupt a pull), 256 MiB of latents at most.
-    with ServerProcess("--max-steps", "2000", "--max-rollout-bytes", str(256 << 20)) as s:
+    with InProcessServer("--max-steps", "2000", "--max-rollout-bytes", str(256 << 20)) as s:
         yield s
 
 

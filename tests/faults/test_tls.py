@@ -8,8 +8,8 @@ import httpx
 import pyarrow.flight as flight
 import pytest
 
-from tests.hardening.conftest import TOKEN, call_options, pull
-from tests.servers import ServerProcess, wait_for_status
+from tests.faults.conftest import TOKEN, call_options, pull
+from tests.servers import InProcessServer, wait_for_status
 
 BODY = {"prompts": ["a red cube", "a blue ball"], "num_inference_steps": 2, "seed": 5}
 
@@ -19,7 +19,7 @@ def tls_server(certificate, tmp_path_factory):
     cert, key = certificate
     tokens = tmp_path_factory.mktemp("tls-auth") / "tokens.txt"
     tokens.write_text(TOKEN + "\n")
-    with ServerProcess("--tls-cert", str(cert), "--tls-key", str(key), "--token-file", str(tokens)) as server:
+    with InProcessServer("--tls-cert", str(cert), "--tls-key", str(key), "--token-file", str(tokens)) as server:
         yield server
 
 
@@ -37,7 +37,7 @@ def test_rest_over_https_and_flight_over_grpc_tls(tls_server, certificate):
         assert ticket["flight"]["locations"][0].startswith("grpc+tls://")
         wait_for_status(c, ticket["id"], {"succeeded"})
     location = ticket["flight"]["locations"][0]
-    table = pull(location, ticket["flight"]["ticket"], TOKEN, tls_root_certs=cert.read_bytes())
+    table = pull(location, ticket["flight"]["ticket"], TOKEN, tls_root_certs=cert.read_bytes(), timeout=60)
     assert table.num_rows == 2 * 3
     with flight.FlightClient(location, tls_root_certs=cert.read_bytes()) as fc:
         info = fc.get_flight_info(flight.FlightDescriptor.for_path("rollouts", ticket["id"]), options=call_options(TOKEN))
@@ -58,4 +58,4 @@ def test_clients_that_do_not_trust_the_certificate_are_refused(tls_server):
     plain = tls_server.flight_url.replace("grpc+tls://", "grpc+tcp://")
     with flight.FlightClient(plain) as fc, pytest.raises(flight.FlightUnavailableError):
         list(fc.list_actions(options=flight.FlightCallOptions(timeout=5)))
-    assert tls_server.proc.poll() is None
+    assert tls_server.poll() is None

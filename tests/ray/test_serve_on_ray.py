@@ -14,6 +14,8 @@ from sigmaflight import Client
 from tests.dataplane.helpers import mapped_ranges
 from tests.servers import ServerProcess, wait_for_status
 
+pytestmark = pytest.mark.e2e
+
 pytest.importorskip("ray", reason="the Ray backend needs `pip install sigmaflight[ray]`")
 
 
@@ -75,7 +77,7 @@ def test_ray_workers_serve_the_outputs_stream_the_policy_version_and_reloaded_to
     from sigmaflight.pipeline.models import ModelRegistry
 
     from sigmaflight import Client
-    from tests.control.test_outputs_e2e import CASES, _stock_outputs
+    from tests.control.test_outputs_stream import CASES, _stock_outputs
     from tests.faults.test_token_reload import NEW, OLD, _flight_ok, _hup_and_wait, _write
 
     case = CASES["tiny-sd3"]

@@ -1,4 +1,4 @@
-"""Issue 12, items 1-3: auth must fail closed, POST bodies must be JSON, Idempotency-Key bounded."""
+"""Auth must fail closed, POST bodies must be JSON, Idempotency-Key bounded."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.faults.conftest import SMALL
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer, ServerProcess
 
 TOKEN = "sfk-faults-0123456789abcdef0123456789"
 
@@ -27,6 +27,7 @@ def _start_refused(*flags: str) -> str:
     pytest.fail(f"server started with {flags}: {ready}")
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("content", ["", "# only a comment\n\n   \n# another\n"], ids=["empty", "comments-only"])
 def test_token_file_without_tokens_refuses_to_start(tmp_path: Path, content: str) -> None:
@@ -38,6 +39,7 @@ def test_token_file_without_tokens_refuses_to_start(tmp_path: Path, content: str
     assert "Traceback" not in out
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("kind", ["missing", "directory", "not-utf8"])
 def test_missing_token_file_is_one_line_error(tmp_path: Path, kind: str) -> None:
@@ -61,7 +63,7 @@ def test_world_readable_token_file_warns_once(tmp_path: Path) -> None:
     path = tmp_path / "tokens.txt"
     path.write_text(TOKEN + "\n")
     os.chmod(path, 0o644)
-    with ServerProcess("--token-file", str(path)) as server:
+    with InProcessServer("--token-file", str(path)) as server:
         with server.client(TOKEN) as c:
             assert c.get("/v1/models").status_code == 200
         lines = [line for line in server.logs if str(path) in line and '"warning"' in line.lower()]
@@ -74,7 +76,7 @@ def test_private_token_file_does_not_warn(tmp_path: Path) -> None:
     path = tmp_path / "tokens.txt"
     path.write_text(TOKEN + "\n")
     os.chmod(path, 0o600)
-    with ServerProcess("--token-file", str(path)) as server:
+    with InProcessServer("--token-file", str(path)) as server:
         with server.client(TOKEN) as c:
             assert c.get("/v1/models").status_code == 200
         assert not [line for line in server.logs if str(path) in line]
@@ -82,7 +84,7 @@ def test_private_token_file_does_not_warn(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def open_server():
-    with ServerProcess() as server:
+    with InProcessServer() as server:
         yield server
 
 
@@ -95,7 +97,7 @@ def _error_type(response: httpx.Response) -> str:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("content_type", ["text/plain", None, "application/x-www-form-urlencoded",
                                           "multipart/form-data; boundary=x"])
-def test_post_requires_json_content_type(open_server: ServerProcess, content_type: str | None) -> None:
+def test_post_requires_json_content_type(open_server: InProcessServer, content_type: str | None) -> None:
     import json
 
     headers = {"content-type": content_type} if content_type else {}
@@ -110,7 +112,7 @@ def test_post_requires_json_content_type(open_server: ServerProcess, content_typ
 
 
 @pytest.mark.timeout(60)
-def test_post_without_body_or_content_type_is_415(open_server: ServerProcess) -> None:
+def test_post_without_body_or_content_type_is_415(open_server: InProcessServer) -> None:
     with httpx.Client(base_url=open_server.rest_url, timeout=30) as c:
         r = c.post("/v1/rollouts")
     assert r.status_code == 415, r.text
@@ -118,7 +120,7 @@ def test_post_without_body_or_content_type_is_415(open_server: ServerProcess) ->
     assert r.json()["error"]["details"][0]["loc"] == ["header", "content-type"]
 
 
-def test_post_json_content_type_with_charset_is_accepted(open_server: ServerProcess) -> None:
+def test_post_json_content_type_with_charset_is_accepted(open_server: InProcessServer) -> None:
     """Control case (holds today): application/json, with or without charset, is a rollout."""
     import json
 
@@ -129,7 +131,7 @@ def test_post_json_content_type_with_charset_is_accepted(open_server: ServerProc
 
 
 @pytest.mark.timeout(60)
-def test_idempotency_key_length_is_bounded(open_server: ServerProcess) -> None:
+def test_idempotency_key_length_is_bounded(open_server: InProcessServer) -> None:
     key = "k" * 100_000
     with open_server.client() as c:
         r = c.post("/v1/rollouts", json=SMALL, headers={"Idempotency-Key": key})

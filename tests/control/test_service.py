@@ -15,14 +15,14 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from tests.servers import ServerProcess, flight_streams, wait_for, wait_for_status
+from tests.servers import InProcessServer, ServerProcess, flight_streams, wait_for, wait_for_status
 
 COLUMNS = ["step", "sample", "prompt_index", "seed", "timestep", "sigma", "sigma_next", "sde", "log_prob", "latent"]
 
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--max-steps", "5000") as s:
+    with InProcessServer("--max-steps", "5000") as s:
         yield s
 
 
@@ -264,7 +264,7 @@ def test_openapi_validates_and_matches_what_endpoints_return(client):
 
 
 def test_queue_full_answers_429_with_retry_after():
-    with ServerProcess("--queue-size", "1", "--workers", "1", "--max-steps", "5000") as s, s.client() as c:
+    with InProcessServer("--queue-size", "1", "--workers", "1", "--max-steps", "5000") as s, s.client() as c:
         codes = [c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 300, "seed": i}).status_code
                  for i in range(4)]
         assert 429 in codes and codes[0] == 202
@@ -275,6 +275,7 @@ def test_queue_full_answers_429_with_retry_after():
             c.delete(f"/v1/rollouts/{rollout['id']}")
 
 
+@pytest.mark.e2e
 def test_sigterm_fails_running_rollouts_and_exits_quickly(tmp_path):
     s = ServerProcess("--data-dir", str(tmp_path), "--max-steps", "5000")
     try:
@@ -288,7 +289,7 @@ def test_sigterm_fails_running_rollouts_and_exits_quickly(tmp_path):
         assert time.monotonic() - t0 < 30
     finally:
         s.kill()
-    with ServerProcess("--data-dir", str(tmp_path)) as again, again.client() as c:
+    with InProcessServer("--data-dir", str(tmp_path)) as again, again.client() as c:
         assert c.get(f"/v1/rollouts/{done['id']}").json()["status"] == "succeeded"
         failed = c.get(f"/v1/rollouts/{running['id']}").json()
         assert failed["status"] == "failed" and "shutting down" in failed["error"]["message"]

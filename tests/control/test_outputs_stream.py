@@ -20,7 +20,7 @@ from PIL import Image
 from sigmaflight.pipeline.models import ModelRegistry
 
 from sigmaflight import Client
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import InProcessServer, wait_for_status
 from tests.stock import stock_scheduler
 
 TOKEN = "outputs-e2e-token-0123456789"
@@ -35,7 +35,7 @@ CASES: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--max-steps", "5000", "--workers", "1") as s:
+    with InProcessServer("--max-steps", "5000", "--workers", "1") as s:
         yield s
 
 
@@ -212,7 +212,7 @@ def test_bad_new_fields_get_422_naming_them(server, body, loc):
 
 
 def test_outputs_stream_honours_tokens():
-    with ServerProcess("--token", TOKEN) as s, s.client(TOKEN) as c:
+    with InProcessServer("--token", TOKEN) as s, s.client(TOKEN) as c:
         t = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2, "seed": 3,
                                          "return": {"outputs": True}}).json()
         wait_for_status(c, t["id"], {"succeeded"})

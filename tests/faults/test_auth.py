@@ -7,11 +7,12 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pyarrow.flight as flight
 import pytest
 
-from tests.hardening.conftest import OTHER_TOKEN, TOKEN, WRONG_TOKEN, call_options, pull
-from tests.servers import ServerProcess, wait_for_status
+from tests.faults.conftest import OTHER_TOKEN, TOKEN, WRONG_TOKEN, call_options, pull
+from tests.servers import InProcessServer, ServerProcess, wait_for_status
 
 BODY = {"prompts": ["a red cube"], "num_inference_steps": 2, "seed": 3}
 
@@ -21,7 +22,7 @@ def secured(tmp_path_factory):
     path = tmp_path_factory.mktemp("auth") / "tokens.txt"
     path.write_text(f"# tokens\n\n{TOKEN}\n{OTHER_TOKEN}\n")
     os.chmod(path, 0o600)
-    with ServerProcess("--token-file", str(path)) as server:
+    with InProcessServer("--token-file", str(path)) as server:
         yield server
 
 
@@ -64,10 +65,32 @@ def test_double_space_after_the_scheme_is_accepted_with_the_right_token_on_both_
         list(fc.list_actions(options=wrong))
 
 
-def test_rest_scheme_is_case_insensitive_like_flight(secured):
-    with secured.client() as c:
-        assert c.get("/v1/models", headers={"authorization": f"bearer {TOKEN}"}).status_code == 200
-        assert c.get("/v1/models", headers={"authorization": f"BEARER {WRONG_TOKEN}"}).status_code == 401
+SPELLINGS = ["Bearer", "bearer", "BEARER", "bEaReR"]
+"""The auth scheme is case-insensitive on both planes, as RFC 6750 (and RFC 9110's auth-scheme) say."""
+
+
+def _flight_ok(server: InProcessServer, header: str) -> bool:
+    opts = flight.FlightCallOptions(headers=[(b"authorization", header.encode())], timeout=30)
+    with flight.FlightClient(server.flight_url) as fc:
+        try:
+            return {a.type for a in fc.list_actions(options=opts)} == {"cancel", "release", "weights_push_status"}
+        except flight.FlightUnauthenticatedError:
+            return False
+
+
+@pytest.mark.parametrize("scheme", SPELLINGS)
+def test_any_case_of_the_scheme_with_the_right_token_is_accepted_on_both_planes(secured: InProcessServer, scheme: str):
+    with httpx.Client(base_url=secured.rest_url, timeout=30) as c:
+        assert c.get("/v1/models", headers={"authorization": f"{scheme} {TOKEN}"}).status_code == 200
+    assert _flight_ok(secured, f"{scheme} {TOKEN}")
+
+
+@pytest.mark.parametrize("scheme", SPELLINGS)
+def test_any_case_of_the_scheme_with_a_wrong_token_is_refused_on_both_planes(secured: InProcessServer, scheme: str):
+    with httpx.Client(base_url=secured.rest_url, timeout=30) as c:
+        r = c.get("/v1/models", headers={"authorization": f"{scheme} {WRONG_TOKEN}"})
+    assert r.status_code == 401 and r.json()["error"]["message"] == "invalid bearer token"
+    assert not _flight_ok(secured, f"{scheme} {WRONG_TOKEN}")
 
 
 def test_healthz_is_open(secured):
@@ -82,7 +105,7 @@ def test_right_tokens_work_on_both_planes(secured):
             assert c.get("/readyz").status_code == 200
             ticket = c.post("/v1/rollouts", json=BODY).json()
             assert wait_for_status(c, ticket["id"], {"succeeded"})["status"] == "succeeded"
-        table = pull(secured.flight_url, ticket["flight"]["ticket"], token)
+        table = pull(secured.flight_url, ticket["flight"]["ticket"], token, timeout=60)
         assert table.num_rows == 3
         with flight.FlightClient(secured.flight_url) as fc:
             opts = call_options(token)
@@ -115,9 +138,10 @@ def test_flight_refuses_missing_and_wrong_tokens(secured, token):
     # the refused do_action("release") released nothing
     with secured.client(TOKEN) as c:
         assert c.get(f"/v1/rollouts/{ticket['id']}").json()["status"] == "succeeded"
-    assert pull(secured.flight_url, ticket["flight"]["ticket"], TOKEN).num_rows == 3
+    assert pull(secured.flight_url, ticket["flight"]["ticket"], TOKEN, timeout=60).num_rows == 3
 
 
+@pytest.mark.e2e
 def test_tokens_never_reach_the_logs(tmp_path):
     """Its own server: the log is read whole once the process has exited (SIGTERM), so a line
     written late (a rollout's end, a closed connection, shutdown) is read too."""
@@ -134,7 +158,7 @@ def test_tokens_never_reach_the_logs(tmp_path):
             assert c.get("/v1/rollouts/does-not-exist").status_code == 404
             ticket = c.post("/v1/rollouts", json=BODY).json()
             assert wait_for_status(c, ticket["id"], {"succeeded"})["status"] == "succeeded"
-        assert pull(server.flight_url, ticket["flight"]["ticket"], OTHER_TOKEN).num_rows == 3
+        assert pull(server.flight_url, ticket["flight"]["ticket"], OTHER_TOKEN, timeout=60).num_rows == 3
         with flight.FlightClient(server.flight_url) as fc, pytest.raises(flight.FlightUnauthenticatedError):
             fc.get_flight_info(flight.FlightDescriptor.for_path("rollouts", "x"), options=call_options(WRONG_TOKEN))
     finally:
@@ -148,7 +172,7 @@ def test_tokens_never_reach_the_logs(tmp_path):
 
 
 def test_token_from_environment_variable_and_help_hides_it():
-    with ServerProcess(env={"SIGMAFLIGHT_TOKEN": f"{TOKEN},{OTHER_TOKEN}"}) as server:
+    with InProcessServer(env={"SIGMAFLIGHT_TOKEN": f"{TOKEN},{OTHER_TOKEN}"}) as server:
         with server.client() as c:
             assert c.get("/v1/models").status_code == 401
         with server.client(OTHER_TOKEN) as c:

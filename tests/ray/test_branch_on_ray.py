@@ -14,6 +14,8 @@ import torch
 from sigmaflight import Client
 from tests.servers import ServerProcess
 
+pytestmark = pytest.mark.e2e
+
 pytest.importorskip("ray", reason="the Ray backend needs `pip install sigmaflight[ray]`")
 
 
