@@ -169,14 +169,26 @@ def test_trickled_body_is_408_with_the_error_body(server: InProcessServer) -> No
             s.close()
 
 
-def test_request_headers_over_16_kib_are_refused_with_400_and_the_connection_closed(server):
-    """The request line and headers are bounded (16 KiB, as h11 bounds them) whichever HTTP parser
-    serves: a client cannot hold the server's memory with endless headers inside the header timeout."""
+def test_request_headers_over_16_kib_are_refused_with_431_naming_the_header_and_the_connection_closed(server):
+    """The request line and headers are bounded (16 KiB, h11's default bound; httptools has none):
+    a client cannot hold the server's memory with endless headers inside the header timeout, and
+    the refusal is the contract's error body naming the header."""
     with contextlib.closing(_connect(server)) as sock:
-        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: test\r\n" + b"x-padding: " + b"p" * (20 * 1024) + b"\r\n\r\n")
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: test\r\n" + b"X-Padding: " + b"p" * (20 * 1024) + b"\r\n\r\n")
         reply = b""
         while chunk := sock.recv(65536):
             reply += chunk
-    assert reply.startswith(b"HTTP/1.1 400 "), reply[:200]
+    assert reply.startswith(b"HTTP/1.1 431 "), reply[:200]
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert b"connection: close" in head.lower() and b"x-request-id: " in head.lower()
+    error = json.loads(body)["error"]
+    assert error["type"] == "validation_error" and error["details"][0]["loc"] == ["header", "x-padding"]
+    with contextlib.closing(_connect(server)) as sock:  # a request line past the bound: loc "url"
+        sock.sendall(b"GET /healthz?q=" + b"q" * (20 * 1024) + b" HTTP/1.1\r\nhost: test\r\n\r\n")
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 431 "), reply[:200]
+    assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["details"][0]["loc"] == ["url"]
     with httpx.Client(base_url=server.rest_url, timeout=10) as c:  # others are served
         assert c.get("/healthz").status_code == 200
