@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import os
 import signal
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -24,7 +25,7 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from sigmaflight.pipeline.models import ModelRegistry
 
 from sigmaflight import ApiError, AsyncClient, Client, NotFound, RolloutCancelled
-from sigmaflight.stream import Rollout, Stream
+from sigmaflight.stream import Rollout
 from sigmaflight.wire import Ticket
 from tests.servers import InProcessServer, wait_for
 
@@ -216,35 +217,69 @@ def test_an_error_of_the_requests_iterable_ends_the_stream_and_cancels_its_rollo
             c.stream({"prompts": ["a"]})  # type: ignore[dict-item]
 
 
-@pytest.mark.parametrize("how", ["close", "break", pytest.param("ctrl-c", marks=pytest.mark.skipif(
-    bool(os.environ.get("PYTEST_XDIST_WORKER")),
-    reason="a SIGINT to a pytest-xdist worker's main thread also reaches execnet (3 of 4 CI runs broke "
-           "differently); run this file with -n 0. The close and break cases check the same cancel path"))])
-def test_closing_cancels_what_is_queued_or_running(server, how):
+_CTRL_C_CHILD = """
+import sys, threading, time
+from sigmaflight import Client
+from sigmaflight.stream import Stream
+
+def waits_in_next() -> None:  # tell the parent once the main thread waits in Stream.__next__
+    while True:
+        frame = sys._current_frames()[threading.main_thread().ident]
+        while frame is not None and frame.f_code is not Stream.__next__.__code__:
+            frame = frame.f_back
+        if frame is not None:
+            print("WAITING", flush=True)
+            return
+        time.sleep(0.01)
+
+with Client(sys.argv[1]) as c:
+    stream = c.stream([{"prompts": [f"close-ctrl-c {i}"], "seed": i, "num_inference_steps": 2}
+                       for i in range(8)], in_flight=3, progress=False)
+    threading.Thread(target=waits_in_next, daemon=True).start()
+    try:
+        next(stream)
+    except KeyboardInterrupt:
+        print("INTERRUPTED", flush=True)
+        sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "break", "ctrl-c"])
+def test_closing_cancels_what_is_queued_or_running(server, how, tmp_path):
     with Client(server.rest_url) as c:
         before = {s.id for s in c.rollouts(limit=1000)}
         block = blockers(c)
-        stream = c.stream(requests(8, f"close-{how}"), in_flight=3, progress=False)
+        child = None
+        if how == "ctrl-c":
+            # a trainer's own process (a real SIGINT to a pytest worker would also reach its
+            # execnet channel): Ctrl-C while it waits for the next rollout cancels what the
+            # stream submitted and lets the KeyboardInterrupt through
+            script = tmp_path / "trainer.py"
+            script.write_text(_CTRL_C_CHILD)
+            child = subprocess.Popen([sys.executable, str(script), server.rest_url], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+            stream = None
+        else:
+            stream = c.stream(requests(8, f"close-{how}"), in_flight=3, progress=False)
         ids = wait_for(lambda: (lambda s: s if len(s) == 3 else None)(stream_ids(c, before | set(block))),
                        "three queued", timeout=60)
         if how == "close":
+            assert stream is not None
             stream.close()
         elif how == "break":  # the first rollout out (one cancelled from outside), then break
+            assert stream is not None
             c.cancel(sorted(ids)[0])
             for r in stream:
                 assert isinstance(r.error, RolloutCancelled)
                 break
             del stream  # a `for` over `c.stream(...)` drops it as the loop ends; here the test held it
         else:
-            # Ctrl-C while the trainer waits for the next rollout: SIGINT to this (the main) thread
-            # once it waits; the stream cancels and lets the KeyboardInterrupt through.
-            def interrupt() -> None:
-                wait_for(lambda: any(f.f_code is Stream.__next__.__code__ for f in _frames()), "next() waits")
-                signal.pthread_kill(_main_ident(), signal.SIGINT)
-
-            threading.Thread(target=interrupt, daemon=True).start()
-            with pytest.raises(KeyboardInterrupt):
-                next(stream)
+            assert child is not None and child.stdout is not None
+            assert child.stdout.readline() == "WAITING\n"
+            child.send_signal(signal.SIGINT)
+            out, err = child.communicate(timeout=60)
+            assert (child.returncode, out) == (130, "INTERRUPTED\n"), (child.returncode, out, err)
+            assert "Traceback" not in err, err
         ended = wait_for(lambda: (lambda st: st if all(s.status in ("cancelled", "succeeded", "expired") for s in st)
                                   else None)([c.status(i) for i in stream_ids(c, before | set(block))]),
                          "the stream's rollouts end", timeout=60)
@@ -257,23 +292,6 @@ def test_closing_cancels_what_is_queued_or_running(server, how):
 def _ticket(r: Rollout) -> Ticket:
     assert r.ticket is not None
     return r.ticket
-
-
-def _main_ident() -> int:
-    ident = threading.main_thread().ident
-    assert ident is not None
-    return ident
-
-
-def _frames() -> list[Any]:
-    import sys
-
-    frame: Any = sys._current_frames()[_main_ident()]
-    out = []
-    while frame is not None:
-        out.append(frame)
-        frame = frame.f_back
-    return out
 
 
 def _nudged(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
