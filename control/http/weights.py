@@ -369,7 +369,7 @@ async def post_weights_file(request: Request) -> Response:
 
 async def put_weights(request: Request) -> Response:
     length = request.headers.get("content-length", "")
-    if not length.isdigit():  # a chunked body: read whole, as before
+    if not length.isdigit():  # chunked (no Content-Length): one growing buffer, within --max-weights-bytes
         return await _push(request, _load)
     slots: PushSlots = request.app.state.push_slots
     if not slots.try_take():
