@@ -109,7 +109,7 @@ class Entry:
         with self.cond:
             if self.state is not RolloutState.SUCCEEDED:
                 return None
-            return ResultInfo(num_rows=self.num_rows, num_bytes=self.num_bytes, steps=tuple(self.steps_done))
+            return ResultInfo(num_rows=self.num_rows, num_bytes=self.num_bytes, steps=list(self.steps_done))
 
     # -- producer side ---------------------------------------------------------------------
     def append(self, step: int, batches: Sequence[pa.RecordBatch]) -> int:

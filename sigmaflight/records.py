@@ -2,16 +2,16 @@
 
 One form each, imported by the REST wire models (sigmaflight/wire.py), the job manager
 (control/jobs/), the result store (dataplane/) and the Ray workers, so a status, an error word or
-a result means the same thing wherever it is read. Plain pydantic and the standard library: the
-users' package loads no server code.
+a result means the same thing wherever it is read. The standard library only: the data plane and
+the GPU run import it where pydantic is absent; the wire models validate these dataclasses as
+fields (pydantic reads `__pydantic_config__`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal, get_args
-
-from pydantic import BaseModel, ConfigDict
+from typing import Any, ClassVar, Literal, get_args
 
 __all__ = [
     "ERROR_TYPES", "STATES", "STREAM_ENDS", "TERMINAL", "TRANSITIONS", "ErrorInfo", "InvalidTransition", "ResultInfo",
@@ -100,19 +100,21 @@ def error_type(word: str | None) -> str:
     return word if word in ERROR_TYPES else "internal_error"
 
 
-class _Record(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
-
-
-class ErrorInfo(_Record):
+@dataclass(frozen=True, kw_only=True)
+class ErrorInfo:
     """Why a rollout failed: the contract's `error` object."""
+
+    __pydantic_config__: ClassVar[dict[str, Any]] = {"extra": "forbid"}  # as a field of the wire models
 
     type: str
     message: str
 
 
-class ResultInfo(_Record):
+@dataclass(frozen=True, kw_only=True)
+class ResultInfo:
     """What a succeeded rollout holds: the contract's `result` object."""
+
+    __pydantic_config__: ClassVar[dict[str, Any]] = {"extra": "forbid"}
 
     num_rows: int
     num_bytes: int
@@ -126,4 +128,3 @@ class ResultInfo(_Record):
     def from_json(cls, data: dict[str, Any]) -> ResultInfo:
         return cls(num_rows=int(data["num_rows"]), num_bytes=int(data["num_bytes"]),
                    steps=[int(s) for s in data["steps"]])
-
