@@ -285,12 +285,32 @@ async def _branch(req: RolloutRequest, parent: Parent, model: Any, spec: Rollout
     return spec
 
 
+STATUS_BODIES_MAX = 4096
+"""Rendered status bodies kept (`status_body`); past it the cache starts over."""
+_status_bodies: dict[str, tuple[Service, JobView, list[str], bytes]] = {}
+
+
+def status_body(service: Service, job: JobView) -> bytes:
+    """The status document of `job` as JSON bytes, rendered once per snapshot: clients poll a
+    rollout's status many times between its changes, and the table publishes a new `JobView`
+    object on every change, so the same object with the same Flight locations is the same body."""
+    locations = service.backend.locations_for(job.id)
+    hit = _status_bodies.get(job.id)
+    if hit is not None and hit[0] is service and hit[1] is job and hit[2] == locations:
+        return hit[3]
+    body = JSONResponse(status_of(service, job).model_dump(mode="json", by_alias=True)).body
+    if len(_status_bodies) >= STATUS_BODIES_MAX:
+        _status_bodies.clear()
+    _status_bodies[job.id] = (service, job, locations, body)
+    return body
+
+
 async def get_rollout(request: Request) -> Response:
     service = _service(request)
     job = service.jobs.get(request.path_params["rollout_id"])  # a dict read: no thread hop
     if job is None:
         raise unknown_rollout(request.path_params["rollout_id"])
-    return _model(status_of(service, job))
+    return Response(status_body(service, job), media_type="application/json")
 
 
 async def list_rollouts(request: Request) -> Response:

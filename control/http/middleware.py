@@ -94,6 +94,14 @@ class BearerAuthMiddleware:
         await self.app(scope, receive, send)
 
 
+class _TooLarge(Exception):
+    """The request body went over its limit."""
+
+
+class _TooSlow(Exception):
+    """The request body did not arrive in time."""
+
+
 class BodyLimitMiddleware:
     """Bounds what a request body may hold: its size and how long it takes to arrive.
 
@@ -145,12 +153,6 @@ class BodyLimitMiddleware:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s if self.timeout_s is not None else None
 
-        class TooLarge(Exception):
-            pass
-
-        class TooSlow(Exception):
-            pass
-
         async def limited_receive() -> Message:
             nonlocal seen, complete
             if complete or deadline is None:  # after the body: only the disconnect is left to wait for
@@ -159,12 +161,12 @@ class BodyLimitMiddleware:
                 try:
                     message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
                 except TimeoutError:
-                    raise TooSlow from None
+                    raise _TooSlow from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 complete = not message.get("more_body", False)
                 if seen > max_bytes:
-                    raise TooLarge
+                    raise _TooLarge
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -175,10 +177,10 @@ class BodyLimitMiddleware:
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except TooLarge:
+        except _TooLarge:
             if not started:
                 await send_error(send, 413, "body_too_large", self._message(seen, max_bytes, flag))
-        except TooSlow:
+        except _TooSlow:
             log.info("request body too slow; answered 408",
                      extra={"method": scope["method"], "path": scope["path"], "bytes": seen,
                             "request_id": scope.get("state", {}).get("request_id")})
