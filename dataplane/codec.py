@@ -11,6 +11,7 @@ tensors at the cost of one copy.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -68,9 +69,17 @@ def latent_array(latent: torch.Tensor, latent_shape: tuple[int, ...], dtype: tor
     b = int(latent.shape[0])
     n = math.prod(latent_shape)
     arr = _tensor_to_numpy(latent.detach())
-    values = pa.Array.from_buffers(arrow_value_type(dtype), b * n, [None, pa.py_buffer(arr)])
+    value_type, tensor_type = _tensor_types(dtype, tuple(latent_shape))
+    values = pa.Array.from_buffers(value_type, b * n, [None, pa.py_buffer(arr)])
     storage = pa.FixedSizeListArray.from_arrays(values, n)
-    return pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(values.type, list(latent_shape)), storage)
+    return pa.ExtensionArray.from_storage(tensor_type, storage)
+
+
+@functools.lru_cache(maxsize=256)
+def _tensor_types(dtype: torch.dtype, latent_shape: tuple[int, ...]) -> tuple[pa.DataType, pa.DataType]:
+    """The value type and the fixed_shape_tensor type of a latent column (made once per shape)."""
+    value_type = arrow_value_type(dtype)
+    return value_type, pa.fixed_shape_tensor(value_type, list(latent_shape))
 
 
 def velocity_array(velocity: torch.Tensor | None, rows: int, latent_shape: tuple[int, ...]) -> pa.Array:
@@ -136,13 +145,11 @@ def encode_step(
         if log_prob is not None:
             part = log_prob[a:e]
             lp = pa.array(part, pa.float32(), mask=np.isnan(part))
+        step_columns = _step_columns(i, n, timestep, sigma, sigma_next, sde)
         arrays = [
-            pa.array(np.full(n, i, np.int32)),
+            step_columns[0],
             *same[:3],
-            pa.array([timestep] * n, pa.float32()),
-            pa.array(np.full(n, sigma, np.float32)),
-            pa.array([sigma_next] * n, pa.float32()),
-            pa.array([sde] * n, pa.bool_()),
+            *step_columns[1:],
             lp,
             latent_array(latent[a:e], tuple(header.latent_shape), header.latent_dtype),
         ]
@@ -151,6 +158,32 @@ def encode_step(
         arrays += same[3:]
         out.append(pa.RecordBatch.from_arrays(arrays, schema=schema))
     return out
+
+
+_STEP_COLUMNS: dict[tuple[Any, ...], tuple[pa.Array, ...]] = {}
+STEP_COLUMNS_MAX = 4096
+"""Step columns kept (`_step_columns`); past it the cache starts over."""
+
+
+def _step_columns(i: int, n: int, timestep: float | None, sigma: float, sigma_next: float | None,
+                  sde: bool | None) -> tuple[pa.Array, ...]:
+    """The step, timestep, sigma, sigma_next and sde columns of n rows: the same for every
+    rollout of a co-batched call at one step, so made once for all of them (Arrow arrays are
+    immutable: batches may share them)."""
+    key = (i, n, timestep, sigma, sigma_next, sde)
+    hit = _STEP_COLUMNS.get(key)
+    if hit is None:
+        hit = (
+            pa.array(np.full(n, i, np.int32)),
+            pa.array([timestep] * n, pa.float32()),
+            pa.array(np.full(n, sigma, np.float32)),
+            pa.array([sigma_next] * n, pa.float32()),
+            pa.array([sde] * n, pa.bool_()),
+        )
+        if len(_STEP_COLUMNS) >= STEP_COLUMNS_MAX:
+            _STEP_COLUMNS.clear()
+        _STEP_COLUMNS[key] = hit
+    return hit
 
 
 def _row_columns(header: TrajectoryHeader, a: int, e: int) -> list[pa.Array]:
