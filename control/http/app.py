@@ -7,6 +7,7 @@ routes as lifespan state; every error leaves as the contract's JSON error body.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -15,12 +16,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from sigmaflight.control.backends.local import LocalBackend
 from sigmaflight.control.branches import Parent, StaleParent, branch_spec, check_inherited, find_parent
 from sigmaflight.control.http import metrics
 from sigmaflight.control.http.docs_page import docs_routes
 from sigmaflight.control.http.errors import EXCEPTION_HANDLERS, HttpError, invalid
 from sigmaflight.control.http.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from sigmaflight.control.http.openapi import openapi_document
+from sigmaflight.control.http.status import flight_ticket, status_body, status_of
 from sigmaflight.control.http.weights import (
     FILE_PATH,
     LORA_PATH,
@@ -34,11 +37,10 @@ from sigmaflight.control.http.weights import (
     put_lora,
     put_weights,
 )
-from sigmaflight.control.jobs import JobView, iso
 from sigmaflight.control.policy import policy
 from sigmaflight.control.service import Service
 from sigmaflight.control.settings import Settings
-from sigmaflight.control.streams import output_bytes, stream_names, stream_tickets, validate_outputs
+from sigmaflight.control.streams import output_bytes, stream_names, validate_outputs
 from sigmaflight.dataplane.auth import TokenSet
 from sigmaflight.pipeline.batch import batch_key
 from sigmaflight.pipeline.models import WeightsFailed
@@ -53,13 +55,10 @@ from starlette.routing import Route
 
 from sigmaflight.wire import (
     STATES,
-    FlightTicket,
     ModelInfo,
     ModelList,
-    Progress,
     RolloutList,
     RolloutRequest,
-    RolloutStatus,
     Ticket,
     to_spec,
 )
@@ -209,29 +208,6 @@ def check_spec(settings: Settings, req: RolloutRequest, model: Any, spec: Rollou
 # ---- conversions --------------------------------------------------------------------------
 
 
-def flight_ticket(service: Service, job: JobView) -> FlightTicket:
-    streams = stream_tickets(job.ticket, job.id, list(job.streams))
-    return FlightTicket(
-        ticket=job.ticket, locations=service.backend.locations_for(job.id), descriptor_path=["rollouts", job.id],
-        streams=streams,  # type: ignore[arg-type]
-    )
-
-
-def status_of(service: Service, job: JobView) -> RolloutStatus:
-    return RolloutStatus(
-        id=job.id,
-        status=job.status,
-        model=job.model,
-        progress=Progress(steps_done=job.steps_done, steps_total=job.steps_total),
-        created_at=iso(job.created_at) or "",
-        started_at=iso(job.started_at),
-        finished_at=iso(job.finished_at),
-        error=job.error,
-        result=job.result if job.status == "succeeded" else None,
-        flight=flight_ticket(service, job),
-    )
-
-
 # ---- routes -------------------------------------------------------------------------------
 
 
@@ -261,12 +237,13 @@ async def create_rollout(request: Request) -> Response:
     check_spec(settings, req, model, spec, branch=parent is not None)
     canonical = req.model_dump(mode="json", by_alias=True)
     digest = hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
-    # off the event loop: the journal write (sqlite, synchronous=FULL) and the manager's lock;
+    submit = functools.partial(service.jobs.submit, spec, streams=tuple(stream_names(spec)),
+                               batch_key=batch_key(model, spec), idempotency_key=key, body_digest=digest)
+    # off the event loop when it may wait: a journal write (sqlite, synchronous=FULL) or a remote
+    # placement (Ray); else only the table's short lock, taken here without a thread hop.
     # QueueFull, IdempotencyConflict, NotAccepting and Unavailable have their handlers (errors.py)
-    job, created = await run_in_threadpool(
-        service.jobs.submit, spec, streams=tuple(stream_names(spec)), batch_key=batch_key(model, spec),
-        idempotency_key=key, body_digest=digest,
-    )
+    local = isinstance(service.backend, LocalBackend) and not service.jobs.journaled
+    job, created = submit() if local else await run_in_threadpool(submit)
     status_url = str(request.url_for("get_rollout", rollout_id=job.id))
     status = "queued" if created else job.status  # a new ticket reports the status it was accepted with
     ticket = Ticket(id=job.id, status=status, status_url=status_url, flight=flight_ticket(service, job))  # type: ignore[arg-type]
@@ -284,26 +261,6 @@ async def _branch(req: RolloutRequest, parent: Parent, model: Any, spec: Rollout
     if parent.digest != digest:
         raise StaleParent(parent.rollout_id, parent.digest, digest, version)
     return spec
-
-
-STATUS_BODIES_MAX = 4096
-"""Rendered status bodies kept (`status_body`); past it the cache starts over."""
-_status_bodies: dict[str, tuple[Service, JobView, list[str], bytes]] = {}
-
-
-def status_body(service: Service, job: JobView) -> bytes:
-    """The status document of `job` as JSON bytes, rendered once per snapshot: clients poll a
-    rollout's status many times between its changes, and the table publishes a new `JobView`
-    object on every change, so the same object with the same Flight locations is the same body."""
-    locations = service.backend.locations_for(job.id)
-    hit = _status_bodies.get(job.id)
-    if hit is not None and hit[0] is service and hit[1] is job and hit[2] == locations:
-        return hit[3]
-    body = JSONResponse(status_of(service, job).model_dump(mode="json", by_alias=True)).body
-    if len(_status_bodies) >= STATUS_BODIES_MAX:
-        _status_bodies.clear()
-    _status_bodies[job.id] = (service, job, locations, body)
-    return body
 
 
 async def get_rollout(request: Request) -> Response:
