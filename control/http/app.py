@@ -227,7 +227,9 @@ async def create_rollout(request: Request) -> Response:
         parent = await run_in_threadpool(find_parent, service.backend, req.branch_from.rollout)
         model_id = parent.model
     # a loaded model without a thread hop; a first use loads it off the event loop
-    model = service.registry.loaded(model_id) or await run_in_threadpool(service.registry.get, model_id)
+    model = service.registry.loaded(model_id)
+    if model is None:
+        model = await run_in_threadpool(service.registry.get, model_id)
     if model.failed is not None:
         raise WeightsFailed(model.id, model.failed)
     seed = secrets.randbits(63)

@@ -66,7 +66,7 @@ def status_body(service: Service, job: JobView) -> bytes:
                "finished_at": iso(job.finished_at), "error": None, "result": None, "flight": flight}
     else:
         doc = status_of(service, job).model_dump(mode="json", by_alias=True)
-    body = JSONResponse(doc).body
+    body = bytes(JSONResponse(doc).body)
     if len(_status_bodies) >= STATUS_BODIES_MAX:
         _status_bodies.clear()
     _status_bodies[job.id] = (service, job, locations, flight, body)
