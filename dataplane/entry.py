@@ -113,10 +113,8 @@ class Entry:
 
     # -- producer side ---------------------------------------------------------------------
     def append(self, step: int, batches: Sequence[pa.RecordBatch]) -> int:
-        """Add one step's batches (as `encode_step` made them: no batch is a slice of a larger
-        buffer) and wake the consumers; returns their bytes. Their buffers' sizes are their
-        `nbytes` then, read without the walk `nbytes` makes (20-30 us a batch)."""
-        nbytes = sum(b.get_total_buffer_size() for b in batches)
+        """Add one step's batches and wake the consumers; returns their bytes."""
+        nbytes = sum(b.nbytes for b in batches)
         with self.cond:
             self.batches.extend(batches)
             self.steps_done.append(int(step))
