@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import re
-import uuid
+import secrets
 from collections.abc import Collection, Sequence
 
 from prometheus_client import Counter as PromCounter
@@ -44,6 +44,15 @@ class RequestIdMiddleware:
         self.app = app
         self.responses = responses
         """sigmaflight_http_responses{method, code}, counted as each response starts."""
+        self._children: dict[tuple[str, int], PromCounter] = {}
+
+    def _counter(self, method: str, status: int) -> PromCounter:
+        """The counter of (method, status), looked up once (`labels` checks and locks each time)."""
+        child = self._children.get((method, status))
+        if child is None:
+            assert self.responses is not None
+            child = self._children[(method, status)] = self.responses.labels(method=method, code=str(status))
+        return child
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -53,14 +62,14 @@ class RequestIdMiddleware:
         for k, v in scope["headers"]:
             if k == b"x-request-id":
                 rid = v.decode("latin-1")[:128]
-        rid = rid or uuid.uuid4().hex
+        rid = rid or secrets.token_hex(16)  # as random as uuid4().hex, without building a UUID
         scope.setdefault("state", {})["request_id"] = rid
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
                 if self.responses is not None:
-                    self.responses.labels(method=scope["method"], code=str(message["status"])).inc()
+                    self._counter(scope["method"], message["status"]).inc()
             await send(message)
 
         try:
