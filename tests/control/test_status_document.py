@@ -4,6 +4,7 @@ byte, and never a stale step (the server renders a status once per change and re
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 
@@ -26,7 +27,9 @@ def test_a_polled_status_is_the_wire_models_document_and_follows_every_step():
         path = f"/v1/rollouts/{r.json()['id']}"
         seen: list[int] = []
         statuses: set[str] = set()
+        deadline = time.monotonic() + 60
         while True:
+            assert time.monotonic() < deadline, f"the status never left {statuses} (steps seen: {sorted(set(seen))})"
             got = c.get(path)
             assert got.status_code == 200
             assert got.headers["content-type"] == "application/json"
