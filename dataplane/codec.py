@@ -11,6 +11,8 @@ tensors at the cost of one copy.
 
 from __future__ import annotations
 
+import functools
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -65,11 +67,19 @@ def latent_array(latent: torch.Tensor, latent_shape: tuple[int, ...], dtype: tor
     if not latent.is_contiguous():
         latent = latent.contiguous()  # the only copy: a strided tensor has no single buffer
     b = int(latent.shape[0])
-    n = int(np.prod(latent_shape))
+    n = math.prod(latent_shape)
     arr = _tensor_to_numpy(latent.detach())
-    values = pa.Array.from_buffers(arrow_value_type(dtype), b * n, [None, pa.py_buffer(arr)])
+    value_type, tensor_type = _tensor_types(dtype, tuple(latent_shape))
+    values = pa.Array.from_buffers(value_type, b * n, [None, pa.py_buffer(arr)])
     storage = pa.FixedSizeListArray.from_arrays(values, n)
-    return pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(values.type, list(latent_shape)), storage)
+    return pa.ExtensionArray.from_storage(tensor_type, storage)
+
+
+@functools.lru_cache(maxsize=256)
+def _tensor_types(dtype: torch.dtype, latent_shape: tuple[int, ...]) -> tuple[pa.DataType, pa.DataType]:
+    """The value type and the fixed_shape_tensor type of a latent column (made once per shape)."""
+    value_type = arrow_value_type(dtype)
+    return value_type, pa.fixed_shape_tensor(value_type, list(latent_shape))
 
 
 def velocity_array(velocity: torch.Tensor | None, rows: int, latent_shape: tuple[int, ...]) -> pa.Array:
@@ -86,12 +96,15 @@ def encode_step(
     *,
     max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
     schema: pa.Schema | None = None,
+    rows: dict[tuple[int, int], list[pa.Array]] | None = None,
 ) -> list[pa.RecordBatch]:
     """One step -> record batches of ``trajectory_schema(header)``, split by samples
     so that each holds at most ``max_batch_bytes`` of latents (at least one sample).
 
     Each batch's columns are one list in schema order (step, sample, ..., latent, then the
-    optional velocity and parent_sample), so the row layout reads in one place.
+    optional velocity and parent_sample), so the row layout reads in one place. ``rows``: a
+    dict the caller keeps for one header, where the columns that are the same at every step
+    (sample, prompt_index, seed, parent_sample) are made once per row range.
     """
     schema = schema if schema is not None else trajectory_schema(header)
     i = int(batch.step)
@@ -103,21 +116,18 @@ def encode_step(
         raise ValueError(f"latent must be [B={b}, ...], got {list(batch.latent.shape)}")
     latent = batch.latent if batch.latent.is_contiguous() else batch.latent.contiguous()
     last = i == t
-    sde = (i in set(header.sde_steps)) if not last else None
+    sde = (i in header.sde_steps) if not last else None
     log_prob: np.ndarray[Any, Any] | None = None
     if header.log_probs and batch.log_prob is not None and not last and sde:
         log_prob = batch.log_prob.detach().to(torch.float32).cpu().numpy().reshape(-1)
         if log_prob.shape[0] != b:
             raise ValueError(f"log_prob must be [B={b}], got {list(batch.log_prob.shape)}")
-    seeds = np.asarray(header.seeds, dtype=np.int64)
-    prompt_index = np.asarray(header.prompt_indices(), dtype=np.int32)
-    parent_sample = None if header.parent_sample is None else np.asarray(header.parent_sample, dtype=np.int32)
     velocity = None
     if header.velocities and not last and batch.velocity is not None:
         velocity = batch.velocity.detach().to("cpu", torch.float32).contiguous()
         if tuple(velocity.shape) != (b, *header.latent_shape):
             raise ValueError(f"velocity must be [B={b}, *{list(header.latent_shape)}], got {list(velocity.shape)}")
-    per_sample = int(np.prod(header.latent_shape)) * (latent.element_size() + (4 if velocity is not None else 0))
+    per_sample = math.prod(header.latent_shape) * (latent.element_size() + (4 if velocity is not None else 0))
     chunk = max(1, int(max_batch_bytes) // max(per_sample, 1))
     sigma = float(header.sigmas[i])
     sigma_next = None if last else float(header.sigmas[i + 1])
@@ -126,28 +136,65 @@ def encode_step(
     for a in range(0, b, chunk):
         e = min(b, a + chunk)
         n = e - a
-        sample = np.arange(a, e, dtype=np.int32)
+        same = rows.get((a, e)) if rows is not None else None
+        if same is None:
+            same = _row_columns(header, a, e)
+            if rows is not None:
+                rows[(a, e)] = same
         lp = pa.nulls(n, pa.float32())
         if log_prob is not None:
             part = log_prob[a:e]
             lp = pa.array(part, pa.float32(), mask=np.isnan(part))
+        step_columns = _step_columns(i, n, timestep, sigma, sigma_next, sde)
         arrays = [
-            pa.array(np.full(n, i, np.int32)),
-            pa.array(sample),
-            pa.array(prompt_index[a:e]),
-            pa.array(seeds[a:e]),
-            pa.array([timestep] * n, pa.float32()),
-            pa.array(np.full(n, sigma, np.float32)),
-            pa.array([sigma_next] * n, pa.float32()),
-            pa.array([sde] * n, pa.bool_()),
+            step_columns[0],
+            *same[:3],
+            *step_columns[1:],
             lp,
             latent_array(latent[a:e], tuple(header.latent_shape), header.latent_dtype),
         ]
         if header.velocities:
             arrays.append(velocity_array(None if velocity is None else velocity[a:e], n, tuple(header.latent_shape)))
-        if parent_sample is not None:
-            arrays.append(pa.array(parent_sample[a:e], pa.int32()))
+        arrays += same[3:]
         out.append(pa.RecordBatch.from_arrays(arrays, schema=schema))
+    return out
+
+
+_STEP_COLUMNS: dict[tuple[Any, ...], tuple[pa.Array, ...]] = {}
+STEP_COLUMNS_MAX = 4096
+"""Step columns kept (`_step_columns`); past it the cache starts over."""
+
+
+def _step_columns(i: int, n: int, timestep: float | None, sigma: float, sigma_next: float | None,
+                  sde: bool | None) -> tuple[pa.Array, ...]:
+    """The step, timestep, sigma, sigma_next and sde columns of n rows: the same for every
+    rollout of a co-batched call at one step, so made once for all of them (Arrow arrays are
+    immutable: batches may share them)."""
+    key = (i, n, timestep, sigma, sigma_next, sde)
+    hit = _STEP_COLUMNS.get(key)
+    if hit is None:
+        hit = (
+            pa.array(np.full(n, i, np.int32)),
+            pa.array([timestep] * n, pa.float32()),
+            pa.array(np.full(n, sigma, np.float32)),
+            pa.array([sigma_next] * n, pa.float32()),
+            pa.array([sde] * n, pa.bool_()),
+        )
+        if len(_STEP_COLUMNS) >= STEP_COLUMNS_MAX:
+            _STEP_COLUMNS.clear()
+        _STEP_COLUMNS[key] = hit
+    return hit
+
+
+def _row_columns(header: TrajectoryHeader, a: int, e: int) -> list[pa.Array]:
+    """Rows [a, e)'s sample, prompt_index and seed columns, and parent_sample when the stream has it."""
+    out = [
+        pa.array(np.arange(a, e, dtype=np.int32)),
+        pa.array(np.asarray(header.prompt_indices()[a:e], dtype=np.int32)),
+        pa.array(np.asarray(header.seeds[a:e], dtype=np.int64)),
+    ]
+    if header.parent_sample is not None:
+        out.append(pa.array(np.asarray(header.parent_sample[a:e], dtype=np.int32), pa.int32()))
     return out
 
 
@@ -159,7 +206,7 @@ def latent_view(column: pa.Array, dtype: torch.dtype, *, copy: bool = False) -> 
     shape = tuple(int(d) for d in ext_type.shape)
     storage = column.storage
     rows = len(storage)
-    n = int(np.prod(shape))
+    n = math.prod(shape)
     np_dtype = numpy_dtype(dtype)
     values = storage.values
     offset = (values.offset + storage.offset * n) * np_dtype.itemsize

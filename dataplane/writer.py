@@ -37,6 +37,8 @@ class TrajectoryWriter:
         self._durable = durable
         self._fsync = fsync
         self._pending = list(entry.header.steps)
+        self._rows: dict[tuple[int, int], list[pa.Array]] = {}
+        """encode_step's columns that every step shares, made at the first step."""
 
     @property
     def rollout_id(self) -> str:
@@ -55,7 +57,8 @@ class TrajectoryWriter:
                 f"rollout {e.rollout_id}: step {batch.step} out of order; expected "
                 f"{self._pending[0] if self._pending else 'nothing (all steps appended)'}"
             )
-        batches = encode_step(e.header, batch, max_batch_bytes=self._store.max_batch_bytes, schema=e.schema)
+        batches = encode_step(e.header, batch, max_batch_bytes=self._store.max_batch_bytes, schema=e.schema,
+                              rows=self._rows)
         if self._file is not None:
             for b in batches:
                 self._file.write(b)

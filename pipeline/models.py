@@ -113,6 +113,10 @@ class ModelRegistry:
         self._local: dict[str, tuple[str, torch.device, torch.dtype]] = {}
         self._lock = threading.Lock()
 
+    def loaded(self, model_id: str) -> LoadedModel | None:
+        """The model when it is loaded already, else None; never waits (a dict read, no lock)."""
+        return self._loaded.get(model_id)
+
     def ids(self) -> list[str]:
         return sorted(set(_BUILTINS) | set(self._local) | set(self._loaded))
 

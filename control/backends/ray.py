@@ -32,7 +32,7 @@ from sigmaflight.control.backends.ray_workers import (
     trajectory_ref,
 )
 from sigmaflight.control.backends.worker import WorkerConfig, outcome_from_json
-from sigmaflight.control.jobs.backend import Outcome, ParentTrajectory, RunContext
+from sigmaflight.control.jobs.backend import Outcome, ParentTrajectory, RunContext, report_progress
 from sigmaflight.control.node import NodeConfig
 from sigmaflight.dataplane.schema import header_from_schema
 from sigmaflight.dataplane.streams import CONDITIONING, requested_streams
@@ -127,15 +127,22 @@ class RayBackend(WeightsFanout):
         done = dict.fromkeys(by_id, 0)
         cancel_sent: set[str] = set()
 
-        def report(job_id: str, progress: Any, outcome: Any) -> None:
-            ctx = by_id[job_id]
-            if progress:
-                d, total = progress
-                for k in range(done[job_id] + 1, d + 1):  # one call per step, as the local backend makes
-                    ctx.progress(k, total)
-                done[job_id] = max(done[job_id], d)
-            if outcome is not None:
-                ctx.settle(outcome_from_json(outcome))
+        def report(states: dict[str, tuple[Any, Any]]) -> None:
+            """(progress, outcome) by job: the steps each finished since the last poll, each step
+            reported once for all the batch's jobs that reached it (as the local backend does),
+            then the outcomes."""
+            steps: dict[tuple[int, int], list[RunContext]] = {}
+            for job_id, (progress, _) in states.items():
+                if progress:
+                    d, total = progress
+                    for k in range(done[job_id] + 1, d + 1):
+                        steps.setdefault((k, total), []).append(by_id[job_id])
+                    done[job_id] = max(done[job_id], d)
+            for (k, total), contexts in sorted(steps.items()):
+                report_progress(contexts, k, total)
+            for job_id, (_, outcome) in states.items():
+                if outcome is not None:
+                    by_id[job_id].settle(outcome_from_json(outcome))
 
         try:
             if slot is None or not slot.alive:
@@ -152,8 +159,7 @@ class RayBackend(WeightsFanout):
                         slot.handle.cancel.remote(ctx.job_id, ctx.stop_reason)
                         cancel_sent.add(ctx.job_id)
                 live = [j for j, c in by_id.items() if c.outcome is None]
-                for job_id, state in self._call(slot, "poll", live).items():
-                    report(job_id, state["progress"], state["outcome"])
+                report({j: (state["progress"], state["outcome"]) for j, state in self._call(slot, "poll", live).items()})
         except ray.exceptions.RayActorError as exc:
             assert slot is not None
             self._mark_dead(slot, exc)
@@ -168,8 +174,7 @@ class RayBackend(WeightsFanout):
             if slot is not None:
                 with self._lock:
                     slot.load -= len(batch)
-        for job_id, state in out.items():
-            report(job_id, state.get("progress"), state)
+        report({j: (state.get("progress"), state) for j, state in out.items()})
 
     def abandon(self, job_id: str, kind: str, message: str) -> None:
         with self._lock:

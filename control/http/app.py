@@ -7,6 +7,7 @@ routes as lifespan state; every error leaves as the contract's JSON error body.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -15,12 +16,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from sigmaflight.control.backends.local import LocalBackend
 from sigmaflight.control.branches import Parent, StaleParent, branch_spec, check_inherited, find_parent
 from sigmaflight.control.http import metrics
 from sigmaflight.control.http.docs_page import docs_routes
 from sigmaflight.control.http.errors import EXCEPTION_HANDLERS, HttpError, invalid
 from sigmaflight.control.http.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from sigmaflight.control.http.openapi import openapi_document
+from sigmaflight.control.http.status import flight_ticket, status_body, status_of
 from sigmaflight.control.http.weights import (
     FILE_PATH,
     LORA_PATH,
@@ -34,11 +37,10 @@ from sigmaflight.control.http.weights import (
     put_lora,
     put_weights,
 )
-from sigmaflight.control.jobs import JobView, iso
 from sigmaflight.control.policy import policy
 from sigmaflight.control.service import Service
 from sigmaflight.control.settings import Settings
-from sigmaflight.control.streams import output_bytes, stream_names, stream_tickets, validate_outputs
+from sigmaflight.control.streams import output_bytes, stream_names, validate_outputs
 from sigmaflight.dataplane.auth import TokenSet
 from sigmaflight.pipeline.batch import batch_key
 from sigmaflight.pipeline.models import WeightsFailed
@@ -53,13 +55,10 @@ from starlette.routing import Route
 
 from sigmaflight.wire import (
     STATES,
-    FlightTicket,
     ModelInfo,
     ModelList,
-    Progress,
     RolloutList,
     RolloutRequest,
-    RolloutStatus,
     Ticket,
     to_spec,
 )
@@ -209,29 +208,6 @@ def check_spec(settings: Settings, req: RolloutRequest, model: Any, spec: Rollou
 # ---- conversions --------------------------------------------------------------------------
 
 
-def flight_ticket(service: Service, job: JobView) -> FlightTicket:
-    streams = stream_tickets(job.ticket, job.id, list(job.streams))
-    return FlightTicket(
-        ticket=job.ticket, locations=service.backend.locations_for(job.id), descriptor_path=["rollouts", job.id],
-        streams=streams,  # type: ignore[arg-type]
-    )
-
-
-def status_of(service: Service, job: JobView) -> RolloutStatus:
-    return RolloutStatus(
-        id=job.id,
-        status=job.status,
-        model=job.model,
-        progress=Progress(steps_done=job.steps_done, steps_total=job.steps_total),
-        created_at=iso(job.created_at) or "",
-        started_at=iso(job.started_at),
-        finished_at=iso(job.finished_at),
-        error=job.error,
-        result=job.result if job.status == "succeeded" else None,
-        flight=flight_ticket(service, job),
-    )
-
-
 # ---- routes -------------------------------------------------------------------------------
 
 
@@ -250,7 +226,10 @@ async def create_rollout(request: Request) -> Response:
     if req.branch_from is not None:
         parent = await run_in_threadpool(find_parent, service.backend, req.branch_from.rollout)
         model_id = parent.model
-    model = await run_in_threadpool(service.registry.get, model_id)
+    # a loaded model without a thread hop; a first use loads it off the event loop
+    model = service.registry.loaded(model_id)
+    if model is None:
+        model = await run_in_threadpool(service.registry.get, model_id)
     if model.failed is not None:
         raise WeightsFailed(model.id, model.failed)
     seed = secrets.randbits(63)
@@ -260,12 +239,13 @@ async def create_rollout(request: Request) -> Response:
     check_spec(settings, req, model, spec, branch=parent is not None)
     canonical = req.model_dump(mode="json", by_alias=True)
     digest = hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
-    # off the event loop: the journal write (sqlite, synchronous=FULL) and the manager's lock;
+    submit = functools.partial(service.jobs.submit, spec, streams=tuple(stream_names(spec)),
+                               batch_key=batch_key(model, spec), idempotency_key=key, body_digest=digest)
+    # off the event loop when it may wait: a journal write (sqlite, synchronous=FULL) or a remote
+    # placement (Ray); else only the table's short lock, taken here without a thread hop.
     # QueueFull, IdempotencyConflict, NotAccepting and Unavailable have their handlers (errors.py)
-    job, created = await run_in_threadpool(
-        service.jobs.submit, spec, streams=tuple(stream_names(spec)), batch_key=batch_key(model, spec),
-        idempotency_key=key, body_digest=digest,
-    )
+    local = isinstance(service.backend, LocalBackend) and not service.jobs.journaled
+    job, created = submit() if local else await run_in_threadpool(submit)
     status_url = str(request.url_for("get_rollout", rollout_id=job.id))
     status = "queued" if created else job.status  # a new ticket reports the status it was accepted with
     ticket = Ticket(id=job.id, status=status, status_url=status_url, flight=flight_ticket(service, job))  # type: ignore[arg-type]
@@ -290,7 +270,7 @@ async def get_rollout(request: Request) -> Response:
     job = service.jobs.get(request.path_params["rollout_id"])  # a dict read: no thread hop
     if job is None:
         raise unknown_rollout(request.path_params["rollout_id"])
-    return _model(status_of(service, job))
+    return Response(status_body(service, job), media_type="application/json")
 
 
 async def list_rollouts(request: Request) -> Response:

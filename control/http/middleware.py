@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import re
-import uuid
+import secrets
 from collections.abc import Collection, Sequence
 
 from prometheus_client import Counter as PromCounter
@@ -44,6 +44,15 @@ class RequestIdMiddleware:
         self.app = app
         self.responses = responses
         """sigmaflight_http_responses{method, code}, counted as each response starts."""
+        self._children: dict[tuple[str, int], PromCounter] = {}
+
+    def _counter(self, method: str, status: int) -> PromCounter:
+        """The counter of (method, status), looked up once (`labels` checks and locks each time)."""
+        child = self._children.get((method, status))
+        if child is None:
+            assert self.responses is not None
+            child = self._children[(method, status)] = self.responses.labels(method=method, code=str(status))
+        return child
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -53,14 +62,14 @@ class RequestIdMiddleware:
         for k, v in scope["headers"]:
             if k == b"x-request-id":
                 rid = v.decode("latin-1")[:128]
-        rid = rid or uuid.uuid4().hex
+        rid = rid or secrets.token_hex(16)  # as random as uuid4().hex, without building a UUID
         scope.setdefault("state", {})["request_id"] = rid
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
                 if self.responses is not None:
-                    self.responses.labels(method=scope["method"], code=str(message["status"])).inc()
+                    self._counter(scope["method"], message["status"]).inc()
             await send(message)
 
         try:
@@ -92,6 +101,14 @@ class BearerAuthMiddleware:
             await send_error(send, 401, "unauthorized", reason, [(b"www-authenticate", b'Bearer realm="sigmaflight"')])
             return
         await self.app(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    """The request body went over its limit."""
+
+
+class _TooSlow(Exception):
+    """The request body did not arrive in time."""
 
 
 class BodyLimitMiddleware:
@@ -145,12 +162,6 @@ class BodyLimitMiddleware:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s if self.timeout_s is not None else None
 
-        class TooLarge(Exception):
-            pass
-
-        class TooSlow(Exception):
-            pass
-
         async def limited_receive() -> Message:
             nonlocal seen, complete
             if complete or deadline is None:  # after the body: only the disconnect is left to wait for
@@ -159,12 +170,12 @@ class BodyLimitMiddleware:
                 try:
                     message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
                 except TimeoutError:
-                    raise TooSlow from None
+                    raise _TooSlow from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 complete = not message.get("more_body", False)
                 if seen > max_bytes:
-                    raise TooLarge
+                    raise _TooLarge
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -175,10 +186,10 @@ class BodyLimitMiddleware:
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except TooLarge:
+        except _TooLarge:
             if not started:
                 await send_error(send, 413, "body_too_large", self._message(seen, max_bytes, flag))
-        except TooSlow:
+        except _TooSlow:
             log.info("request body too slow; answered 408",
                      extra={"method": scope["method"], "path": scope["path"], "bytes": seen,
                             "request_id": scope.get("state", {}).get("request_id")})

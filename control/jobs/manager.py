@@ -154,6 +154,11 @@ class JobManager:
     def status_counts(self) -> Counter[str]:
         return self._table.status_counts()
 
+    @property
+    def journaled(self) -> bool:
+        """Whether changes are written to a journal (a data dir): a submit may wait on its write."""
+        return self._lifecycle.journal is not None
+
     def journal_error(self) -> str | None:
         """Why the journal cannot be written now (readyz answers 503); None while it can."""
         return self._lifecycle.journal_error
