@@ -40,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -55,29 +56,22 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-def run_requests(url: str, bodies: list[dict[str, Any]]) -> tuple[float, list[float], int]:
-    """All `bodies` posted at once, one client thread each: (wall seconds, per-request latency, samples)."""
+def all_at_once(url: str, bodies: list[dict[str, Any]],
+                one: Callable[[httpx.Client, dict[str, Any], float], tuple[float, str | None]]) -> tuple[float, list[float]]:
+    """`one(client, body, t0)` for every body at once, one client thread each, started together:
+    (wall seconds, each one's latency). `one` returns (its latency, an error or None)."""
     latencies: list[float] = [0.0] * len(bodies)
     errors: list[str] = []
     go = threading.Barrier(len(bodies) + 1)
 
-    def one(k: int, body: dict[str, Any]) -> None:
+    def run(k: int, body: dict[str, Any]) -> None:
         with httpx.Client(base_url=url, timeout=600) as c:
             go.wait()
-            t0 = time.perf_counter()
-            r = c.post("/v1/rollouts", json=body)
-            if r.status_code != 202:
-                errors.append(r.text)
-                return
-            t = r.json()
-            with flight.FlightClient(t["flight"]["locations"][0]) as fc:
-                fc.do_get(flight.Ticket(t["flight"]["ticket"].encode())).read_all()
-            latencies[k] = time.perf_counter() - t0
-            status = c.get(f"/v1/rollouts/{t['id']}").json()["status"]
-            if status != "succeeded":
-                errors.append(f"rollout {t['id']} {status}")
+            latencies[k], error = one(c, body, time.perf_counter())
+            if error is not None:
+                errors.append(error)
 
-    threads = [threading.Thread(target=one, args=(k, b)) for k, b in enumerate(bodies)]
+    threads = [threading.Thread(target=run, args=(k, b)) for k, b in enumerate(bodies)]
     for th in threads:
         th.start()
     go.wait()
@@ -87,8 +81,25 @@ def run_requests(url: str, bodies: list[dict[str, Any]]) -> tuple[float, list[fl
     wall = time.perf_counter() - t0
     if errors:
         raise SystemExit(f"{len(errors)} requests failed, first: {errors[0]}")
-    samples = sum(len(b["prompts"]) * b.get("num_outputs_per_prompt", 1) for b in bodies)
-    return wall, latencies, samples
+    return wall, latencies
+
+
+def run_requests(url: str, bodies: list[dict[str, Any]]) -> tuple[float, list[float], int]:
+    """All `bodies` posted at once, each pulled over Flight: (wall seconds, per-request latency to
+    the pull's end, samples)."""
+    def one(c: httpx.Client, body: dict[str, Any], t0: float) -> tuple[float, str | None]:
+        r = c.post("/v1/rollouts", json=body)
+        if r.status_code != 202:
+            return 0.0, r.text
+        t = r.json()
+        with flight.FlightClient(t["flight"]["locations"][0]) as fc:
+            fc.do_get(flight.Ticket(t["flight"]["ticket"].encode())).read_all()
+        latency = time.perf_counter() - t0
+        status = c.get(f"/v1/rollouts/{t['id']}").json()["status"]
+        return latency, None if status == "succeeded" else f"rollout {t['id']} {status}"
+
+    wall, latencies = all_at_once(url, bodies, one)
+    return wall, latencies, sum(len(b["prompts"]) * b.get("num_outputs_per_prompt", 1) for b in bodies)
 
 
 def batch_counts(url: str) -> tuple[float, float]:
@@ -194,40 +205,21 @@ class Server:
 
 
 def poll_requests(url: str, bodies: list[dict[str, Any]], every_s: float = 0.02) -> tuple[float, list[float], int]:
-    """All `bodies` posted at once, one client thread each, each polling its status every `every_s`
-    until it ends: (wall seconds, per-request latency to the status that says succeeded, samples)."""
-    latencies: list[float] = [0.0] * len(bodies)
-    errors: list[str] = []
-    go = threading.Barrier(len(bodies) + 1)
+    """All `bodies` posted at once, each polling its status every `every_s` until it ends: (wall
+    seconds, per-request latency to the status that says succeeded, samples)."""
+    def one(c: httpx.Client, body: dict[str, Any], t0: float) -> tuple[float, str | None]:
+        r = c.post("/v1/rollouts", json=body)
+        if r.status_code != 202:
+            return 0.0, r.text
+        path = f"/v1/rollouts/{r.json()['id']}"
+        while True:
+            time.sleep(every_s)
+            status = c.get(path).json()["status"]
+            if status not in ("queued", "running"):
+                break
+        return time.perf_counter() - t0, None if status == "succeeded" else f"{path} {status}"
 
-    def one(k: int, body: dict[str, Any]) -> None:
-        with httpx.Client(base_url=url, timeout=600) as c:
-            go.wait()
-            t0 = time.perf_counter()
-            r = c.post("/v1/rollouts", json=body)
-            if r.status_code != 202:
-                errors.append(r.text)
-                return
-            path = f"/v1/rollouts/{r.json()['id']}"
-            while True:
-                time.sleep(every_s)
-                status = c.get(path).json()["status"]
-                if status not in ("queued", "running"):
-                    break
-            latencies[k] = time.perf_counter() - t0
-            if status != "succeeded":
-                errors.append(f"{path} {status}")
-
-    threads = [threading.Thread(target=one, args=(k, b)) for k, b in enumerate(bodies)]
-    for th in threads:
-        th.start()
-    go.wait()
-    t0 = time.perf_counter()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise SystemExit(f"{len(errors)} requests failed, first: {errors[0]}")
+    wall, latencies = all_at_once(url, bodies, one)
     return wall, latencies, sum(len(b["prompts"]) for b in bodies)
 
 
