@@ -211,15 +211,19 @@ def test_bad_new_fields_get_422_naming_them(server, body, loc):
         assert c.get("/healthz").status_code == 200
 
 
-def test_outputs_stream_honours_tokens():
+@pytest.mark.parametrize("stream", ["outputs", "conditioning"])
+def test_extra_streams_honour_tokens(stream):
     with InProcessServer("--token", TOKEN) as s, s.client(TOKEN) as c:
         t = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2, "seed": 3,
-                                         "return": {"outputs": True}}).json()
+                                         "return": {stream: True}}).json()
         wait_for_status(c, t["id"], {"succeeded"})
-        location, stream = t["flight"]["locations"][0], t["flight"]["streams"]["outputs"]["ticket"]
+        location, ticket = t["flight"]["locations"][0], t["flight"]["streams"][stream]["ticket"]
         for token in (None, "wrong-token"):
             with pytest.raises(flight.FlightUnauthenticatedError, match="bearer token"):
-                _read(location, stream, token)
-        assert _read(location, stream, TOKEN).num_rows == 1
+                _read(location, ticket, token)
+        assert _read(location, ticket, TOKEN).num_rows == 1
         with Client(s.rest_url, token=TOKEN) as client:
-            assert client.pull_outputs(t["id"]).shape == (1, 32, 32, 3)
+            if stream == "outputs":
+                assert client.pull_outputs(t["id"]).shape == (1, 32, 32, 3)
+            else:
+                assert client.pull_conditioning(t["id"])["prompt_embeds"].shape[0] == 1
