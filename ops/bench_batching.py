@@ -23,11 +23,11 @@ interleaved, for the service's samples/s against both.
 
 `--server-cpu` measures instead what co-batching costs the server itself: one server with
 --batch-wait-ms W per checkout (this one, "after", and with `--before PYTHON` another checkout's
-interpreter, e.g. /work/main/.venv/bin/python, "before"), the same workloads on each in rotating
+interpreter, "before"), the same workloads on each in rotating
 rounds, every client polling its rollout's status every 20 ms until it ends (no Flight pull): the
 server process tree's user+sys CPU (psutil) and the wall-clock samples/s of each workload:
 
-  .venv/bin/python ops/bench_batching.py --server-cpu --before /work/main/.venv/bin/python --rounds 8
+  .venv/bin/python ops/bench_batching.py --server-cpu --before ../sigmaflight-main/.venv/bin/python --rounds 8
 """
 
 from __future__ import annotations
