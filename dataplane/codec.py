@@ -160,30 +160,19 @@ def encode_step(
     return out
 
 
-_STEP_COLUMNS: dict[tuple[Any, ...], tuple[pa.Array, ...]] = {}
-STEP_COLUMNS_MAX = 4096
-"""Step columns kept (`_step_columns`); past it the cache starts over."""
-
-
+@functools.lru_cache(maxsize=4096)
 def _step_columns(i: int, n: int, timestep: float | None, sigma: float, sigma_next: float | None,
                   sde: bool | None) -> tuple[pa.Array, ...]:
     """The step, timestep, sigma, sigma_next and sde columns of n rows: the same for every
     rollout of a co-batched call at one step, so made once for all of them (Arrow arrays are
     immutable: batches may share them)."""
-    key = (i, n, timestep, sigma, sigma_next, sde)
-    hit = _STEP_COLUMNS.get(key)
-    if hit is None:
-        hit = (
-            pa.array(np.full(n, i, np.int32)),
-            pa.array([timestep] * n, pa.float32()),
-            pa.array(np.full(n, sigma, np.float32)),
-            pa.array([sigma_next] * n, pa.float32()),
-            pa.array([sde] * n, pa.bool_()),
-        )
-        if len(_STEP_COLUMNS) >= STEP_COLUMNS_MAX:
-            _STEP_COLUMNS.clear()
-        _STEP_COLUMNS[key] = hit
-    return hit
+    return (
+        pa.array(np.full(n, i, np.int32)),
+        pa.array([timestep] * n, pa.float32()),
+        pa.array(np.full(n, sigma, np.float32)),
+        pa.array([sigma_next] * n, pa.float32()),
+        pa.array([sde] * n, pa.bool_()),
+    )
 
 
 def _row_columns(header: TrajectoryHeader, a: int, e: int) -> list[pa.Array]:
