@@ -224,8 +224,7 @@ class _Driver(Generic[R]):
         self.fail(self.sink.step(report))
         for r in self.running():
             if self.keep:
-                whole = r.end - r.first == self.samples
-                r.captures += [_kept(c, whole) for c in report.captures(r)]
+                r.captures += report.captures(r, own=True)
             if i + 1 < self.T and r.rollout.should_stop():
                 self.close(r, RolloutCancelled(f"cancelled after step {i + 1} of {self.T}"))
         if not self.running():
@@ -255,18 +254,6 @@ class _Driver(Generic[R]):
             final_latents=final if rows.end - rows.first == final.shape[0] else final[rows.first:rows.end],
             digest=self.policy.digest, conditioning=rows.conditioning, prompt_index=rows.snapshot.prompt_index,
             parent_sample=rows.snapshot.parent_sample)
-
-
-def _kept(cap: StepCapture, whole: bool) -> StepCapture:
-    """A capture a result keeps: the views themselves when the rows are the whole call, else copies."""
-    if whole:
-        return cap
-    return StepCapture(step=cap.step, latent=cap.latent.clone(), log_prob=_clone(cap.log_prob),
-                       velocity=_clone(cap.velocity))
-
-
-def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.clone()
 
 
 def run_batch(

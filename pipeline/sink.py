@@ -17,7 +17,7 @@ import torch
 from sigmaflight.pipeline.models import Policy
 from sigmaflight.pipeline.spec import RolloutSpec, ScheduleSnapshot, StepCapture
 
-__all__ = ["BatchMember", "CallStep", "Callbacks", "Failures", "Quiet", "Rollout", "RolloutResult", "Rows", "Sink"]
+__all__ = ["BatchMember", "CallStep", "Callbacks", "Failures", "each_member", "Quiet", "Rollout", "RolloutResult", "Rows", "Sink"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,20 +115,23 @@ class CallStep(Generic[R]):
     log_prob: torch.Tensor | None = None
     """float32 [B] (CPU): log p(x_{i+1} | x_i) of every row, when a member asked for it."""
 
-    def captures(self, rows: Rows[R]) -> list[StepCapture]:
-        """What `rows` captures at this step, as views of the call's tensors: x_i (with its
-        log-prob and velocity when asked for) and, after the last transition, x_T."""
+    def captures(self, rows: Rows[R], *, own: bool = False) -> list[StepCapture]:
+        """What `rows` captures at this step: x_i (with its log-prob and velocity when asked for)
+        and, after the last transition, x_T. Views of the call's tensors; with `own`, copies of
+        its rows unless they are the whole call (`Rows.own`: whoever keeps them keeps only this
+        rollout's bytes alive)."""
         i, spec, rs = self.i, rows.spec, slice(rows.first, rows.end)
+        take = rows.own if own else (lambda t: t[rs])
         out = []
         if i in rows.steps:
             assert self.latent is not None
-            lp = self.log_prob[rs] if self.log_prob is not None and spec.return_log_probs and i in rows.sde_steps \
+            lp = take(self.log_prob) if self.log_prob is not None and spec.return_log_probs and i in rows.sde_steps \
                 else None
-            v = self.velocity[rs] if self.velocity is not None and spec.return_velocities else None
-            out.append(StepCapture(step=i, latent=self.latent[rs], log_prob=lp, velocity=v))
+            v = take(self.velocity) if self.velocity is not None and spec.return_velocities else None
+            out.append(StepCapture(step=i, latent=take(self.latent), log_prob=lp, velocity=v))
         if i == self.total - 1 and self.total in rows.steps:
             assert self.next_latent is not None
-            out.append(StepCapture(step=self.total, latent=self.next_latent[rs], log_prob=None))
+            out.append(StepCapture(step=self.total, latent=take(self.next_latent), log_prob=None))
         return out
 
 
@@ -169,7 +172,7 @@ class Callbacks(Sink[BatchMember]):
         self.on_schedule, self.on_step, self.on_progress = on_schedule, on_step, on_progress
 
     def schedule(self, running: Sequence[Rows[BatchMember]]) -> Failures[BatchMember]:
-        return _each(running, lambda r: self.on_schedule(r.snapshot) if self.on_schedule and r.snapshot else None)
+        return each_member(running, lambda r: self.on_schedule(r.snapshot) if self.on_schedule and r.snapshot else None)
 
     def step(self, step: CallStep[BatchMember]) -> Failures[BatchMember]:
         def report(r: Rows[BatchMember]) -> None:
@@ -178,10 +181,11 @@ class Callbacks(Sink[BatchMember]):
             if self.on_progress is not None:
                 self.on_progress(step.i + 1, step.total)
 
-        return _each(step.running, report)
+        return each_member(step.running, report)
 
 
-def _each(running: Sequence[Rows[R]], call: Callable[[Rows[R]], object]) -> Failures[R]:
+def each_member(running: Sequence[Rows[R]], call: Callable[[Rows[R]], object]) -> Failures[R]:
+    """`call(rows)` for every member; the members whose call raised, each with its error."""
     failures: Failures[R] = []
     for r in running:
         try:

@@ -30,6 +30,7 @@ from sigmaflight.dataplane.streams import CONDITIONING, OUTPUTS, StreamNotFound,
 from sigmaflight.dataplane.writer import TrajectoryWriter
 from sigmaflight.pipeline.models import LoadedModel, ModelRegistry, Policy
 from sigmaflight.pipeline.rollout import CallStep, RolloutResult, Rows, parent_metadata, run_batch
+from sigmaflight.pipeline.sink import Failures, each_member
 from sigmaflight.pipeline.spec import RolloutCancelled, RolloutInputError, ScheduleSnapshot
 
 from sigmaflight.records import ResultInfo
@@ -165,9 +166,6 @@ class LocalBackend:
         """Nothing to do: the node that built this backend stops its store and Flight server."""
 
 
-Failures = list[tuple[Rows[RunContext], BaseException]]
-
-
 class _Writers:
     """The sink of one local model call: each rollout's writer into the store. A step is written
     member by member (each has its own stream) from the call's host tensors, and its progress
@@ -181,33 +179,27 @@ class _Writers:
     def start(self, ctx: RunContext, policy: Policy) -> None:
         check_started_with(ctx.spec.expected_digest, policy.digest)
 
-    def schedule(self, running: Sequence[Rows[RunContext]]) -> Failures:
-        failures: Failures = []
-        for rows in running:
-            ctx, spec = rows.rollout, rows.spec
-            assert rows.snapshot is not None and rows.metadata is not None
-            rollout = {"id": ctx.job_id, **rows.metadata, "streams": stream_names(spec)}
-            try:
-                header = header_for(ctx.job_id, rows.snapshot, rollout, spec.return_log_probs,
-                                    velocities=spec.return_velocities, parent=parent_metadata(spec))
-                self.writers[ctx.job_id] = self.backend.store.create(header)
-                self.headers[ctx.job_id] = header
-            except Exception as exc:
-                failures.append((rows, exc))
-        return failures
+    def schedule(self, running: Sequence[Rows[RunContext]]) -> Failures[RunContext]:
+        return each_member(running, self._create)
 
-    def step(self, step: CallStep[RunContext]) -> Failures:
-        failures: Failures = []
-        for rows in step.running:
-            try:
-                writer = self.writers[rows.rollout.job_id]
-                for cap in step.captures(rows):
-                    # a copy of its rows unless they are the whole call: the store counts (and may
-                    # keep for long) each trajectory's own bytes, not a view of the call's tensor
-                    writer.append(StepBatch(step=cap.step, latent=_own(cap.latent), log_prob=cap.log_prob,
-                                            velocity=None if cap.velocity is None else _own(cap.velocity)))
-            except Exception as exc:
-                failures.append((rows, exc))
+    def _create(self, rows: Rows[RunContext]) -> None:
+        ctx, spec = rows.rollout, rows.spec
+        assert rows.snapshot is not None and rows.metadata is not None
+        rollout = {"id": ctx.job_id, **rows.metadata, "streams": stream_names(spec)}
+        header = header_for(ctx.job_id, rows.snapshot, rollout, spec.return_log_probs,
+                            velocities=spec.return_velocities, parent=parent_metadata(spec))
+        self.writers[ctx.job_id] = self.backend.store.create(header)
+        self.headers[ctx.job_id] = header
+
+    def step(self, step: CallStep[RunContext]) -> Failures[RunContext]:
+        def write(rows: Rows[RunContext]) -> None:
+            writer = self.writers[rows.rollout.job_id]
+            # its own rows (copies unless they are the whole call): the store counts, and may keep
+            # for long, each trajectory's own bytes, not a view of the call's tensor
+            for cap in step.captures(rows, own=True):
+                writer.append(StepBatch(step=cap.step, latent=cap.latent, log_prob=cap.log_prob, velocity=cap.velocity))
+
+        failures = each_member(step.running, write)
         report_progress([r.rollout for r in step.running], step.i + 1, step.total)
         return failures
 
@@ -234,7 +226,3 @@ class _Writers:
         ctx.settle(Outcome.success(result) if result is not None else
                    Outcome.failure("result_unavailable", "the trajectory was finished but the store does not hold it"))
 
-
-def _own(t: torch.Tensor) -> torch.Tensor:
-    """`t` when it is all of its storage (the rows are the whole call), else a copy of it."""
-    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
