@@ -96,21 +96,16 @@ class Service:
             before = self.registry.get(model_id).policy().base_digest
             staged = self.registry.stage_tensors(model_id, tensors, expected_base=expected_base,
                                                  known_crcs=known_crcs)
-            if self.settings.backend == "ray":
-                self._to_workers(model_id, staged.pipeline.transformer.state_dict(), staged,
-                                 expected_base=expected_base)
+            self._to_workers(model_id, staged.pipeline.transformer.state_dict(), staged, expected_base=expected_base)
             return before, self.registry.install(staged)
 
     def _to_workers(self, model_id: str, state: Mapping[str, torch.Tensor], staged: StagedWeights, *,
                     expected_base: str | None) -> None:
         """The staged weights on every remote worker before they are served here: the Ray backend
-        commits on every worker or raises the refusal of one (nothing changed anywhere)."""
-        from sigmaflight.control.backends.ray import RayBackend
-
-        if isinstance(self.backend, RayBackend):
-            self.backend.load_weights(model_id, state, expected_base=expected_base, expected_digest=staged.digest)
-        else:
-            self._check_workers("load_weights", model_id, staged.digest, self.backend.load_weights(model_id, state))
+        commits on every worker or raises the refusal of one (nothing changed anywhere); the local
+        backend has none."""
+        digests = self.backend.load_weights(model_id, state, expected_base=expected_base, expected_digest=staged.digest)
+        self._check_workers("load_weights", model_id, staged.digest, digests)
 
     def push_lora(self, model_id: str, tensors: Mapping[str, torch.Tensor], lora_config: dict[str, Any]) -> Policy:
         """A LoRA adapter (replacing any): the service's registry (`load_lora`, which checks it and

@@ -147,7 +147,8 @@ class LocalBackend:
                 conditioning = None
         return ParentTrajectory(header=entry.header, batches=batches, conditioning=conditioning)
 
-    def load_weights(self, model_id: str, state: Mapping[str, torch.Tensor]) -> list[str]:
+    def load_weights(self, model_id: str, state: Mapping[str, torch.Tensor], *, expected_base: str | None = None,
+                     expected_digest: str | None = None) -> list[str]:
         return []  # the service's registry is this backend's: it has the new weights already
 
     def load_lora(self, model_id: str, tensors: Mapping[str, torch.Tensor], lora_config: dict[str, Any]) -> list[str]:

@@ -229,10 +229,12 @@ class Backend(Protocol):
         RolloutInputError ("branch_from.rollout") when it is held but cannot be read now."""
         ...
 
-    def load_weights(self, model_id: str, state: Mapping[str, torch.Tensor]) -> list[str]:
+    def load_weights(self, model_id: str, state: Mapping[str, torch.Tensor], *, expected_base: str | None = None,
+                     expected_digest: str | None = None) -> list[str]:
         """Make every worker of this backend run on new transformer weights (checked by the caller
-        in the service's registry); the digests the workers now have (none for the local backend,
-        whose registry is the service's)."""
+        in the service's registry), on all or on none; the digests the workers now have (none for
+        the local backend, whose registry is the service's). `expected_base`: the base digest each
+        worker must serve now; `expected_digest`: the digest each must end with (the service's)."""
         ...
 
     def load_lora(self, model_id: str, tensors: Mapping[str, torch.Tensor], lora_config: dict[str, Any]) -> list[str]:
