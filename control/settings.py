@@ -66,9 +66,9 @@ class Settings(BaseSettings):
         "one batch; CFG doubles the rows inside the model); 1 turns co-batching off.",
     )
     batch_wait_ms: float = Field(
-        0.0, ge=0, le=10_000, description="Milliseconds a worker may wait for the next compatible rollout before "
-        "starting a batch smaller than --max-batch-samples, again after each that joins, at most 8x in all "
-        "(0: a lone rollout starts at once).",
+        0.0, ge=0, le=10_000, description="Milliseconds a worker waits for compatible rollouts before starting a batch "
+        "smaller than --max-batch-samples; each that joins keeps it open half as long past its arrival, "
+        "at most 8x in all (0: a lone rollout starts at once).",
     )
     ttl_s: float = Field(3600.0, gt=0, description="Seconds a finished result is kept before it expires.")
 

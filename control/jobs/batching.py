@@ -2,11 +2,12 @@
 
 The oldest queued job no gathering batch could take heads the batch; every queued job with its
 batch key and placement group joins, oldest first, while the batch holds at most
---max-batch-samples samples (`_gather`). With --batch-wait-ms W the worker waits up to W for the
-next compatible job while the batch is not full, W again after each one that joins (a burst of
-requests whose POSTs take longer than W in all still lands in one batch), and at most
-BATCH_WAIT_ROUNDS x W in all. So a job waits only for jobs older than it (and at most one batch
-of younger compatible ones that fit beside an older head): the age bound.
+--max-batch-samples samples (`_gather`). With --batch-wait-ms W a batch that is not full waits W
+for company from the moment its head is taken; a job that joins less than W/2 before that ends
+keeps it open W/2 past its own arrival (`BURST_GAP`), so a burst whose requests follow each other
+within W/2 lands in one batch however long it lasts, up to BATCH_WAIT_ROUNDS x W in all. A quick
+burst does not wait a whole W past its last request. So a job waits only for jobs older than it
+(and at most one batch of younger compatible ones that fit beside an older head): the age bound.
 """
 
 from __future__ import annotations
@@ -18,8 +19,13 @@ from sigmaflight.control.jobs.job import Job
 from sigmaflight.control.jobs.table import Forming, JobTable
 
 BATCH_WAIT_ROUNDS = 8
-"""A forming batch waits at most this many --batch-wait-ms in all, however long requests keep
-joining it (each join restarts the wait for the next one)."""
+"""A forming batch waits at most this many --batch-wait-ms in all, however long a burst keeps
+joining it."""
+
+BURST_GAP = 0.5
+"""A job that joins keeps its batch open this fraction of --batch-wait-ms past its arrival: the
+longest gap between two requests of one burst (a client posting a batch of prompts one request
+at a time) that still lands them in one batch."""
 
 
 class BatchFormer:
@@ -48,8 +54,8 @@ class BatchFormer:
                 table.work.wait(left)
                 had = len(forming.jobs)
                 self._gather(forming)
-                if len(forming.jobs) > had:  # requests are still arriving: wait for the next one
-                    deadline = min(time.monotonic() + self.batch_wait_s, longest)
+                if len(forming.jobs) > had:  # a burst still arriving keeps the batch open for its next one
+                    deadline = min(max(deadline, time.monotonic() + BURST_GAP * self.batch_wait_s), longest)
         finally:
             table.forming.remove(forming)
             table.work.notify_all()  # jobs left for this batch are anyone's again

@@ -299,9 +299,9 @@ def test_a_worker_waiting_for_a_batch_takes_the_requests_that_arrive_meanwhile(r
 
 
 def test_a_burst_longer_than_the_wait_lands_in_one_batch_and_a_steady_stream_is_cut_at_8_waits(registry):
-    """--batch-wait-ms W is the wait for the next compatible request, restarted by each one that
-    joins: eight requests 0.1 s apart (0.7 s in all, 1.75 times W = 0.4 s) share one batch. A
-    stream that never pauses is cut at BATCH_WAIT_ROUNDS x W after the head was taken."""
+    """--batch-wait-ms W: a request that joins keeps the batch open W/2 past its arrival, so eight
+    requests 0.1 s apart (0.7 s in all, 1.75 times W = 0.4 s) share one batch. A stream that
+    never pauses is cut at BATCH_WAIT_ROUNDS x W after the head was taken."""
     from sigmaflight.control.jobs import BATCH_WAIT_ROUNDS
     from sigmaflight.pipeline.batch import batch_key
 
@@ -331,6 +331,30 @@ def test_a_burst_longer_than_the_wait_lands_in_one_batch_and_a_steady_stream_is_
         assert 1 < first["requests"] < len(stream)  # it waited for several, not for the whole stream
         started = known(jobs.get(stream[0])).started_at
         assert started is not None and started - known(jobs.get(stream[0])).created_at < BATCH_WAIT_ROUNDS * wait_s + 0.5
+    finally:
+        jobs.stop()
+
+
+def test_a_quick_burst_starts_one_wait_after_its_head_not_one_wait_after_its_last_request(registry):
+    """Five requests 0.1 s apart with W = 1 s share one batch, which starts W after the head was
+    taken: the last one keeps it open only W/2 past its arrival (0.9 s), not a whole W (1.4 s)."""
+    from sigmaflight.pipeline.batch import batch_key
+
+    model = registry.get("tiny-sd3")
+    jobs, store = manager(registry, max_batch_samples=64, batch_wait_s=1.0)
+    jobs.start()
+    try:
+        burst: list[str] = []
+        for k in range(5):
+            s = spec(seed=50 + k)
+            burst.append(jobs.submit(s, batch_key=batch_key(model, s))[0].id)
+            time.sleep(0.1)
+        for job_id in burst:
+            assert wait(jobs, job_id, {"failed", "succeeded"}) == "succeeded"
+        assert _batch_of(store, burst[0])["requests"] == 5
+        head = known(jobs.get(burst[0]))
+        assert head.started_at is not None
+        assert 0.95 <= head.started_at - head.created_at < 1.25
     finally:
         jobs.stop()
 
