@@ -7,6 +7,7 @@ exact bits of the snapshot.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -97,6 +98,9 @@ def _dumps(value: Any) -> bytes:
     return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
 
 
+_FORMAT_JSON = _dumps(FORMAT)
+
+
 def rollout_metadata(header: TrajectoryHeader) -> dict[str, Any]:
     """``header.rollout`` with the keys the contract names filled from the header."""
     rollout = dict(header.rollout)
@@ -140,8 +144,26 @@ def validate_header(header: TrajectoryHeader) -> None:
 def trajectory_schema(header: TrajectoryHeader) -> pa.Schema:
     """The exact "trajectory/v1" schema (column order, types, nullability, metadata)."""
     validate_header(header)
-    value_type, _, name = _DTYPES[header.latent_dtype]
-    latent_type = pa.fixed_shape_tensor(value_type, list(header.latent_shape))
+    metadata = {
+        KEY_FORMAT: _FORMAT_JSON,
+        KEY_SIGMAS: schedule_json(header.sigmas),
+        KEY_TIMESTEPS: schedule_json(header.timesteps),
+        KEY_STEPS: _dumps([int(s) for s in header.steps]),
+        KEY_SDE_STEPS: _dumps(sorted(int(s) for s in header.sde_steps)),
+        KEY_ROLLOUT: _dumps(rollout_metadata(header)),
+        KEY_LOG_PROBS: _dumps(bool(header.log_probs)),
+    }
+    if header.parent is not None:
+        metadata[KEY_PARENT] = _dumps(dict(header.parent))
+    fields = _fields(header.latent_dtype, tuple(header.latent_shape), header.velocities, header.parent_sample is not None)
+    return pa.schema(fields, metadata=metadata)
+
+
+@functools.lru_cache(maxsize=64)
+def _fields(dtype: torch.dtype, latent_shape: tuple[int, ...], velocities: bool, parent: bool) -> tuple[pa.Field, ...]:
+    """The columns of a trajectory: the same for every rollout of one model call (Arrow fields
+    are immutable), so made once per kind."""
+    value_type, _, name = _DTYPES[dtype]
     fields = [
         pa.field("step", pa.int32(), nullable=False),
         pa.field("sample", pa.int32(), nullable=False),
@@ -152,25 +174,27 @@ def trajectory_schema(header: TrajectoryHeader) -> pa.Schema:
         pa.field("sigma_next", pa.float32(), nullable=True),
         pa.field("sde", pa.bool_(), nullable=True),
         pa.field("log_prob", pa.float32(), nullable=True),
-        pa.field("latent", latent_type, nullable=False, metadata={KEY_DTYPE: name}),
+        pa.field("latent", pa.fixed_shape_tensor(value_type, list(latent_shape)), nullable=False,
+                 metadata={KEY_DTYPE: name}),
     ]
-    if header.velocities:
-        velocity_type = pa.fixed_shape_tensor(pa.float32(), list(header.latent_shape))
+    if velocities:
+        velocity_type = pa.fixed_shape_tensor(pa.float32(), list(latent_shape))
         fields.append(pa.field("velocity", velocity_type, nullable=True, metadata={KEY_DTYPE: "float32"}))
-    if header.parent_sample is not None:
+    if parent:
         fields.append(pa.field("parent_sample", pa.int32(), nullable=False))
-    metadata = {
-        KEY_FORMAT: _dumps(FORMAT),
-        KEY_SIGMAS: _dumps(float32_list(header.sigmas)),
-        KEY_TIMESTEPS: _dumps(float32_list(header.timesteps)),
-        KEY_STEPS: _dumps([int(s) for s in header.steps]),
-        KEY_SDE_STEPS: _dumps(sorted(int(s) for s in header.sde_steps)),
-        KEY_ROLLOUT: _dumps(rollout_metadata(header)),
-        KEY_LOG_PROBS: _dumps(bool(header.log_probs)),
-    }
-    if header.parent is not None:
-        metadata[KEY_PARENT] = _dumps(dict(header.parent))
-    return pa.schema(fields, metadata=metadata)
+    return tuple(fields)
+
+
+def schedule_json(values: torch.Tensor) -> bytes:
+    """`float32_list(values)` as JSON: made once per schedule, which every rollout of a
+    co-batched call shares (keyed by its float32 bytes, so equal schedules share it too)."""
+    raw = values.detach().cpu().to(torch.float32).contiguous().numpy().tobytes()
+    return _exact_float32_json(raw)
+
+
+@functools.lru_cache(maxsize=256)
+def _exact_float32_json(raw: bytes) -> bytes:
+    return _dumps(float32_list(np.frombuffer(raw, dtype=np.float32)))
 
 
 def schema_metadata(schema: pa.Schema) -> dict[str, Any]:

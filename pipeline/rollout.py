@@ -109,8 +109,7 @@ class _Driver(Generic[R]):
         self.started = False
 
     def close(self, rows: Rows[R], outcome: RolloutResult | BaseException) -> None:
-        rows.outcome = outcome
-        self.sink.end(rows, outcome)
+        _end(self.sink, rows, outcome)
 
     def fail(self, failures: Failures[R]) -> None:
         for rows, exc in failures:
@@ -289,10 +288,15 @@ def run_batch(
     except (WeightsFailed, RolloutCancelled) as closed:
         for rows in members:  # a member cancelled meanwhile ends cancelled, not on the push's failure
             if not rows.ended:
-                rows.outcome = (RolloutCancelled("cancelled while an in-place weights push held the model")
-                                if rows.rollout.should_stop() else closed)
-                out.end(rows, rows.outcome)
+                _end(out, rows, RolloutCancelled("cancelled while an in-place weights push held the model")
+                     if rows.rollout.should_stop() else closed)
     return [r.outcome if r.outcome is not None else RuntimeError("the rollout never ended") for r in members]
+
+
+def _end(sink: Sink[R], rows: Rows[R], outcome: RolloutResult | BaseException) -> None:
+    """The one way a member ends: its outcome set, then its sink told at once."""
+    rows.outcome = outcome
+    sink.end(rows, outcome)
 
 
 def _run_batch(model: LoadedModel, members: list[Rows[R]], sink: Sink[R], keep: bool, per_row: bool,
@@ -314,8 +318,7 @@ def _run_batch(model: LoadedModel, members: list[Rows[R]], sink: Sink[R], keep: 
         rows.steps = frozenset(captured_steps(spec)) if spec.capture else frozenset()
         rows.sde_steps = frozenset(requested_sde_steps(spec))
     for rows, error in refused:
-        rows.outcome = error
-        sink.end(rows, error)
+        _end(sink, rows, error)
     if all(r.ended for r in members):
         return
     driver = _Driver(model, policy, members, sink, keep=keep, per_row=per_row, batch_id=batch_id)

@@ -23,7 +23,7 @@ from sigmaflight.control.http.docs_page import docs_routes
 from sigmaflight.control.http.errors import EXCEPTION_HANDLERS, HttpError, invalid
 from sigmaflight.control.http.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from sigmaflight.control.http.openapi import openapi_document
-from sigmaflight.control.http.status import flight_ticket, status_body, status_of
+from sigmaflight.control.http.status import StatusBodies, flight_ticket, status_of
 from sigmaflight.control.http.weights import (
     FILE_PATH,
     LORA_PATH,
@@ -270,7 +270,7 @@ async def get_rollout(request: Request) -> Response:
     job = service.jobs.get(request.path_params["rollout_id"])  # a dict read: no thread hop
     if job is None:
         raise unknown_rollout(request.path_params["rollout_id"])
-    return Response(status_body(service, job), media_type="application/json")
+    return Response(request.state.status_bodies.body(job), media_type="application/json")
 
 
 async def list_rollouts(request: Request) -> Response:
@@ -370,7 +370,7 @@ def create_app(settings: Settings, service: Service | None = None) -> Starlette:
         service_metrics.bind(svc)
         app.state.service = svc
         try:
-            yield {"service": svc}
+            yield {"service": svc, "status_bodies": StatusBodies(svc)}
         finally:
             await run_in_threadpool(svc.stop)
 
