@@ -89,7 +89,7 @@ def exact_float32(value: float | np.floating[Any]) -> float:
     return float(f)
 
 
-def float32_list(values: torch.Tensor | Sequence[float]) -> list[float]:
+def float32_list(values: torch.Tensor | Sequence[float] | np.ndarray[Any, Any]) -> list[float]:
     arr = values.detach().cpu().to(torch.float32).numpy() if isinstance(values, torch.Tensor) else values
     return [exact_float32(v) for v in np.asarray(arr, dtype=np.float32).reshape(-1)]
 
