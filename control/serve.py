@@ -108,6 +108,13 @@ def serve(settings: Settings) -> int:
     return 0 if server.started else 1
 
 
+def _torch_threads() -> int:
+    """torch's own count of intra-op threads (torch is loaded by now)."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 def build_server(settings: Settings) -> uvicorn.Server:
     """The uvicorn server of `sigmaflight serve` (the app, its Service built by the lifespan, the
     "sigmaflight ready" line), not yet running; the tests' in-process server runs it on a thread."""
@@ -198,6 +205,7 @@ def build_server(settings: Settings) -> uvicorn.Server:
                     "model": settings.model,
                     "auth": bool(settings.tokens()),
                     "data_dir": str(settings.data_dir) if settings.data_dir else None,
+                    "torch_threads": settings.torch_threads or _torch_threads(),
                     "docs": f"{rest_url}/docs",
                     "try": f"sigmaflight submit --url {rest_url}{token} -p 'a red cube' --steps 4 --wait",
                 },

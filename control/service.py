@@ -34,6 +34,8 @@ class Service:
         config = NodeConfig.from_settings(settings)
         if settings.backend == "ray":  # the models run in the worker actors; here they only validate requests
             config = dataclasses.replace(config, device="cpu")
+        if settings.torch_threads is not None and settings.backend == "local":  # Ray workers set their own
+            torch.set_num_threads(settings.torch_threads)  # the default of every thread started from now: the workers
         self.node = Node(config, on_cancel=self._cancel_from_flight, on_release=self._release_from_flight)
         self.registry, self.store, self.flight = self.node.registry, self.node.store, self.node.flight
         self.backend: Backend

@@ -46,6 +46,11 @@ class Settings(BaseSettings):
     workers: int = Field(
         1, ge=1, le=64, description="Rollout worker threads (local backend) or Ray worker actors (--backend ray)."
     )
+    torch_threads: int | None = Field(
+        None, ge=1, le=1024, description="torch intra-op threads of the process that runs the rollouts (each Ray "
+        "worker: its own; default: torch's, one per core). Where clients or other work share the cores, fewer "
+        "can run more: docs/control.md, \"Co-batching\".",
+    )
     backend: Literal["local", "ray"] = Field(
         "local", description="Where rollouts run: this process (local) or Ray actors, one device each (ray)."
     )

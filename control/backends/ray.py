@@ -77,7 +77,8 @@ class RayBackend(WeightsFanout):
         """Join the cluster named by `settings.ray_address` and start `settings.workers` actors, each
         on the server's node config (`NodeConfig.from_settings`, or `node` when given)."""
         owns = cls.connect(settings.ray_address)
-        config = WorkerConfig(index=0, model=settings.model, node=node or NodeConfig.from_settings(settings))
+        config = WorkerConfig(index=0, model=settings.model, node=node or NodeConfig.from_settings(settings),
+                              torch_threads=settings.torch_threads)
         if node is not None and node.device != settings.device:  # the service's own node runs on the CPU
             config = replace(config, node=replace(node, device=settings.device))
         return cls(config, workers=settings.workers, num_cpus=settings.ray_num_cpus,

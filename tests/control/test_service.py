@@ -310,3 +310,30 @@ def test_flight_actions_cancel_and_release_drive_the_rest_status(client, server)
     assert client.get(f"/v1/rollouts/{done['id']}").json()["status"] == "expired"
     with pytest.raises(flight.FlightError, match="released"):
         pull(done)
+
+
+def test_torch_threads_sets_the_threads_rollouts_run_with_and_the_ready_line_says_so():
+    """--torch-threads N: the threads started from then on (the workers that run the rollouts)
+    use N intra-op threads, and the ready line reports N; without it torch keeps its own count."""
+    def new_thread_count() -> int:
+        got: list[int] = []
+        t = threading.Thread(target=lambda: got.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        return got[0]
+
+    before = new_thread_count()
+    want = 1 if before > 1 else 2
+    try:
+        with InProcessServer("--torch-threads", str(want)) as s:
+            ready = next(json.loads(line) for line in s.logs if '"sigmaflight ready"' in line)
+            assert ready["torch_threads"] == want and new_thread_count() == want
+            with httpx.Client(base_url=s.rest_url, timeout=60) as c:
+                r = c.post("/v1/rollouts", json={"prompts": ["a cat"], "num_inference_steps": 2})
+                assert r.status_code == 202, r.text
+                assert wait_for_status(c, r.json()["id"], {"succeeded", "failed"})["status"] == "succeeded"
+    finally:
+        torch.set_num_threads(before)
+    with InProcessServer() as s:
+        ready = next(json.loads(line) for line in s.logs if '"sigmaflight ready"' in line)
+        assert ready["torch_threads"] == before == new_thread_count()
