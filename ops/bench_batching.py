@@ -28,6 +28,9 @@ rounds, every client polling its rollout's status every 20 ms until it ends (no 
 server process tree's user+sys CPU (psutil) and the wall-clock samples/s of each workload:
 
   .venv/bin/python ops/bench_batching.py --server-cpu --before ../sigmaflight-main/.venv/bin/python --rounds 8
+
+`--variant LABEL=FLAGS` adds a server of this checkout with extra serve flags to the same rounds
+(e.g. --variant 'threads-1=--torch-threads 1').
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -227,9 +231,12 @@ def server_cpu(a: argparse.Namespace) -> int:
     """The --server-cpu measure (module docstring); the ratios are taken within a round, medians printed."""
     flags = ("--model", a.model, "--workers", "1", "--log-level", "warning", "--queue-size", str(4 * a.n + 8),
              "--batch-wait-ms", str(a.wait_ms))
-    pythons = {"after": sys.executable, **({"before": a.before} if a.before else {})}
-    with concurrent.futures.ThreadPoolExecutor(len(pythons)) as pool:
-        starting = {k: pool.submit(Server, py, *flags) for k, py in pythons.items()}
+    runs = {"after": (sys.executable, ()), **({"before": (a.before, ())} if a.before else {})}
+    for variant in a.variant:
+        label, _, extra = variant.partition("=")
+        runs[label] = (sys.executable, tuple(shlex.split(extra)))
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+        starting = {k: pool.submit(Server, py, *flags, *extra) for k, (py, extra) in runs.items()}
     servers = {k: f.result() for k, f in starting.items()}
     loads = {w: b for w, b in workloads(a, 0, 0).items() if w in CPU_LOADS}
     cpu: dict[tuple[str, str], list[float]] = {(w, k): [] for w in loads for k in servers}
@@ -260,10 +267,11 @@ def server_cpu(a: argparse.Namespace) -> int:
 
     print(f"server CPU: model={a.model} N={a.n} T={a.steps} --batch-wait-ms {a.wait_ms:g} rounds={a.rounds} "
           f"(+1 warm-up), status polled every 20 ms")
-    print(f"{'workload':<9} {'server':<7} {'cpu ms':>8} {'samples/s':>10} {'p50 ms':>8}   (cpu: mean a round)")
+    width = max(7, *map(len, servers))
+    print(f"{'workload':<9} {'server':<{width}} {'cpu ms':>8} {'samples/s':>10} {'p50 ms':>8}   (cpu: mean a round)")
     for w in loads:
         for k in servers:
-            print(f"{w:<9} {k:<7} {statistics.mean(cpu[(w, k)]) * 1e3:>8.1f} {statistics.median(sps[(w, k)]):>10.2f} "
+            print(f"{w:<9} {k:<{width}} {statistics.mean(cpu[(w, k)]) * 1e3:>8.1f} {statistics.median(sps[(w, k)]):>10.2f} "
                   f"{percentile(lat[(w, k)], 50) * 1e3:>8.1f}")
     for k in servers:
         print(f"{k}: N x B=1 / one-B=N server CPU {cpu_ratio(k):.2f}x (target <= 1.4), "
@@ -287,6 +295,9 @@ def main() -> int:
     ap.add_argument("--server-cpu", action="store_true", help="measure the server's CPU per workload instead")
     ap.add_argument("--before", metavar="PYTHON", help="--server-cpu: also a server run by this interpreter "
                     "(another checkout's .venv/bin/python; its sigmaflight is that checkout's)")
+    ap.add_argument("--variant", metavar="LABEL=FLAGS", action="append", default=[],
+                    help="--server-cpu: also a server of this checkout with these extra serve flags, shown as "
+                    "LABEL (repeatable), e.g. --variant 'threads-1=--torch-threads 1'")
     a = ap.parse_args()
     if a.server_cpu:
         return server_cpu(a)

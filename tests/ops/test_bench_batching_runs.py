@@ -31,15 +31,18 @@ def test_bench_batching_prints_every_workload_and_the_target_ratios():
     assert re.search(r"stock diffusers __call__ [\d.]+ samples/s", out.stdout)
 
 
-def test_bench_batching_server_cpu_prints_each_workload_for_both_servers_and_the_ratios():
-    """--server-cpu with --before: a server per interpreter (here the same one twice), every workload on each."""
+def test_bench_batching_server_cpu_prints_each_workload_for_every_server_and_the_ratios():
+    """--server-cpu with --before and a --variant: a server per interpreter (here the same one twice)
+    and one with the variant's flags, every workload on each."""
     out = subprocess.run([sys.executable, "ops/bench_batching.py", "--server-cpu", "--before", sys.executable, "--n", "3",
-                          "--steps", "1", "--rounds", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--steps", "1", "--rounds", "1", "--variant", "threads-1=--torch-threads 1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    servers = ("after", "before", "threads-1")
     for workload in ("one-B=N", "N x B=1", "lone B=1"):
-        for server in ("after", "before"):
+        for server in servers:
             assert re.search(rf"^{re.escape(workload)}\s+{server}\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out.stdout, re.M), out.stdout
-    for server in ("after", "before"):
+    for server in servers:
         assert re.search(rf"^{server}: N x B=1 / one-B=N server CPU [\d.]+x .* wall samples/s [\d.]+x", out.stdout, re.M)
     assert re.search(r"^after / before: lone B=1 latency [\d.]+ .* one-B=N samples/s [\d.]+", out.stdout, re.M)
 
