@@ -18,18 +18,17 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from pathlib import Path
 
 from sigmaflight.control.jobs.admission import Admission
 from sigmaflight.control.jobs.backend import Backend
 from sigmaflight.control.jobs.batching import BatchFormer
-from sigmaflight.control.jobs.job import TRAJECTORY, JobView
+from sigmaflight.control.jobs.job import JobView
 from sigmaflight.control.jobs.lifecycle import Lifecycle
 from sigmaflight.control.jobs.reaper import Reaper
 from sigmaflight.control.jobs.table import JobTable
 from sigmaflight.control.jobs.workers import Workers
-from sigmaflight.pipeline.spec import RolloutSpec
 
 from sigmaflight.records import ErrorInfo, RolloutState
 
@@ -53,6 +52,8 @@ class JobManager:
         self._table = JobTable()
         self._lifecycle = Lifecycle(self._table, backend, data_dir)
         self._admission = Admission(self._table, self._lifecycle, backend, queue_size)
+        self.submit = self._admission.submit
+        """Enqueue a rollout: (its view, created); `Admission.submit` (admission.py)."""
         self._workers = Workers(self._table, self._lifecycle, BatchFormer(self._table, backend, max_batch_samples,
                                                                           batch_wait_s), backend, on_batch)
         self._reaper = Reaper(self._table, self._lifecycle, ttl_s, keep_records)
@@ -89,19 +90,6 @@ class JobManager:
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         self._lifecycle.close()
-
-    def submit(
-        self,
-        spec: RolloutSpec,
-        *,
-        streams: tuple[str, ...] = (TRAJECTORY,),
-        batch_key: Hashable | None = None,
-        idempotency_key: str | None = None,
-        body_digest: str | None = None,
-    ) -> tuple[JobView, bool]:
-        """Enqueue (admission.py `Admission.submit`); returns (the job's view, created)."""
-        return self._admission.submit(spec, streams=streams, batch_key=batch_key,
-                                      idempotency_key=idempotency_key, body_digest=body_digest)
 
     def get(self, job_id: str) -> JobView | None:
         """The job's latest snapshot (no lock taken: it never waits on a journal write)."""
