@@ -298,6 +298,20 @@ def test_a_worker_waiting_for_a_batch_takes_the_requests_that_arrive_meanwhile(r
     assert third["requests"] == 1 and third["id"] != first["id"]
 
 
+def _burst(jobs: JobManager, model, n: int, gap_s: float, seed: int) -> list[str]:
+    """`n` compatible requests `gap_s` apart, each then waited for until it succeeded: their ids."""
+    from sigmaflight.pipeline.batch import batch_key
+
+    ids: list[str] = []
+    for k in range(n):
+        s = spec(seed=seed + k)
+        ids.append(jobs.submit(s, batch_key=batch_key(model, s))[0].id)
+        time.sleep(gap_s)
+    for job_id in ids:
+        assert wait(jobs, job_id, {"failed", "succeeded"}) == "succeeded"
+    return ids
+
+
 def test_a_burst_longer_than_the_wait_lands_in_one_batch_and_a_steady_stream_is_cut_at_8_waits(registry):
     """--batch-wait-ms W: a request that joins keeps the batch open W/2 past its arrival, so eight
     requests 0.1 s apart (0.7 s in all, 1.75 times W = 0.4 s) share one batch. A stream that
@@ -310,13 +324,7 @@ def test_a_burst_longer_than_the_wait_lands_in_one_batch_and_a_steady_stream_is_
     jobs, store = manager(registry, max_batch_samples=64, batch_wait_s=wait_s, queue_size=128)
     jobs.start()
     try:
-        burst: list[str] = []
-        for k in range(8):
-            s = spec(seed=10 + k)
-            burst.append(jobs.submit(s, batch_key=batch_key(model, s))[0].id)
-            time.sleep(gap_s)
-        for job_id in burst:
-            assert wait(jobs, job_id, {"failed", "succeeded"}) == "succeeded"
+        burst = _burst(jobs, model, 8, gap_s, seed=10)
         assert {_batch_of(store, j)["id"] for j in burst} == {_batch_of(store, burst[0])["id"]}
         assert _batch_of(store, burst[0])["requests"] == 8
         stream: list[str] = []
@@ -338,19 +346,11 @@ def test_a_burst_longer_than_the_wait_lands_in_one_batch_and_a_steady_stream_is_
 def test_a_quick_burst_starts_one_wait_after_its_head_not_one_wait_after_its_last_request(registry):
     """Five requests 0.1 s apart with W = 1 s share one batch, which starts W after the head was
     taken: the last one keeps it open only W/2 past its arrival (0.9 s), not a whole W (1.4 s)."""
-    from sigmaflight.pipeline.batch import batch_key
-
     model = registry.get("tiny-sd3")
     jobs, store = manager(registry, max_batch_samples=64, batch_wait_s=1.0)
     jobs.start()
     try:
-        burst: list[str] = []
-        for k in range(5):
-            s = spec(seed=50 + k)
-            burst.append(jobs.submit(s, batch_key=batch_key(model, s))[0].id)
-            time.sleep(0.1)
-        for job_id in burst:
-            assert wait(jobs, job_id, {"failed", "succeeded"}) == "succeeded"
+        burst = _burst(jobs, model, 5, 0.1, seed=50)
         assert _batch_of(store, burst[0])["requests"] == 5
         head = known(jobs.get(burst[0]))
         assert head.started_at is not None
