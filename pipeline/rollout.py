@@ -279,8 +279,13 @@ def run_batch(
     out: Sink[R] = sink if sink is not None else Quiet()
     members = [Rows(rollout=r) for r in rollouts]
 
-    def all_stopped() -> bool:  # a held call is given up once every member is cancelled
-        return all(r.rollout.should_stop() for r in members)
+    def all_stopped() -> bool:
+        """Asked while an in-place weights push holds the call: a member cancelled meanwhile ends
+        at once, the others wait on; True (the wait given up) once every member has ended."""
+        for rows in members:
+            if not rows.ended and rows.rollout.should_stop():
+                _end(out, rows, RolloutCancelled("cancelled while an in-place weights push held the model"))
+        return all(r.ended for r in members)
 
     try:
         with model.in_use(all_stopped):  # an in-place weights push holds this call; a failed one refuses it
@@ -304,6 +309,8 @@ def _run_batch(model: LoadedModel, members: list[Rows[R]], sink: Sink[R], keep: 
     policy = model.policy()  # pipeline, digest and weights_version read together
     first, refused = 0, []
     for rows in members:
+        if rows.ended:  # cancelled while a weights push held the call
+            continue
         try:
             validate_spec(model, rows.spec)
             sink.start(rows.rollout, policy)
