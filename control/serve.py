@@ -144,7 +144,7 @@ def build_server(settings: Settings) -> uvicorn.Server:
         access_log=False,
         timeout_graceful_shutdown=10,
         http=header_timeout_protocol(settings.header_timeout_s),  # uvicorn has no header read timeout
-        loop="auto",  # uvloop (the server extra installs it): half the CPU of asyncio's loop a request
+        loop="auto",  # uvloop (the server extra installs it): a bare request costs half the CPU it does on asyncio's
         **tls,  # type: ignore[arg-type]
     )
 
