@@ -586,7 +586,7 @@ def test_a_member_cancelled_while_a_push_holds_its_batch_ends_at_once_and_the_ot
     """Two rollouts co-batched (--batch-wait-ms) wait while a silent in-place push holds the model:
     cancelling one ends it at once (not when the push expires), the other waits on and then
     fails with the push (weights_failed)."""
-    with InProcessServer("--workers", "1", "--weights-swap", "in-place", "--weights-push-timeout-s", "5",
+    with InProcessServer("--workers", "1", "--weights-swap", "in-place", "--weights-push-timeout-s", "8",
                          "--batch-wait-ms", "300") as s, Client(s.rest_url) as client:
         new = _changed(_base(), _floats(_base()), 0.05)
         name = sorted(new)[0]
