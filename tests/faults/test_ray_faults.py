@@ -1,6 +1,7 @@
-"""Faults with `sigmaflight serve --backend ray` (its own local Ray cluster): a LoRA adapter put
-and deleted reaches every worker and a replacement, pushed weights reach every worker, and a
-placement that fails leaves nothing behind. One server for the module, in that order."""
+"""`sigmaflight serve --backend ray` (its own local Ray cluster, two workers) and its faults: a LoRA
+adapter put and deleted reaches every worker and a replacement, a branch starts from the x_k its
+parent's worker stored, pushed weights reach every worker, and a placement that fails leaves
+nothing behind. One server for the module, in that order."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import signal
 import time
 
 import psutil
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.flight as flight
 import pytest
+import torch
 
+from sigmaflight import Client
 from tests.faults.conftest import latent_bytes, options
 from tests.servers import InProcessServer, ServerProcess, wait_for_status
 
@@ -50,7 +55,7 @@ def _actor_pids(server: ServerProcess) -> list[int]:
 def ray_server():
     """One Ray-backed server for the module's tests (a Ray cluster and two workers take ~20 s to
     start): the LoRA test first (it counts weights versions from a fresh server's 0 and leaves the
-    base weights), then the weights test, the placement test (which kills the workers) last."""
+    base weights), then the branch and weights tests, the placement test (which kills the workers) last."""
     with ServerProcess(*RAY, "--queue-size", "2", timeout=240) as server:
         yield server
 
@@ -59,7 +64,6 @@ OCTET = {"content-type": "application/octet-stream"}
 
 
 def _adapter_body() -> bytes:
-    import torch
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
     from safetensors.torch import save
     from sigmaflight.pipeline.models import ModelRegistry
@@ -137,9 +141,38 @@ def test_lora_put_and_delete_reach_every_ray_worker_and_replacements(ray_server:
         assert c.delete("/v1/models/tiny-sd3/lora").json()["error"]["type"] == "lora_not_loaded"
 
 
+def _read(location: str, ticket: str) -> pa.Table:
+    with flight.FlightClient(location) as fc:
+        return fc.do_get(flight.Ticket(ticket.encode())).read_all()
+
+
+def _latents(table: pa.Table, step: int) -> torch.Tensor:
+    rows = table.filter(pc.equal(table.column("step"), step)).sort_by("sample")
+    return torch.from_numpy(rows.column("latent").combine_chunks().to_numpy_ndarray().copy())
+
+
+def test_branch_on_ray_starts_from_the_workers_stored_x_k(ray_server: ServerProcess) -> None:
+    """The parent's x_k comes from the worker that ran it (through the Ray object store) and the
+    branch starts from it bit for bit."""
+    server = ray_server
+    with Client(server.rest_url) as client:
+        parent = client.submit(prompts=["a cat", "the dog"], num_inference_steps=3, seed=2, sampler={"type": "ode"})
+        assert parent.flight.locations[0] != server.flight_url  # held by the worker
+        client.wait(parent, timeout=120)
+        branch = client.branch(parent.id, 1, [1], branches=2, seed=3, sampler={"type": "sde", "sde_steps": [1]})
+        client.wait(branch, timeout=120)
+        ptable = _read(parent.flight.locations[0], parent.flight.ticket)
+        table = _read(branch.flight.locations[0], branch.flight.ticket)
+        with server.client() as c:
+            missing = c.post("/v1/rollouts", json={"branch_from": {"rollout": "nope", "step": 1}})
+    assert torch.equal(_latents(table, 1), _latents(ptable, 1)[[1, 1]])
+    assert table.schema.metadata[b"sigmaflight.sigmas"] == ptable.schema.metadata[b"sigmaflight.sigmas"]
+    assert json.loads(table.schema.metadata[b"sigmaflight.parent"]) == {"rollout": parent.id, "step": 1, "samples": [1]}
+    assert missing.status_code == 422 and missing.json()["error"]["details"][0]["loc"] == ["body", "branch_from", "rollout"]
+
+
 def _changed_weights() -> tuple[bytes, dict]:
     """The tiny SD3 transformer's state dict, every float tensor nudged by seeded noise."""
-    import torch
     from safetensors.torch import save
     from sigmaflight.pipeline.models import ModelRegistry
 
