@@ -19,6 +19,7 @@ from sigmaflight.control.settings import Settings
 from sigmaflight.dataplane.server import FlightDataServer
 from sigmaflight.dataplane.store import ResultStore
 from sigmaflight.pipeline.models import ModelRegistry, parse_hub_id
+from sigmaflight.pipeline.sources import local_model_dirs
 
 log = logging.getLogger("sigmaflight.node")
 
@@ -74,11 +75,6 @@ class NodeConfig:
 
 def _str_or_none(path: Path | None) -> str | None:
     return None if path is None else str(path)
-
-
-def local_model_dirs(model_dir: str | Path) -> list[Path]:
-    """The pipelines under `model_dir`: each subdirectory holding a model_index.json, by name."""
-    return [sub for sub in sorted(Path(model_dir).iterdir()) if (sub / "model_index.json").is_file()]
 
 
 def quiet_library_progress_bars() -> None:

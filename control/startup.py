@@ -58,7 +58,7 @@ def preflight(settings: Settings) -> None:
     if settings.shm_dir is not None:
         check_shm_dir(settings.shm_dir)
     if settings.backend == "ray":
-        from sigmaflight.pipeline.models import parse_hub_id
+        from sigmaflight.pipeline.sources import parse_hub_id
 
         if parse_hub_id(settings.model) is not None:
             raise StartupError(f"--model {settings.model}: a hub model is served by --backend local only "
@@ -212,13 +212,15 @@ def check_ray() -> None:
 # ---------------------------------------------------------------------------------------- models
 
 def check_models(settings: Settings) -> None:
-    """--model-dir holds loadable flow-match pipelines, and --model is one the server can serve."""
-    from sigmaflight.control.node import local_model_dirs
-    from sigmaflight.pipeline.models import (
+    """--model-dir holds loadable flow-match pipelines, and --model is one the server can serve.
+    Imports no torch (pipeline/sources.py and the built-ins' table): a mistake is refused in a
+    fraction of a second; only check_flow_match imports diffusers, for a scheduler's class."""
+    from sigmaflight.pipeline.builtins import BUILTINS
+    from sigmaflight.pipeline.sources import (
         ModelLoadError,
-        ModelRegistry,
         check_flow_match,
         check_hub_model,
+        local_model_dirs,
         parse_hub_id,
     )
 
@@ -247,7 +249,7 @@ def check_models(settings: Settings) -> None:
         except ModelLoadError as exc:
             raise StartupError(f"--model {exc}") from None
         return
-    known = sorted(set(ModelRegistry().ids()) | set(local))
+    known = sorted(set(BUILTINS) | set(local))
     if settings.model not in known:
         raise StartupError(f"--model {settings.model!r}: unknown model; known: {', '.join(known)} "
                            "(or a Hugging Face hub id, org/name[@revision])")

@@ -12,11 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["HUB_ID", "HubSnapshot", "ModelLoadError", "check_flow_match", "check_hub_id", "check_hub_model",
-           "hub_model_dir", "missing_pipeline_file", "parse_hub_id", "resolve_hub_model", "revision_problem"]
+           "hub_model_dir", "local_model_dirs", "missing_pipeline_file", "parse_hub_id", "resolve_hub_model",
+           "revision_problem"]
 
 
 class ModelLoadError(ValueError):
     """A local model directory sigmaflight cannot serve (the message names the directory and why)."""
+
+
+def local_model_dirs(model_dir: str | Path) -> list[Path]:
+    """The pipelines under `model_dir`: each subdirectory holding a model_index.json, by name."""
+    return [sub for sub in sorted(Path(model_dir).iterdir()) if (sub / "model_index.json").is_file()]
 
 
 

@@ -30,9 +30,11 @@ from sigmaflight.wire import Ticket
 from tests.servers import InProcessServer, wait_for
 
 QUEUE = 4
-BLOCKER_STEPS = 100_000
+BLOCKER_STEPS = 10_000
 """A blocker's steps: far more than any test waits (a busy CI box once finished 200-step blockers
-before the test's interrupt arrived); every test cancels its blockers."""
+before the test's interrupt arrived; 256 samples take about 0.3 s a step here, so this is most
+of an hour); every test cancels its blockers. Not more: a rollout's set-up costs tens of
+microseconds per step (the sampler's per-step noise check), seconds at 100,000 steps."""
 FAST: dict[str, Any] = {"num_inference_steps": 2, "guidance_scale": 4.5}
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sigmaflight import Client
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer, ServerProcess
 
 pytestmark = pytest.mark.e2e
 
@@ -30,20 +30,18 @@ def test_extra_streams_survive_kill_9_and_go_with_their_rollout(tmp_path):
         assert files == {f"{t.id}.outputs.arrow", f"{t.id}.conditioning.arrow"}
         assert pa.ipc.open_file(pa.memory_map(str(data / "streams" / f"{t.id}.conditioning.arrow"))).read_all() \
             .equals(table)
-
-        server.kill()
-        server = ServerProcess("--data-dir", str(data))
-        assert f"serving stream conditioning of {t.id}" in server.log_text
-        with Client(server.rest_url) as client:
+    finally:
+        server.kill()  # SIGKILL: no shutdown code runs
+    with InProcessServer("--data-dir", str(data)) as again:  # the restart may run in this process
+        assert f"serving stream conditioning of {t.id}" in again.log_text
+        with Client(again.rest_url) as client:
             assert np.array_equal(client.pull_outputs(t.id), outputs)
-            again = client.pull_conditioning(t.id)
-            assert set(again) == set(cond)
+            again_cond = client.pull_conditioning(t.id)
+            assert set(again_cond) == set(cond)
             for name, value in cond.items():
-                assert torch.equal(again[name], value), name
-        with flight.FlightClient(server.flight_url) as fc:  # the ticket handed out before the crash
+                assert torch.equal(again_cond[name], value), name
+        with flight.FlightClient(again.flight_url) as fc:  # the ticket handed out before the crash
             assert fc.do_get(flight.Ticket(t.flight.streams["conditioning"].ticket.encode())).read_all().equals(table)
-        with server.client() as c:
+        with again.client() as c:
             assert c.delete(f"/v1/rollouts/{t.id}").status_code == 200
         assert not list((data / "streams").iterdir())
-    finally:
-        server.kill()

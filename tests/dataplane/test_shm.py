@@ -101,24 +101,23 @@ def test_real_server_offers_the_file_and_a_same_host_client_reads_it_without_a_s
         assert "cannot read" in caplog.text and _bytes_served(server) > moved
         os.rename(hidden, path)
 
-        # kill -9 and restart: a stale file is removed, nothing finished is lost, the file comes back
-        server.kill()
-        (shm / PRIVATE / "ghost.arrow").write_bytes(b"left by a dead process")
-        server = ServerProcess("--shm-dir", str(shm), "--data-dir", str(data))
-        assert "removing stale shared-memory trajectory" in server.log_text
+    finally:
+        server.kill()  # kill -9
+    # the restart (in this process): a stale file is removed, nothing finished is lost, the file comes back
+    (shm / PRIVATE / "ghost.arrow").write_bytes(b"left by a dead process")
+    with InProcessServer("--shm-dir", str(shm), "--data-dir", str(data)) as again:
+        assert "removing stale shared-memory trajectory" in again.log_text
         assert not (shm / PRIVATE / "ghost.arrow").exists()
-        assert parse_file_location(_locations(server.flight_url, rid)[1]) == (path, host_id())
-        with TrajectoryClient(server.flight_url) as tc:
+        assert parse_file_location(_locations(again.flight_url, rid)[1]) == (path, host_id())
+        with TrajectoryClient(again.flight_url) as tc:
             _equal(tc.pull(ticket), over_grpc)
-        with TrajectoryClient(server.flight_url, transport="flight") as fc:
+        with TrajectoryClient(again.flight_url, transport="flight") as fc:
             _equal(fc.pull(ticket), over_grpc)
 
         # release removes both files
-        with server.client() as c:
+        with again.client() as c:
             assert c.delete(f"/v1/rollouts/{rid}").status_code in (200, 204)
         assert not path.exists() and not (data / "trajectories" / f"{rid}.arrow").exists()
-    finally:
-        server.kill()
 
 
 def test_real_server_with_tokens_makes_the_files_0600(tmp_path):

@@ -16,7 +16,7 @@ import pyarrow.flight as flight
 import pytest
 
 from tests.faults.conftest import latent_bytes, pull
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import InProcessServer, ServerProcess, wait_for_status
 
 pytestmark = pytest.mark.e2e
 
@@ -50,7 +50,9 @@ def test_restart_on_a_too_small_shm_tmpfs_serves_from_the_data_dir(tmp_path: Pat
     finally:
         first.kill()  # kill -9: the shm files stay behind as a dead process's
 
-    second = ServerProcess(*flags, timeout=120)  # before: exit 3, "[Errno 28] No space left on device"
+    # the restart runs in this process (before: exit 3, "[Errno 28] No space left on device"; here
+    # InProcessServer would raise that the server did not become ready)
+    second = InProcessServer(*flags, timeout=120)
     try:
         assert "cannot copy it into shm_dir" in second.log_text
         assert "No space left on device" in second.log_text
@@ -69,4 +71,4 @@ def test_restart_on_a_too_small_shm_tmpfs_serves_from_the_data_dir(tmp_path: Pat
             t = c.post("/v1/rollouts", json={**MIDDLE, "seed": 4}).json()
             assert wait_for_status(c, t["id"], {"succeeded", "failed"}, timeout=120)["status"] == "succeeded"
     finally:
-        second.kill()
+        second.terminate()

@@ -19,6 +19,7 @@ import pytest
 
 from sigmaflight.launcher import ROOT, ServerProcess
 from tests.faults.conftest import SERVE, serve_refused
+from tests.servers import InProcessServer
 
 pytestmark = pytest.mark.e2e
 
@@ -42,7 +43,8 @@ def _free_port() -> int:
 
 def test_serving_twice_on_the_same_ports_is_refused_naming_both_flags():
     port, flight_port = _free_port(), _free_port()
-    with ServerProcess("--port", str(port), "--flight-port", str(flight_port)) as first:
+    # the first server runs in this process (the second, refused one is the real command)
+    with InProcessServer("--port", str(port), "--flight-port", str(flight_port)) as first:
         line = serve_refused("--port", str(port), "--flight-port", str(flight_port))
         assert f"--port {port}" in line and f"--flight-port {flight_port}" in line and "already in use" in line
         with first.client() as c:
@@ -94,7 +96,7 @@ def test_a_shm_dir_that_is_a_dangling_symlink_is_refused(tmp_path):
 
 def test_a_shm_dir_in_use_by_a_live_server_is_refused_before_the_model_loads(tmp_path):
     shm = tmp_path / "shm"
-    with ServerProcess("--shm-dir", str(shm)):
+    with InProcessServer("--shm-dir", str(shm)):  # holds the dir's lock, as a `sigmaflight serve` does
         line = serve_refused("--port", "0", "--flight-port", "0", "--shm-dir", str(shm))
     assert f"--shm-dir {shm}: in use by another live server" in line
 
