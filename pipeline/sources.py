@@ -25,7 +25,6 @@ def local_model_dirs(model_dir: str | Path) -> list[Path]:
     return [sub for sub in sorted(Path(model_dir).iterdir()) if (sub / "model_index.json").is_file()]
 
 
-
 def check_flow_match(path: str, *, label: str | None = None) -> None:
     """Refuse a local pipeline directory whose scheduler is not flow-match (before loading it).
 
