@@ -582,31 +582,38 @@ def _late_chunk_is_refused_expired(writer, reader, chunk: pa.RecordBatch) -> Non
     assert json.loads(late.value.extra_info)["reason"] == "expired"
 
 
+@contextlib.contextmanager
+def _silent_push(flight_url: str, client: Client, new: dict[str, torch.Tensor]):
+    """A full push of `new` that writes its first tensor into the served weights and goes silent:
+    (writer, reader) once the server counts it open; closed on the way out."""
+    name = sorted(new)[0]
+    with flight.FlightClient(flight_url) as fc:
+        writer, reader = _open_silent(fc, new)
+        try:
+            writer.write_batch(_chunk(name, _bytes(new[name])))
+            wait_for(lambda: _metrics(client)["sigmaflight_weights_pushes_open"] == 1, "the silent push open")
+            yield writer, reader
+        finally:
+            with contextlib.suppress(pa.ArrowException):
+                writer.close()
+
+
 def test_a_member_cancelled_while_a_push_holds_its_batch_ends_at_once_and_the_other_waits_on():
     """Two rollouts co-batched (--batch-wait-ms) wait while a silent in-place push holds the model:
     cancelling one ends it at once (not when the push expires), the other waits on and then
     fails with the push (weights_failed)."""
     with InProcessServer("--workers", "1", "--weights-swap", "in-place", "--weights-push-timeout-s", "8",
                          "--batch-wait-ms", "300") as s, Client(s.rest_url) as client:
-        new = _changed(_base(), _floats(_base()), 0.05)
-        name = sorted(new)[0]
-        with flight.FlightClient(s.flight_url) as fc:
-            writer, reader = _open_silent(fc, new)
-            try:
-                writer.write_batch(_chunk(name, _bytes(new[name])))
-                wait_for(lambda: _metrics(client)["sigmaflight_weights_pushes_open"] == 1, "the silent push open")
-                a, b = (client.submit(model=MODEL, prompts=["a red cube"], num_inference_steps=2, seed=seed,
-                                      sampler={"type": "ode"}) for seed in (1, 2))
-                wait_for(lambda: client.status(a).status == client.status(b).status == "running", "both held")
-                client.cancel(a)
-                assert client.wait(a, timeout=3, raise_on_failure=False).status == "cancelled"
-                assert client.status(b).status == "running"
-                failed = client.wait(b, timeout=30, raise_on_failure=False)
-                assert failed.status == "failed" and failed.error is not None
-                assert failed.error.type == "weights_failed", failed.error
-            finally:
-                with contextlib.suppress(pa.ArrowException):
-                    writer.close()
+        with _silent_push(s.flight_url, client, _changed(_base(), _floats(_base()), 0.05)):
+            a, b = (client.submit(model=MODEL, prompts=["a red cube"], num_inference_steps=2, seed=seed,
+                                  sampler={"type": "ode"}) for seed in (1, 2))
+            wait_for(lambda: client.status(a).status == client.status(b).status == "running", "both held")
+            client.cancel(a)
+            assert client.wait(a, timeout=3, raise_on_failure=False).status == "cancelled"
+            assert client.status(b).status == "running"
+            failed = client.wait(b, timeout=30, raise_on_failure=False)
+            assert failed.status == "failed" and failed.error is not None
+            assert failed.error.type == "weights_failed", failed.error
 
 
 def test_an_open_push_stream_that_sends_nothing_expires_and_the_model_takes_pushes_again(server, client):
@@ -644,25 +651,17 @@ def test_a_rollout_held_by_a_silent_in_place_push_is_cancelled_at_once(in_place_
         base = _base()
         client.push_weights(MODEL, base, only_changed=False)
         new = _changed(base, _floats(base), 0.05)
-        name = sorted(new)[0]
-        with flight.FlightClient(in_place_server.flight_url) as fc:
-            writer, reader = _open_silent(fc, new)
-            try:
-                writer.write_batch(_chunk(name, _bytes(new[name])))
-                wait_for(lambda: _metrics(client)["sigmaflight_weights_pushes_open"] == 1, "the silent push open")
-                held = client.submit(model=MODEL, prompts=["a red cube"], num_inference_steps=2, seed=5,
-                                     sampler={"type": "ode"})
-                wait_for(lambda: client.status(held).status == "running", "the rollout held by the push")
-                client.cancel(held)
-                status = client.wait(held, timeout=3, raise_on_failure=False)  # the push expires only after 5 s
-                assert status.status == "cancelled", status
-                wait_for(lambda: _metrics(client)["sigmaflight_weights_pushes_open"] == 0, "the push expired", 30)
-                ready = httpx.get(f"{in_place_server.rest_url}/readyz")
-                assert ready.status_code == 503 and ready.json()["weights_failed"] == {MODEL: "expired"}
-                second = sorted(new)[1]
-                _late_chunk_is_refused_expired(writer, reader, _chunk(second, _bytes(new[second])))
-            finally:
-                with contextlib.suppress(pa.ArrowException):
-                    writer.close()
+        with _silent_push(in_place_server.flight_url, client, new) as (writer, reader):
+            held = client.submit(model=MODEL, prompts=["a red cube"], num_inference_steps=2, seed=5,
+                                 sampler={"type": "ode"})
+            wait_for(lambda: client.status(held).status == "running", "the rollout held by the push")
+            client.cancel(held)
+            status = client.wait(held, timeout=3, raise_on_failure=False)  # the push expires only after 5 s
+            assert status.status == "cancelled", status
+            wait_for(lambda: _metrics(client)["sigmaflight_weights_pushes_open"] == 0, "the push expired", 30)
+            ready = httpx.get(f"{in_place_server.rest_url}/readyz")
+            assert ready.status_code == 503 and ready.json()["weights_failed"] == {MODEL: "expired"}
+            second = sorted(new)[1]
+            _late_chunk_is_refused_expired(writer, reader, _chunk(second, _bytes(new[second])))
         assert client.push_weights(MODEL, new, only_changed=False) == _digest(new)
         assert httpx.get(f"{in_place_server.rest_url}/readyz").status_code == 200
