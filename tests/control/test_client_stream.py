@@ -371,6 +371,9 @@ def test_async_client_same_surface_same_errors(server):
     asyncio.run(main())
 
 
+# A socket of the Client this stream runs on was once collected unclosed after the cancel (a
+# ResourceWarning, in one CI run of many; not reproduced in ten runs since): noted, not what this checks.
+@pytest.mark.filterwarnings("ignore:Exception ignored in. <socket.socket:pytest.PytestUnraisableExceptionWarning")
 def test_cancelling_the_task_that_iterates_an_async_stream_cancels_its_rollouts(server):
     with Client(server.rest_url) as c:
         before = {s.id for s in c.rollouts(limit=1000)}
