@@ -58,28 +58,30 @@ def test_missing_token_file_is_one_line_error(tmp_path: Path, kind: str) -> None
     assert {"missing": "no such file", "directory": "is a directory", "not-utf8": "not UTF-8"}[kind] in lines[0]
 
 
-@pytest.mark.timeout(90)
-def test_world_readable_token_file_warns_once(tmp_path: Path) -> None:
+def _served_with_token_file(tmp_path: Path, mode: int) -> list[str]:
+    """The log lines of a server whose --token-file has `mode`, after one authorized request."""
     path = tmp_path / "tokens.txt"
     path.write_text(TOKEN + "\n")
-    os.chmod(path, 0o644)
+    os.chmod(path, mode)
     with InProcessServer("--token-file", str(path)) as server:
         with server.client(TOKEN) as c:
             assert c.get("/v1/models").status_code == 200
-        lines = [line for line in server.logs if str(path) in line and '"warning"' in line.lower()]
-    assert len(lines) == 1, server.log_text[-3000:]
-    assert TOKEN not in server.log_text
+        return list(server.logs)
+
+
+@pytest.mark.timeout(90)
+def test_world_readable_token_file_warns_once(tmp_path: Path) -> None:
+    logs = _served_with_token_file(tmp_path, 0o644)
+    path = str(tmp_path / "tokens.txt")
+    lines = [line for line in logs if path in line and '"warning"' in line.lower()]
+    assert len(lines) == 1, "\n".join(logs)[-3000:]
+    assert TOKEN not in "\n".join(logs)
 
 
 def test_private_token_file_does_not_warn(tmp_path: Path) -> None:
     """The control case of the warning above: mode 0600 draws no warning (holds today)."""
-    path = tmp_path / "tokens.txt"
-    path.write_text(TOKEN + "\n")
-    os.chmod(path, 0o600)
-    with InProcessServer("--token-file", str(path)) as server:
-        with server.client(TOKEN) as c:
-            assert c.get("/v1/models").status_code == 200
-        assert not [line for line in server.logs if str(path) in line]
+    logs = _served_with_token_file(tmp_path, 0o600)
+    assert not [line for line in logs if str(tmp_path / "tokens.txt") in line]
 
 
 @pytest.fixture(scope="module")
