@@ -279,7 +279,7 @@ def run_batch(
     out: Sink[R] = sink if sink is not None else Quiet()
     members = [Rows(rollout=r) for r in rollouts]
 
-    def all_stopped() -> bool:
+    def end_cancelled() -> bool:
         """Asked while an in-place weights push holds the call: a member cancelled meanwhile ends
         at once, the others wait on; True (the wait given up) once every member has ended."""
         for rows in members:
@@ -288,13 +288,13 @@ def run_batch(
         return all(r.ended for r in members)
 
     try:
-        with model.in_use(all_stopped):  # an in-place weights push holds this call; a failed one refuses it
+        with model.in_use(end_cancelled):  # an in-place weights push holds this call; a failed one refuses it
             _run_batch(model, members, out, keep, per_sample_model_calls, batch_id or uuid.uuid4().hex)
     except (WeightsFailed, RolloutCancelled) as closed:
-        for rows in members:  # a member cancelled meanwhile ends cancelled, not on the push's failure
+        end_cancelled()  # a member cancelled meanwhile ends cancelled, not on the push's failure
+        for rows in members:
             if not rows.ended:
-                _end(out, rows, RolloutCancelled("cancelled while an in-place weights push held the model")
-                     if rows.rollout.should_stop() else closed)
+                _end(out, rows, closed)
     return [r.outcome if r.outcome is not None else RuntimeError("the rollout never ended") for r in members]
 
 
