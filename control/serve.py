@@ -172,14 +172,16 @@ def build_server(settings: Settings) -> uvicorn.Server:
             await super().startup(sockets)
             if self.should_exit:
                 return
-            if threading.current_thread() is threading.main_thread():
+            # On the main thread the process is this server's own; on another (the tests' in-process
+            # server) it is not: neither its heap nor its signals are the server's to take.
+            own_process = threading.current_thread() is threading.main_thread()
+            if own_process:
                 # The models and libraries loaded by now are some 400k objects that live as long as
                 # the process: out of the collector's sight, a full collection costs microseconds,
                 # not the 100-200 ms pause it otherwise takes every so often in the middle of a batch.
                 gc.collect()
                 gc.freeze()
-            # Signals reach only the main thread's loop: a server run on another thread has no reload.
-            if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread():
+            if hasattr(signal, "SIGHUP") and own_process:  # signals reach only the main thread's loop
                 def on_sighup() -> None:
                     threading.Thread(target=reload_tokens, name="sigmaflight-sighup").start()
 
