@@ -58,21 +58,28 @@ def _tensor_to_numpy(t: torch.Tensor) -> np.ndarray[Any, Any]:
 
 def latent_array(latent: torch.Tensor, latent_shape: tuple[int, ...], dtype: torch.dtype) -> pa.Array:
     """[b, *latent_shape] tensor -> fixed_shape_tensor array over the same memory."""
+    return _wrap_latent(_checked_latent(latent, latent_shape, dtype), latent_shape, dtype)[0]
+
+
+def _checked_latent(latent: torch.Tensor, latent_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """`latent` if it can be a latent column of this shape and dtype (contiguous: a copy if strided)."""
     if latent.device.type != "cpu":
         raise ValueError(f"latent must be on the CPU, got {latent.device}")
     if latent.dtype != dtype:
         raise ValueError(f"latent dtype {latent.dtype} != header latent_dtype {dtype}")
     if tuple(latent.shape[1:]) != tuple(latent_shape):
         raise ValueError(f"latent shape {list(latent.shape)} != [B, *{list(latent_shape)}]")
-    if not latent.is_contiguous():
-        latent = latent.contiguous()  # the only copy: a strided tensor has no single buffer
-    b = int(latent.shape[0])
-    n = math.prod(latent_shape)
+    return latent if latent.is_contiguous() else latent.contiguous()  # a strided tensor has no single buffer
+
+
+def _wrap_latent(latent: torch.Tensor, latent_shape: tuple[int, ...], dtype: torch.dtype) -> tuple[pa.Array, int]:
+    """A checked, contiguous latent as a fixed_shape_tensor array over its memory, and the array's
+    bytes (its one buffer: pyarrow's `nbytes` walks the array's layout for the same number)."""
     arr = _tensor_to_numpy(latent.detach())
     value_type, tensor_type = _tensor_types(dtype, tuple(latent_shape))
-    values = pa.Array.from_buffers(value_type, b * n, [None, pa.py_buffer(arr)])
-    storage = pa.FixedSizeListArray.from_arrays(values, n)
-    return pa.ExtensionArray.from_storage(tensor_type, storage)
+    values = pa.Array.from_buffers(value_type, arr.size, [None, pa.py_buffer(arr)])
+    storage = pa.FixedSizeListArray.from_arrays(values, math.prod(latent_shape))
+    return pa.ExtensionArray.from_storage(tensor_type, storage), arr.nbytes
 
 
 @functools.lru_cache(maxsize=256)
@@ -86,8 +93,40 @@ def velocity_array(velocity: torch.Tensor | None, rows: int, latent_shape: tuple
     """The ``velocity`` column of ``rows`` rows: the float32 tensor's memory, or all null (i = T)."""
     if velocity is not None:
         return latent_array(velocity, latent_shape, torch.float32)
+    return _null_velocity(rows, tuple(latent_shape))[0]
+
+
+@functools.lru_cache(maxsize=256)
+def _null_velocity(rows: int, latent_shape: tuple[int, ...]) -> tuple[pa.Array, int]:
+    """An all-null velocity column of `rows` rows and its bytes (immutable: every last step shares it)."""
     ext = pa.fixed_shape_tensor(pa.float32(), list(latent_shape))
-    return pa.ExtensionArray.from_storage(ext, pa.nulls(rows, ext.storage_type))
+    arr = pa.ExtensionArray.from_storage(ext, pa.nulls(rows, ext.storage_type))
+    return arr, arr.nbytes
+
+
+@functools.lru_cache(maxsize=256)
+def _null_log_probs(rows: int) -> tuple[pa.Array, int]:
+    arr = pa.nulls(rows, pa.float32())
+    return arr, arr.nbytes
+
+
+class HeaderColumns:
+    """What every step of one header shares, made once by the first step that needs it: the
+    schedule as Python floats, and per row range the sample, prompt_index and seed columns (and
+    parent_sample when the stream has it) with their bytes. A writer keeps one per trajectory."""
+
+    def __init__(self, header: TrajectoryHeader) -> None:
+        self.header = header
+        self.sigmas: list[float] = header.sigmas.tolist()
+        self.timesteps: list[float] = header.timesteps.tolist()
+        self._ranges: dict[tuple[int, int], tuple[list[pa.Array], int]] = {}
+
+    def rows(self, a: int, e: int) -> tuple[list[pa.Array], int]:
+        hit = self._ranges.get((a, e))
+        if hit is None:
+            arrays = _row_columns(self.header, a, e)
+            hit = self._ranges[(a, e)] = (arrays, sum(x.nbytes for x in arrays))
+        return hit
 
 
 def encode_step(
@@ -96,83 +135,103 @@ def encode_step(
     *,
     max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
     schema: pa.Schema | None = None,
-    rows: dict[tuple[int, int], list[pa.Array]] | None = None,
 ) -> list[pa.RecordBatch]:
     """One step -> record batches of ``trajectory_schema(header)``, split by samples
-    so that each holds at most ``max_batch_bytes`` of latents (at least one sample).
+    so that each holds at most ``max_batch_bytes`` of latents (at least one sample)."""
+    return [b for b, _ in encode_step_sized(header, batch, max_batch_bytes=max_batch_bytes, schema=schema)]
+
+
+def encode_step_sized(
+    header: TrajectoryHeader,
+    batch: StepBatch,
+    *,
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+    schema: pa.Schema | None = None,
+    columns: HeaderColumns | None = None,
+) -> list[tuple[pa.RecordBatch, int]]:
+    """`encode_step`, each batch with its bytes (equal to pyarrow's ``RecordBatch.nbytes``, which
+    costs about 50 us a batch: more than encoding it). ``columns``: the header's `HeaderColumns`,
+    kept by the caller from step to step.
 
     Each batch's columns are one list in schema order (step, sample, ..., latent, then the
-    optional velocity and parent_sample), so the row layout reads in one place. ``rows``: a
-    dict the caller keeps for one header, where the columns that are the same at every step
-    (sample, prompt_index, seed, parent_sample) are made once per row range.
+    optional velocity and parent_sample), so the row layout reads in one place.
     """
     schema = schema if schema is not None else trajectory_schema(header)
+    columns = columns if columns is not None else HeaderColumns(header)
     i = int(batch.step)
-    t = header.num_steps
+    t = len(columns.timesteps)
     b = header.num_samples
     if not 0 <= i <= t:
         raise ValueError(f"step {i} outside 0..{t}")
     if batch.latent.ndim < 1 or batch.latent.shape[0] != b:
         raise ValueError(f"latent must be [B={b}, ...], got {list(batch.latent.shape)}")
-    latent = batch.latent if batch.latent.is_contiguous() else batch.latent.contiguous()
+    shape = tuple(header.latent_shape)
+    latent = _checked_latent(batch.latent, shape, header.latent_dtype)
     last = i == t
     sde = (i in header.sde_steps) if not last else None
     log_prob: np.ndarray[Any, Any] | None = None
     if header.log_probs and batch.log_prob is not None and not last and sde:
-        log_prob = batch.log_prob.detach().to(torch.float32).cpu().numpy().reshape(-1)
+        lp_t = batch.log_prob
+        if lp_t.dtype != torch.float32 or lp_t.device.type != "cpu" or lp_t.requires_grad:
+            lp_t = lp_t.detach().to("cpu", torch.float32)
+        log_prob = lp_t.numpy().reshape(-1)
         if log_prob.shape[0] != b:
             raise ValueError(f"log_prob must be [B={b}], got {list(batch.log_prob.shape)}")
     velocity = None
     if header.velocities and not last and batch.velocity is not None:
         velocity = batch.velocity.detach().to("cpu", torch.float32).contiguous()
-        if tuple(velocity.shape) != (b, *header.latent_shape):
-            raise ValueError(f"velocity must be [B={b}, *{list(header.latent_shape)}], got {list(velocity.shape)}")
-    per_sample = math.prod(header.latent_shape) * (latent.element_size() + (4 if velocity is not None else 0))
+        if tuple(velocity.shape) != (b, *shape):
+            raise ValueError(f"velocity must be [B={b}, *{list(shape)}], got {list(velocity.shape)}")
+    per_sample = math.prod(shape) * (latent.element_size() + (4 if velocity is not None else 0))
     chunk = max(1, int(max_batch_bytes) // max(per_sample, 1))
-    sigma = float(header.sigmas[i])
-    sigma_next = None if last else float(header.sigmas[i + 1])
-    timestep = None if last else float(header.timesteps[i])
+    sigma = columns.sigmas[i]
+    sigma_next = None if last else columns.sigmas[i + 1]
+    timestep = None if last else columns.timesteps[i]
     out = []
     for a in range(0, b, chunk):
         e = min(b, a + chunk)
         n = e - a
-        same = rows.get((a, e)) if rows is not None else None
-        if same is None:
-            same = _row_columns(header, a, e)
-            if rows is not None:
-                rows[(a, e)] = same
-        lp = pa.nulls(n, pa.float32())
+        whole = a == 0 and e == b  # one batch: the tensors as they are, no slice
+        same, nbytes = columns.rows(a, e)
+        lp, lp_bytes = _null_log_probs(n)
         if log_prob is not None:
             part = log_prob[a:e]
-            lp = pa.array(part, pa.float32(), mask=np.isnan(part))
-        step_columns = _step_columns(i, n, timestep, sigma, sigma_next, sde)
-        arrays = [
-            step_columns[0],
-            *same[:3],
-            *step_columns[1:],
-            lp,
-            latent_array(latent[a:e], tuple(header.latent_shape), header.latent_dtype),
-        ]
+            nan = np.isnan(part)
+            if nan.any():  # NaN is null (a deterministic transition)
+                lp = pa.array(part, pa.float32(), mask=nan)
+                lp_bytes = lp.nbytes
+            else:
+                lp, lp_bytes = pa.array(part, pa.float32()), part.nbytes
+        step_columns, step_bytes = _step_columns(i, n, timestep, sigma, sigma_next, sde)
+        latent_col, latent_bytes = _wrap_latent(latent if whole else latent[a:e], shape, header.latent_dtype)
+        arrays = [step_columns[0], *same[:3], *step_columns[1:], lp, latent_col]
+        nbytes += lp_bytes + step_bytes + latent_bytes
         if header.velocities:
-            arrays.append(velocity_array(None if velocity is None else velocity[a:e], n, tuple(header.latent_shape)))
+            if velocity is None:
+                v, v_bytes = _null_velocity(n, shape)
+            else:
+                v, v_bytes = _wrap_latent(velocity if whole else velocity[a:e], shape, torch.float32)
+            arrays.append(v)
+            nbytes += v_bytes
         arrays += same[3:]
-        out.append(pa.RecordBatch.from_arrays(arrays, schema=schema))
+        out.append((pa.RecordBatch.from_arrays(arrays, schema=schema), nbytes))
     return out
 
 
 @functools.lru_cache(maxsize=4096)
 def _step_columns(i: int, n: int, timestep: float | None, sigma: float, sigma_next: float | None,
-                  sde: bool | None) -> tuple[pa.Array, ...]:
-    """The step, timestep, sigma, sigma_next and sde columns of n rows: the same for every
-    rollout of a co-batched call at one step, so made once for all of them (Arrow arrays are
-    immutable: batches may share them)."""
-    return (
+                  sde: bool | None) -> tuple[tuple[pa.Array, ...], int]:
+    """The step, timestep, sigma, sigma_next and sde columns of n rows and their bytes: the same
+    for every rollout of a co-batched call at one step, so made once for all of them (Arrow arrays
+    are immutable: batches may share them)."""
+    arrays = (
         pa.array(np.full(n, i, np.int32)),
         pa.array([timestep] * n, pa.float32()),
         pa.array(np.full(n, sigma, np.float32)),
         pa.array([sigma_next] * n, pa.float32()),
         pa.array([sde] * n, pa.bool_()),
     )
+    return arrays, sum(x.nbytes for x in arrays)
 
 
 def _row_columns(header: TrajectoryHeader, a: int, e: int) -> list[pa.Array]:
@@ -247,8 +306,3 @@ def batch_to_tensors(
         timestep=None if timestep is None else float(timestep),
         sde=sde,
     )
-
-
-def batch_nbytes(batch: pa.RecordBatch) -> int:
-    """Bytes the batch's buffers occupy (what the store budgets and Flight ships)."""
-    return int(batch.nbytes)

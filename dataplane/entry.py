@@ -112,9 +112,11 @@ class Entry:
             return ResultInfo(num_rows=self.num_rows, num_bytes=self.num_bytes, steps=list(self.steps_done))
 
     # -- producer side ---------------------------------------------------------------------
-    def append(self, step: int, batches: Sequence[pa.RecordBatch]) -> int:
-        """Add one step's batches and wake the consumers; returns their bytes."""
-        nbytes = sum(b.nbytes for b in batches)
+    def append(self, step: int, batches: Sequence[pa.RecordBatch], nbytes: int | None = None) -> int:
+        """Add one step's batches and wake the consumers; returns their bytes (``nbytes``: their
+        ``RecordBatch.nbytes``, known already)."""
+        if nbytes is None:
+            nbytes = sum(b.nbytes for b in batches)
         with self.cond:
             self.batches.extend(batches)
             self.steps_done.append(int(step))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import pyarrow as pa
-from sigmaflight.dataplane.codec import encode_step
+from sigmaflight.dataplane.codec import HeaderColumns, encode_step_sized
 from sigmaflight.dataplane.durable import DurableDir
 from sigmaflight.dataplane.entry import Entry
 from sigmaflight.dataplane.files import TrajectoryFileWriter
@@ -37,8 +37,8 @@ class TrajectoryWriter:
         self._durable = durable
         self._fsync = fsync
         self._pending = list(entry.header.steps)
-        self._rows: dict[tuple[int, int], list[pa.Array]] = {}
-        """encode_step's columns that every step shares, made at the first step."""
+        self._columns = HeaderColumns(entry.header)
+        """What every step's batches share, made once."""
 
     @property
     def rollout_id(self) -> str:
@@ -57,13 +57,14 @@ class TrajectoryWriter:
                 f"rollout {e.rollout_id}: step {batch.step} out of order; expected "
                 f"{self._pending[0] if self._pending else 'nothing (all steps appended)'}"
             )
-        batches = encode_step(e.header, batch, max_batch_bytes=self._store.max_batch_bytes, schema=e.schema,
-                              rows=self._rows)
+        sized = encode_step_sized(e.header, batch, max_batch_bytes=self._store.max_batch_bytes, schema=e.schema,
+                                  columns=self._columns)
+        batches = [b for b, _ in sized]
         if self._file is not None:
             for b in batches:
                 self._file.write(b)
         self._pending.pop(0)
-        self._store.appended(e, e.append(batch.step, batches))
+        self._store.appended(e, e.append(batch.step, batches, sum(n for _, n in sized)))
 
     def publish(self, name: str, table: pa.Table) -> None:
         """Add one extra stream of the rollout (whole table; see dataplane/streams.py), before

@@ -1,10 +1,17 @@
+import dataclasses
 import gc
 
 import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from sigmaflight.dataplane.codec import batch_to_tensors, encode_step, latent_view
+from sigmaflight.dataplane.codec import (
+    HeaderColumns,
+    batch_to_tensors,
+    encode_step,
+    encode_step_sized,
+    latent_view,
+)
 from sigmaflight.dataplane.record import StepBatch
 from sigmaflight.dataplane.schema import trajectory_schema
 
@@ -38,6 +45,30 @@ def test_split_batches_point_into_the_tensor_and_keep_it_alive():
     gc.collect()
     got = torch.cat([batch_to_tensors(b).latent for b in batches])
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("velocities", [False, True])
+@pytest.mark.parametrize("log_probs", ["none", "finite", "with_nan", "float64"])
+def test_each_batch_s_counted_bytes_are_pyarrow_s_own_nbytes(dtype, velocities, log_probs):
+    """The store budgets (and `result.num_bytes` reports) the bytes `encode_step_sized` counts
+    without asking pyarrow: every step, split or whole, with nulls, equals `RecordBatch.nbytes`."""
+    h = dataclasses.replace(build_header(dtype=dtype, B=5, T=3, sde_steps=(0, 2), log_probs=log_probs != "none"),
+                            velocities=velocities, parent_sample=(0, 0, 1, 1, 2), prompt_index=(0, 0, 1, 1, 2))
+    schema, columns = trajectory_schema(h), HeaderColumns(h)
+    per_sample = 2 * 3 * 3 * (torch.empty(0, dtype=dtype).element_size() + 4 * velocities)
+    counted = []
+    for max_batch_bytes in (2 * per_sample, 1 << 20):  # split in three (the last step maybe in two), then whole
+        for i in h.steps:
+            lp = torch.randn(5, dtype=torch.float64 if log_probs == "float64" else torch.float32)
+            if log_probs == "with_nan":
+                lp[1] = float("nan")
+            v = torch.randn(5, 2, 3, 3) if velocities and i < 3 else None
+            step = StepBatch(step=i, latent=torch.randn(5, 2, 3, 3).to(dtype), log_prob=lp, velocity=v)
+            sized = encode_step_sized(h, step, max_batch_bytes=max_batch_bytes, schema=schema, columns=columns)
+            counted.append([(n, b.nbytes) for b, n in sized])
+    assert max(map(len, counted)) == 3 and min(map(len, counted)) == 1  # split steps and whole ones
+    assert all(n == nbytes for step in counted for n, nbytes in step), counted
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
