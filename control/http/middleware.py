@@ -18,6 +18,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 log = logging.getLogger("sigmaflight.http")
 
 
+def new_request_id() -> str:
+    """A request id for a request that brought none: 32 hex digits, as random as uuid4().hex
+    without building a UUID."""
+    return secrets.token_hex(16)
+
+
 async def send_error(
     send: Send, status: int, type_: str, message: str, headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
@@ -62,7 +68,7 @@ class RequestIdMiddleware:
         for k, v in scope["headers"]:
             if k == b"x-request-id":
                 rid = v.decode("latin-1")[:128]
-        rid = rid or secrets.token_hex(16)  # as random as uuid4().hex, without building a UUID
+        rid = rid or new_request_id()
         scope.setdefault("state", {})["request_id"] = rid
 
         async def send_with_id(message: Message) -> None:

@@ -17,15 +17,17 @@ from sigmaflight.records import RolloutState
 from sigmaflight.wire import FlightTicket, Progress, RolloutStatus
 
 
-def flight_ticket(service: Service, job: JobView) -> FlightTicket:
+def flight_ticket(service: Service, job: JobView, locations: list[str] | None = None) -> FlightTicket:
+    """The status's `flight` object; `locations`: the backend's for this job, when asked already."""
     streams = stream_tickets(job.ticket, job.id, list(job.streams))
+    locations = service.backend.locations_for(job.id) if locations is None else locations
     return FlightTicket(
-        ticket=job.ticket, locations=service.backend.locations_for(job.id), descriptor_path=["rollouts", job.id],
+        ticket=job.ticket, locations=locations, descriptor_path=["rollouts", job.id],
         streams=streams,  # type: ignore[arg-type]
     )
 
 
-def status_of(service: Service, job: JobView) -> RolloutStatus:
+def status_of(service: Service, job: JobView, locations: list[str] | None = None) -> RolloutStatus:
     return RolloutStatus(
         id=job.id,
         status=job.status,
@@ -36,7 +38,7 @@ def status_of(service: Service, job: JobView) -> RolloutStatus:
         finished_at=iso(job.finished_at),
         error=job.error,
         result=job.result if job.status == "succeeded" else None,
-        flight=flight_ticket(service, job),
+        flight=flight_ticket(service, job, locations),
     )
 
 
@@ -63,14 +65,14 @@ class StatusBodies:
                 return hit[3]
             flight = hit[2]
         else:
-            flight = flight_ticket(service, job).model_dump(mode="json", by_alias=True)
+            flight = flight_ticket(service, job, locations).model_dump(mode="json", by_alias=True)
         if job.error is None and job.result is None:
             doc = {"id": job.id, "status": RolloutState(job.status).value, "model": job.model,
                    "progress": {"steps_done": job.steps_done, "steps_total": job.steps_total},
                    "created_at": iso(job.created_at) or "", "started_at": iso(job.started_at),
                    "finished_at": iso(job.finished_at), "error": None, "result": None, "flight": flight}
         else:
-            doc = status_of(service, job).model_dump(mode="json", by_alias=True)
+            doc = status_of(service, job, locations).model_dump(mode="json", by_alias=True)
         body = bytes(JSONResponse(doc).body)
         if len(self._bodies) >= self.limit:
             self._bodies.clear()

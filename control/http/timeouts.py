@@ -20,10 +20,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 from typing import Any
 
 from sigmaflight.control.http.errors import error_body
+from sigmaflight.control.http.middleware import new_request_id
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("sigmaflight.http")
@@ -31,7 +31,7 @@ log = logging.getLogger("sigmaflight.http")
 
 def _timed_out(client: tuple[str, int] | None, timeout_s: float) -> tuple[str, bytes]:
     """Log a connection whose headers were too slow; its request id and the 408's error body."""
-    request_id = uuid.uuid4().hex  # as RequestIdMiddleware gives one: the caller's header was never read
+    request_id = new_request_id()  # as RequestIdMiddleware gives one: the caller's header was never read
     log.info("request headers too slow; connection closed with a 408",
              extra={"client": f"{client[0]}:{client[1]}" if client else None, "timeout_s": timeout_s,
                     "request_id": request_id})
@@ -103,7 +103,7 @@ class HeaderTimeoutHttpToolsProtocol(HttpToolsProtocol):
         self.transport.write(b"".join([
             b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n",
             b"content-length: %d\r\nx-request-id: %s\r\nconnection: close\r\n\r\n" % (
-                len(body), uuid.uuid4().hex.encode()),
+                len(body), new_request_id().encode()),
             body]))
         self.transport.close()
 
