@@ -246,7 +246,7 @@ async def create_rollout(request: Request) -> Response:
     # QueueFull, IdempotencyConflict, NotAccepting and Unavailable have their handlers (errors.py)
     local = isinstance(service.backend, LocalBackend) and not service.jobs.journaled
     job, created = submit() if local else await run_in_threadpool(submit)
-    status_url = str(request.url_for("get_rollout", rollout_id=job.id))
+    status_url = str(STATUS_ROUTE.url_path_for("get_rollout", rollout_id=job.id).make_absolute_url(request.base_url))
     status = "queued" if created else job.status  # a new ticket reports the status it was accepted with
     ticket = Ticket(id=job.id, status=status, status_url=status_url, flight=flight_ticket(service, job))  # type: ignore[arg-type]
     return _model(ticket, 202, headers={"Location": status_url})
@@ -337,10 +337,13 @@ async def get_openapi(request: Request) -> Response:
     return JSONResponse(request.app.state.openapi)
 
 
+STATUS_ROUTE = Route("/v1/rollouts/{rollout_id}", get_rollout, methods=["GET"], name="get_rollout")
+"""Its URL is each 202's status_url (`request.url_for` would try the routes before it, by name)."""
+
 ROUTES = [
     Route("/v1/rollouts", create_rollout, methods=["POST"], name="create_rollout"),
     Route("/v1/rollouts", list_rollouts, methods=["GET"], name="list_rollouts"),
-    Route("/v1/rollouts/{rollout_id}", get_rollout, methods=["GET"], name="get_rollout"),
+    STATUS_ROUTE,
     Route("/v1/rollouts/{rollout_id}", delete_rollout, methods=["DELETE"], name="delete_rollout"),
     Route("/v1/models", list_models, methods=["GET"], name="list_models"),
     Route(WEIGHTS_PATH, put_weights, methods=["PUT"], name="put_weights"),
