@@ -237,8 +237,10 @@ async def create_rollout(request: Request) -> Response:
     if parent is not None and req.branch_from is not None:
         spec = await _branch(req, parent, model, spec)
     check_spec(settings, req, model, spec, branch=parent is not None)
-    canonical = req.model_dump(mode="json", by_alias=True)
-    digest = hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
+    digest = None  # what a repeated Idempotency-Key's body is compared by; without a key, nothing is
+    if key is not None:
+        canonical = req.model_dump(mode="json", by_alias=True)
+        digest = hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
     submit = functools.partial(service.jobs.submit, spec, streams=tuple(stream_names(spec)),
                                batch_key=batch_key(model, spec), idempotency_key=key, body_digest=digest)
     # off the event loop when it may wait: a journal write (sqlite, synchronous=FULL) or a remote
