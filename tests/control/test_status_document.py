@@ -9,7 +9,7 @@ import time
 import httpx
 
 from sigmaflight.wire import RolloutStatus
-from tests.servers import ServerProcess
+from tests.servers import InProcessServer
 
 T = 40
 
@@ -21,7 +21,7 @@ def canonical(doc: dict) -> bytes:
 
 
 def test_a_polled_status_is_the_wire_models_document_and_follows_every_step():
-    with ServerProcess() as s, httpx.Client(base_url=s.rest_url, timeout=60) as c:
+    with InProcessServer() as s, httpx.Client(base_url=s.rest_url, timeout=60) as c:
         r = c.post("/v1/rollouts", json={"prompts": ["a cat", "a dog"], "num_inference_steps": T})
         assert r.status_code == 202, r.text
         path = f"/v1/rollouts/{r.json()['id']}"

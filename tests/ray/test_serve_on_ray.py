@@ -1,9 +1,16 @@
-"""End to end: `sigmaflight serve --backend ray` (its own local Ray cluster), REST in, Flight from the workers."""
+"""End to end: `sigmaflight serve --backend ray` (its own local Ray cluster), REST in, Flight from the workers.
+
+One server for the module (a Ray cluster and two workers take ~20 s to start), in this order: the
+rollouts and their shared-memory files on each worker, the outputs stream and a token reload that
+reaches the workers, then SIGTERM, which must stop every process of the Ray instance it started.
+"""
 
 from __future__ import annotations
 
 import os
+import time
 
+import psutil
 import pyarrow.flight as flight
 import pytest
 import torch
@@ -12,6 +19,7 @@ from sigmaflight.dataplane.shm import host_id, parse_file_location
 
 from sigmaflight import Client
 from tests.dataplane.helpers import mapped_ranges
+from tests.faults.test_token_reload import NEW, OLD, _flight_ok, _hup_and_wait, _write
 from tests.servers import ServerProcess, wait_for_status
 
 pytestmark = pytest.mark.e2e
@@ -19,11 +27,25 @@ pytestmark = pytest.mark.e2e
 pytest.importorskip("ray", reason="the Ray backend needs `pip install sigmaflight[ray]`")
 
 
-def test_serve_with_ray_workers_hands_out_worker_locations_and_their_shared_memory_files(tmp_path):
-    shm = tmp_path / "shm"
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The server, its --shm-dir and its --token-file (holding OLD until the token test rotates it)."""
+    root = tmp_path_factory.mktemp("serve-on-ray")
+    shm, tokens = root / "shm", root / "tokens.txt"
+    _write(tokens, OLD + "\n")
     flags = ("--backend", "ray", "--ray-address", "local", "--workers", "2", "--ray-num-cpus", "1",
-             "--shm-dir", str(shm))
-    with ServerProcess(*flags, timeout=180) as server, server.client() as client:
+             "--shm-dir", str(shm), "--token-file", str(tokens))
+    with ServerProcess(*flags, timeout=180) as server:
+        yield server, shm, tokens
+
+
+def _auth(token: str) -> flight.FlightCallOptions:
+    return flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())])
+
+
+def test_serve_with_ray_workers_hands_out_worker_locations_and_their_shared_memory_files(served):
+    server, shm, _ = served
+    with server.client(OLD) as client:
         tickets = []
         for seed in (1, 2):
             r = client.post("/v1/rollouts", json={"prompts": ["a red cube"], "num_inference_steps": 3, "seed": seed})
@@ -35,11 +57,11 @@ def test_serve_with_ray_workers_hands_out_worker_locations_and_their_shared_memo
             done = wait_for_status(client, t["id"], {"succeeded", "failed"}, timeout=120)
             assert done["status"] == "succeeded", done
             with flight.FlightClient(t["flight"]["locations"][0]) as fc:
-                table = fc.do_get(flight.Ticket(t["flight"]["ticket"].encode())).read_all()
+                table = fc.do_get(flight.Ticket(t["flight"]["ticket"].encode()), options=_auth(OLD)).read_all()
             assert table.num_rows == done["result"]["num_rows"] == 4
             # each worker keeps its finished rollouts in its own DIR/worker-N/sigmaflight-<uid> and offers the file;
             # a client on this host reads it: iter_chunks gives views into this process's mapping of it
-            with TrajectoryClient(t["flight"]["locations"][0]) as tc:
+            with TrajectoryClient(t["flight"]["locations"][0], token=OLD) as tc:
                 info = tc.info(t["id"])
                 files = [parse_file_location(u) for u in info["locations"][1:]]
                 assert len(files) == 1 and files[0] is not None
@@ -53,48 +75,40 @@ def test_serve_with_ray_workers_hands_out_worker_locations_and_their_shared_memo
             assert torch.equal(local.latents, Trajectory.from_table(table).latents)
         assert {p.parent.parent.name for p in shm.glob("worker-*/sigmaflight-*/*.arrow")} == {"worker-0", "worker-1"}
         # a bare Flight ticket is found on the worker that holds it, whichever rollout is newest
-        with Client(server.rest_url) as c:
+        with Client(server.rest_url, token=OLD) as c:
             for t in tickets:
                 assert c.locate(t["flight"]["ticket"]) == (t["flight"]["locations"][0], t["flight"]["ticket"])
                 assert c.pull(t["flight"]["ticket"]).header.rollout_id == t["id"]
         released = next(shm.glob(f"worker-*/sigmaflight-*/{tickets[0]['id']}.arrow"))
         assert client.delete(f"/v1/rollouts/{tickets[0]['id']}").status_code == 200
+        gone = flight.Ticket(tickets[0]["flight"]["ticket"].encode())
         with flight.FlightClient(tickets[0]["flight"]["locations"][0]) as fc, pytest.raises(flight.FlightError):
-            fc.do_get(flight.Ticket(tickets[0]["flight"]["ticket"].encode())).read_all()  # released on the worker
+            fc.do_get(gone, options=_auth(OLD)).read_all()  # released on the worker
         assert not released.exists()  # and its file removed
-        assert server.terminate(timeout=30) in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown
-        assert '"stopped"' in server.log_text  # the graceful path ran: ray.init must not steal SIGTERM
 
 
-def test_ray_workers_serve_the_outputs_stream_the_policy_version_and_reloaded_tokens(tmp_path):
+def test_ray_workers_serve_the_outputs_stream_the_policy_version_and_reloaded_tokens(served):
     """return.outputs on a Ray worker: the worker's Flight server holds the stream, equal to the stock
     pipeline's own decode of the same latents; the metadata carries digest and weights_version.
     With --token-file, a SIGHUP after editing it reaches the worker's Flight server."""
     import json
 
     import numpy as np
-    import torch
     from sigmaflight.pipeline.models import ModelRegistry
 
-    from sigmaflight import Client
     from tests.control.test_outputs_stream import CASES, _stock_outputs
-    from tests.faults.test_token_reload import NEW, OLD, _flight_ok, _hup_and_wait, _write
 
+    server, _, tokens = served
     case = CASES["tiny-sd3"]
     model = ModelRegistry().get("tiny-sd3")
-    tokens = tmp_path / "tokens.txt"
-    _write(tokens, OLD + "\n")
-    flags = ("--backend", "ray", "--ray-address", "local", "--workers", "1", "--ray-num-cpus", "1",
-             "--token-file", str(tokens))
-    with ServerProcess(*flags, timeout=180) as server, Client(server.rest_url, token=OLD) as client:
+    with Client(server.rest_url, token=OLD) as client:
         ticket = client.submit(num_inference_steps=2, seed=4, sampler={"type": "ode"}, expected_digest=model.digest,
                                return_={"outputs": True, "steps": [0, 2]}, **case)
         worker, outputs = ticket.flight.locations[0], ticket.flight.streams["outputs"].ticket
         assert worker != server.flight_url  # the worker's Flight server
         client.wait(ticket, timeout=120)
-        auth = flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {OLD}".encode())])
         with flight.FlightClient(worker) as fc:
-            table = fc.do_get(flight.Ticket(outputs.encode()), options=auth).read_all()
+            table = fc.do_get(flight.Ticket(outputs.encode()), options=_auth(OLD)).read_all()
         traj = client.pull(ticket)
 
         _write(tokens, NEW + "\n")  # rotate: the worker's Flight server follows the control plane
@@ -106,3 +120,42 @@ def test_ray_workers_serve_the_outputs_stream_the_policy_version_and_reloaded_to
     assert np.array_equal(table.column("image").combine_chunks().to_numpy_ndarray(), want)
     meta = json.loads(table.schema.metadata[b"sigmaflight.rollout"])["model"]
     assert meta["digest"] == model.digest and meta["weights_version"] == 0
+
+
+def _tree(pid: int) -> dict[int, str]:
+    """Every process under `pid` now, by pid, with its command line (Ray names its own ray::...)."""
+    out = {}
+    for p in psutil.Process(pid).children(recursive=True):
+        try:
+            out[p.pid] = " ".join(p.cmdline()) or p.name()
+        except psutil.Error:
+            continue
+    return out
+
+
+def _alive(pid: int, since: float) -> bool:
+    """Still running, and the same process (a pid reused after it died has a later start time)."""
+    try:
+        p = psutil.Process(pid)
+        return p.create_time() <= since and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def test_sigterm_stops_every_process_of_the_ray_instance_the_server_started(served):
+    """`--ray-address local` starts its own Ray instance; SIGTERM must stop all of it. Before,
+    ray::DashboardAgent and ray::RuntimeEnvAgent (about 85 MB each, deaf to SIGTERM) outlived the
+    server as orphans. Last in the module: it ends the module's server."""
+    server, _, _ = served
+    started = time.time()
+    tree = _tree(server.proc.pid)
+    agents = [cmd for cmd in tree.values() if "DashboardAgent" in cmd or "RuntimeEnvAgent" in cmd
+              or "raylet" in cmd or "gcs_server" in cmd]
+    assert agents, f"the probe sees no Ray process under the server: {sorted(tree.values())}"
+    assert server.terminate(timeout=60) in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown
+    assert '"stopped"' in server.log_text  # the graceful path ran: ray.init must not steal SIGTERM
+    assert "Finished server process" in server.log_text
+    deadline = time.monotonic() + 30
+    while (left := {pid: cmd for pid, cmd in tree.items() if _alive(pid, started)}) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == {}, f"outlived the server: {sorted(left.values())}"
