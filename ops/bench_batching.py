@@ -25,7 +25,9 @@ interleaved, for the service's samples/s against both.
 --batch-wait-ms W per checkout (this one, "after", and with `--before PYTHON` another checkout's
 interpreter, "before"), the same workloads on each in rotating
 rounds, every client polling its rollout's status every 20 ms until it ends (no Flight pull): the
-server process tree's user+sys CPU (psutil) and the wall-clock samples/s of each workload:
+server process tree's user+sys CPU (psutil) and the wall-clock samples/s of each workload, and
+of the CPU what the event loop (the main thread, which serves every HTTP request) took and how
+many status reads the clients made:
 
   .venv/bin/python ops/bench_batching.py --server-cpu --before ../sigmaflight-main/.venv/bin/python --rounds 8
 
@@ -199,6 +201,16 @@ class Server:
             total += t.user + t.system
         return total
 
+    def loop_cpu_s(self) -> float:
+        """user+sys seconds of the server's main thread so far: the event loop (uvicorn runs it
+        there), which serves every HTTP request; the worker threads and torch's are the rest."""
+        import psutil
+
+        for t in psutil.Process(self.proc.pid).threads():
+            if t.id == self.proc.pid:
+                return t.user_time + t.system_time
+        return 0.0
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
@@ -208,9 +220,12 @@ class Server:
             self.proc.wait(10)
 
 
-def poll_requests(url: str, bodies: list[dict[str, Any]], every_s: float = 0.02) -> tuple[float, list[float], int]:
+def poll_requests(url: str, bodies: list[dict[str, Any]],
+                  every_s: float = 0.02) -> tuple[float, list[float], int, int]:
     """All `bodies` posted at once, each polling its status every `every_s` until it ends: (wall
-    seconds, per-request latency to the status that says succeeded, samples)."""
+    seconds, per-request latency to the status that says succeeded, samples, status reads in all)."""
+    reads: list[int] = []  # one entry a GET (list.append is atomic across the client threads)
+
     def one(c: httpx.Client, body: dict[str, Any], t0: float) -> tuple[float, str | None]:
         r = c.post("/v1/rollouts", json=body)
         if r.status_code != 202:
@@ -219,12 +234,13 @@ def poll_requests(url: str, bodies: list[dict[str, Any]], every_s: float = 0.02)
         while True:
             time.sleep(every_s)
             status = c.get(path).json()["status"]
+            reads.append(1)
             if status not in ("queued", "running"):
                 break
         return time.perf_counter() - t0, None if status == "succeeded" else f"{path} {status}"
 
     wall, latencies = all_at_once(url, bodies, one)
-    return wall, latencies, sum(len(b["prompts"]) for b in bodies)
+    return wall, latencies, sum(len(b["prompts"]) for b in bodies), len(reads)
 
 
 def server_cpu(a: argparse.Namespace) -> int:
@@ -242,17 +258,21 @@ def server_cpu(a: argparse.Namespace) -> int:
     cpu: dict[tuple[str, str], list[float]] = {(w, k): [] for w in loads for k in servers}
     sps: dict[tuple[str, str], list[float]] = {(w, k): [] for w in loads for k in servers}
     lat: dict[tuple[str, str], list[float]] = {(w, k): [] for w in loads for k in servers}
+    loop: dict[tuple[str, str], list[float]] = {(w, k): [] for w in loads for k in servers}
+    reads: dict[tuple[str, str], list[int]] = {(w, k): [] for w in loads for k in servers}
     try:
         pairs = [(w, k) for w in loads for k in servers]
         for r in range(a.rounds + 1):
             for w, k in pairs[r % len(pairs):] + pairs[:r % len(pairs)]:
                 bodies = [{**b, "model": a.model, "seed": 1000 * r + j} for j, b in enumerate(loads[w])]
                 time.sleep(0.2)  # the previous workload's last polls and the reaper settle
-                c0 = servers[k].cpu_s()
-                wall, lats, samples = poll_requests(servers[k].rest_url, bodies)
-                c1 = servers[k].cpu_s()
+                c0, l0 = servers[k].cpu_s(), servers[k].loop_cpu_s()
+                wall, lats, samples, n_reads = poll_requests(servers[k].rest_url, bodies)
+                c1, l1 = servers[k].cpu_s(), servers[k].loop_cpu_s()
                 if r:
                     cpu[(w, k)].append(c1 - c0)
+                    loop[(w, k)].append(l1 - l0)
+                    reads[(w, k)].append(n_reads)
                     sps[(w, k)].append(samples / wall)
                     lat[(w, k)].extend(lats)
     finally:
@@ -268,11 +288,13 @@ def server_cpu(a: argparse.Namespace) -> int:
     print(f"server CPU: model={a.model} N={a.n} T={a.steps} --batch-wait-ms {a.wait_ms:g} rounds={a.rounds} "
           f"(+1 warm-up), status polled every 20 ms")
     width = max(7, *map(len, servers))
-    print(f"{'workload':<9} {'server':<{width}} {'cpu ms':>8} {'samples/s':>10} {'p50 ms':>8}   (cpu: mean a round)")
+    print(f"{'workload':<9} {'server':<{width}} {'cpu ms':>8} {'samples/s':>10} {'p50 ms':>8} {'loop ms':>8} "
+          f"{'reads':>6}   (cpu, loop, reads: mean a round)")
     for w in loads:
         for k in servers:
             print(f"{w:<9} {k:<{width}} {statistics.mean(cpu[(w, k)]) * 1e3:>8.1f} {statistics.median(sps[(w, k)]):>10.2f} "
-                  f"{percentile(lat[(w, k)], 50) * 1e3:>8.1f}")
+                  f"{percentile(lat[(w, k)], 50) * 1e3:>8.1f} {statistics.mean(loop[(w, k)]) * 1e3:>8.1f} "
+                  f"{statistics.mean(reads[(w, k)]):>6.1f}")
     for k in servers:
         print(f"{k}: N x B=1 / one-B=N server CPU {cpu_ratio(k):.2f}x (target <= 1.4), "
               f"wall samples/s {wall_ratio(k):.2f}x (target >= 0.8)")

@@ -33,15 +33,24 @@ def test_bench_batching_prints_every_workload_and_the_target_ratios():
 
 def test_bench_batching_server_cpu_prints_each_workload_for_every_server_and_the_ratios():
     """--server-cpu with --before and a --variant: a server per interpreter (here the same one twice)
-    and one with the variant's flags, every workload on each."""
+    and one with the variant's flags, every workload on each, with the event loop's share of the CPU
+    and the clients' status reads."""
     out = subprocess.run([sys.executable, "ops/bench_batching.py", "--server-cpu", "--before", sys.executable, "--n", "3",
                           "--steps", "1", "--rounds", "1", "--variant", "threads-1=--torch-threads 1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     servers = ("after", "before", "threads-1")
+    loops = 0.0
     for workload in ("one-B=N", "N x B=1", "lone B=1"):
         for server in servers:
-            assert re.search(rf"^{re.escape(workload)}\s+{server}\s+[\d.]+\s+[\d.]+\s+[\d.]+$", out.stdout, re.M), out.stdout
+            row = re.search(rf"^{re.escape(workload)}\s+{server}\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s+([\d.]+)$",
+                            out.stdout, re.M)
+            assert row, out.stdout
+            cpu, loop, reads = map(float, row.groups())
+            assert loop <= cpu, row.group(0)  # the event loop's CPU is part of the process tree's
+            assert reads >= (3 if workload == "N x B=1" else 1), row.group(0)  # every client reads once at least
+            loops += loop
+    assert loops > 0, out.stdout  # the OS counts a thread's CPU in 10 ms ticks: one row may show 0, not all
     for server in servers:
         assert re.search(rf"^{server}: N x B=1 / one-B=N server CPU [\d.]+x .* wall samples/s [\d.]+x", out.stdout, re.M)
     assert re.search(r"^after / before: lone B=1 latency [\d.]+ .* one-B=N samples/s [\d.]+", out.stdout, re.M)
