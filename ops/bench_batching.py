@@ -26,8 +26,10 @@ interleaved, for the service's samples/s against both.
 interpreter, "before"), the same workloads on each in rotating
 rounds, every client polling its rollout's status every 20 ms until it ends (no Flight pull): the
 server process tree's user+sys CPU (psutil) and the wall-clock samples/s of each workload, and
-of the CPU what the event loop (the main thread, which serves every HTTP request) took and how
-many status reads the clients made:
+of the CPU what the event loop (the main thread, which serves every HTTP request) took, how
+many status reads the clients made, and how many model calls the requests ran as (N x B=1 is one
+call when the whole burst joins one batch; more when the batch window closed before the burst's
+last POST arrived, and then the rest waits for the first call to end):
 
   .venv/bin/python ops/bench_batching.py --server-cpu --before ../sigmaflight-main/.venv/bin/python --rounds 8
 
@@ -201,6 +203,13 @@ class Server:
             total += t.user + t.system
         return total
 
+    def model_calls(self) -> float:
+        """The model calls the server has made so far (its /metrics: `sigmaflight_batch_requests_count`)."""
+        for line in httpx.get(f"{self.rest_url}/metrics", timeout=30).text.splitlines():
+            if line.startswith("sigmaflight_batch_requests_count"):
+                return float(line.split()[-1])
+        raise SystemExit(f"{self.rest_url}/metrics has no sigmaflight_batch_requests_count")
+
     def loop_cpu_s(self) -> float:
         """user+sys seconds of the server's main thread so far: the event loop (uvicorn runs it
         there), which serves every HTTP request; the worker threads and torch's are the rest."""
@@ -260,16 +269,20 @@ def server_cpu(a: argparse.Namespace) -> int:
     lat: dict[tuple[str, str], list[float]] = {(w, k): [] for w in loads for k in servers}
     loop: dict[tuple[str, str], list[float]] = {(w, k): [] for w in loads for k in servers}
     reads: dict[tuple[str, str], list[int]] = {(w, k): [] for w in loads for k in servers}
+    calls: dict[tuple[str, str], list[float]] = {(w, k): [] for w in loads for k in servers}
     try:
         pairs = [(w, k) for w in loads for k in servers]
         for r in range(a.rounds + 1):
             for w, k in pairs[r % len(pairs):] + pairs[:r % len(pairs)]:
                 bodies = [{**b, "model": a.model, "seed": 1000 * r + j} for j, b in enumerate(loads[w])]
                 time.sleep(0.2)  # the previous workload's last polls and the reaper settle
+                m0 = servers[k].model_calls()  # read outside the CPU window: a scrape costs the server too
                 c0, l0 = servers[k].cpu_s(), servers[k].loop_cpu_s()
                 wall, lats, samples, n_reads = poll_requests(servers[k].rest_url, bodies)
                 c1, l1 = servers[k].cpu_s(), servers[k].loop_cpu_s()
+                m1 = servers[k].model_calls()
                 if r:
+                    calls[(w, k)].append(m1 - m0)
                     cpu[(w, k)].append(c1 - c0)
                     loop[(w, k)].append(l1 - l0)
                     reads[(w, k)].append(n_reads)
@@ -289,12 +302,12 @@ def server_cpu(a: argparse.Namespace) -> int:
           f"(+1 warm-up), status polled every 20 ms")
     width = max(7, *map(len, servers))
     print(f"{'workload':<9} {'server':<{width}} {'cpu ms':>8} {'samples/s':>10} {'p50 ms':>8} {'loop ms':>8} "
-          f"{'reads':>6}   (cpu, loop, reads: mean a round)")
+          f"{'reads':>6} {'calls':>6}   (cpu, loop, reads, model calls: mean a round)")
     for w in loads:
         for k in servers:
             print(f"{w:<9} {k:<{width}} {statistics.mean(cpu[(w, k)]) * 1e3:>8.1f} {statistics.median(sps[(w, k)]):>10.2f} "
                   f"{percentile(lat[(w, k)], 50) * 1e3:>8.1f} {statistics.mean(loop[(w, k)]) * 1e3:>8.1f} "
-                  f"{statistics.mean(reads[(w, k)]):>6.1f}")
+                  f"{statistics.mean(reads[(w, k)]):>6.1f} {statistics.mean(calls[(w, k)]):>6.2f}")
     for k in servers:
         print(f"{k}: N x B=1 / one-B=N server CPU {cpu_ratio(k):.2f}x (target <= 1.4), "
               f"wall samples/s {wall_ratio(k):.2f}x (target >= 0.8)")

@@ -33,8 +33,8 @@ def test_bench_batching_prints_every_workload_and_the_target_ratios():
 
 def test_bench_batching_server_cpu_prints_each_workload_for_every_server_and_the_ratios():
     """--server-cpu with --before and a --variant: a server per interpreter (here the same one twice)
-    and one with the variant's flags, every workload on each, with the event loop's share of the CPU
-    and the clients' status reads."""
+    and one with the variant's flags, every workload on each, with the event loop's share of the CPU,
+    the clients' status reads and the model calls the requests ran as."""
     out = subprocess.run([sys.executable, "ops/bench_batching.py", "--server-cpu", "--before", sys.executable, "--n", "3",
                           "--steps", "1", "--rounds", "1", "--variant", "threads-1=--torch-threads 1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -43,10 +43,12 @@ def test_bench_batching_server_cpu_prints_each_workload_for_every_server_and_the
     loops = 0.0
     for workload in ("one-B=N", "N x B=1", "lone B=1"):
         for server in servers:
-            row = re.search(rf"^{re.escape(workload)}\s+{server}\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s+([\d.]+)$",
-                            out.stdout, re.M)
+            row = re.search(rf"^{re.escape(workload)}\s+{server}\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s+([\d.]+)"
+                            rf"\s+([\d.]+)$", out.stdout, re.M)
             assert row, out.stdout
-            cpu, loop, reads = map(float, row.groups())
+            cpu, loop, reads, calls = map(float, row.groups())
+            # a lone request is one model call; 3 clients' B=1 requests are 1-3 calls
+            assert calls == 1 if workload != "N x B=1" else 1 <= calls <= 3, row.group(0)
             assert loop <= cpu, row.group(0)  # the event loop's CPU is part of the process tree's
             assert reads >= (3 if workload == "N x B=1" else 1), row.group(0)  # every client reads once at least
             loops += loop
