@@ -140,7 +140,9 @@ def test_sigterm_exits_in_time_with_a_stalled_consumer():
     with server.client() as c:
         ticket = c.post("/v1/rollouts", json=body).json()
         wait_for_status(c, ticket["id"], {"succeeded"}, timeout=60)
-    with flight.FlightClient(server.flight_url) as fc:
+    # gRPC's BDP probing lets a fast client's window (and the 32 MiB loopback socket buffer)
+    # take the whole stream unread, and then nothing stalls; off, the window stays at 64 KiB.
+    with flight.FlightClient(server.flight_url, generic_options=[("grpc.http2.bdp_probe", 0)]) as fc:
         reader = fc.do_get(flight.Ticket(ticket["flight"]["ticket"].encode()))
         reader.read_chunk()  # then stall
         t0 = time.monotonic()
