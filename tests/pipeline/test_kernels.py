@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from sigmaflight.pipeline.kernels import kernel_mean_std, step_log_prob
+from sigmaflight.pipeline.kernels import kernel_mean_std, step_log_prob, stochastic_transitions
 from sigmaflight.pipeline.rollout import run_rollout
 from sigmaflight.pipeline.spec import RolloutSpec, SamplerSpec
 
@@ -221,6 +221,40 @@ def test_random_schedules(kind):
             _close_ulps(step_log_prob(x, x_next, v, sig, i, sampler=sampler), sg_d, ULPS_SGLANG_LOG_PROB)
             nc = step_log_prob(x, x_next, v, sig, i, sampler=SamplerSpec(type=kind, noise_level=a, log_prob="no_const"))
             _close_ulps(nc, sg_nc, ULPS_SGLANG_LOG_PROB)
+
+
+EDGE_SCHEDULES = {
+    **SCHEDULES,
+    "flat_steps": torch.tensor([1.0, 0.8, 0.8, 0.3, 0.3, 0.0], dtype=torch.float32),  # sigma' == sigma: std 0
+    "long": _stock_sigmas({"shift": 3.0}, num_inference_steps=400),
+}
+
+
+@pytest.mark.parametrize("schedule", list(EDGE_SCHEDULES))
+@pytest.mark.parametrize("kind", ["sde", "cps"])
+@pytest.mark.parametrize("a", [0.0, 0.7])
+def test_stochastic_transitions_are_the_steps_whose_flow_grpo_std_is_positive(schedule, kind, a):
+    """The steps that draw noise (and get a log-prob) are those whose transition std, as Flow-GRPO's
+    step computes it, is > 0; every step of the schedule is asked at once, shuffled, as a rollout's
+    `return` list may be."""
+    sig = EDGE_SCHEDULES[schedule]
+    steps = list(range(sig.shape[0] - 1))
+    x, v, eps = _inputs((1, 2), seed=5)
+    expected = set()
+    for i in steps:
+        _, _, _, std_t, sqrt_dt = flow_grpo_step(sig, i, x, v, a, kind, noise=eps)
+        std = std_t * sqrt_dt if kind == "sde" else std_t
+        if bool((std > 0).all()):
+            expected.add(i)
+    shuffled = steps[1::2] + steps[::2]
+    got = stochastic_transitions(shuffled, sig, sampler=SamplerSpec(type=kind, noise_level=a))
+    assert got == expected
+    assert stochastic_transitions([], sig, sampler=SamplerSpec(type=kind, noise_level=a)) == frozenset()
+    if a > 0:  # the terminal step into sigma = 0 draws no noise under cps
+        assert (sig.shape[0] - 2 in got) == (kind == "sde")
+        assert len(got) > 0
+    if schedule == "flat_steps":  # sde's std has sqrt(sigma - sigma'); cps's is sigma' sin(a pi / 2) alone
+        assert (got & {1, 3}) == (set() if kind == "sde" or a == 0 else {1, 3})
 
 
 @pytest.mark.parametrize("schedule", ["static_shift", "dynamic_shift", "custom_list"])
