@@ -225,7 +225,7 @@ def test_random_schedules(kind):
 
 EDGE_SCHEDULES = {
     **SCHEDULES,
-    "flat_steps": torch.tensor([1.0, 0.8, 0.8, 0.3, 0.3, 0.0], dtype=torch.float32),  # sigma' == sigma: std 0
+    "flat_steps": torch.tensor([1.0, 0.8, 0.8, 0.3, 0.3, 0.0], dtype=torch.float32),  # sigma' == sigma: sde's std 0
     "long": _stock_sigmas({"shift": 3.0}, num_inference_steps=400),
 }
 
