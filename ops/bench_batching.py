@@ -29,7 +29,11 @@ server process tree's user+sys CPU (psutil) and the wall-clock samples/s of each
 of the CPU what the event loop (the main thread, which serves every HTTP request) took, how
 many status reads the clients made, and how many model calls the requests ran as (N x B=1 is one
 call when the whole burst joins one batch; more when the batch window closed before the burst's
-last POST arrived, and then the rest waits for the first call to end):
+last POST arrived, and then the rest waits for the first call to end). The clients run in this
+process, beside the server: `client ms` is their own CPU and `cores` the server's and theirs over
+the round's wall time; `--clients httpx stdlib` polls with each library in turn (http.client costs
+about a quarter of httpx's CPU a request), a row each, for how much the clients themselves move the
+figures on a small box:
 
   .venv/bin/python ops/bench_batching.py --server-cpu --before ../sigmaflight-main/.venv/bin/python --rounds 8
 
@@ -41,14 +45,19 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import http.client
 import os
+import resource
 import shlex
 import statistics
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from json import dumps, loads
 from typing import Any
 
 import httpx
@@ -64,16 +73,58 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-def all_at_once(url: str, bodies: list[dict[str, Any]],
-                one: Callable[[httpx.Client, dict[str, Any], float], tuple[float, str | None]]) -> tuple[float, list[float]]:
-    """`one(client, body, t0)` for every body at once, one client thread each, started together:
-    (wall seconds, each one's latency). `one` returns (its latency, an error or None)."""
+class StdlibClient:
+    """The two calls the status polling makes (`post(path, json=...)`, `get(path)`), over one kept-alive
+    http.client connection: a client that costs about a quarter of httpx's CPU a request, so the
+    clients running beside the server on a small box take less of its cores (--clients)."""
+
+    class Response:
+        def __init__(self, status_code: int, text: str) -> None:
+            self.status_code, self.text = status_code, text
+
+        def json(self) -> Any:
+            return loads(self.text)
+
+    def __init__(self, base_url: str, timeout: float) -> None:
+        url = urllib.parse.urlsplit(base_url)
+        self.conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=timeout)
+
+    def __enter__(self) -> StdlibClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.conn.close()
+
+    def _send(self, method: str, path: str, body: bytes | None, headers: dict[str, str]) -> Response:
+        self.conn.request(method, path, body=body, headers=headers)
+        r = self.conn.getresponse()
+        return self.Response(r.status, r.read().decode())
+
+    def post(self, path: str, json: dict[str, Any]) -> Response:  # noqa: A002 (httpx's name)
+        return self._send("POST", path, dumps(json).encode(), {"Content-Type": "application/json"})
+
+    def get(self, path: str) -> Response:
+        return self._send("GET", path, None, {})
+
+
+CLIENTS: dict[str, Callable[[str], Any]] = {
+    "httpx": lambda url: httpx.Client(base_url=url, timeout=600),
+    "stdlib": lambda url: StdlibClient(url, timeout=600),
+}
+
+
+def all_at_once(url: str, bodies: list[dict[str, Any]], one: Callable[[Any, dict[str, Any], float], tuple[float, str | None]],
+                client: str = "httpx") -> tuple[float, list[float], float]:
+    """`one(client, body, t0)` for every body at once, one client thread each (an httpx.Client, or
+    with client="stdlib" a StdlibClient), started together: (wall seconds, each one's latency, the
+    user+sys seconds this process took meanwhile: the clients' own CPU, their set-up before the start
+    left out). `one` returns (its latency, an error or None)."""
     latencies: list[float] = [0.0] * len(bodies)
     errors: list[str] = []
     go = threading.Barrier(len(bodies) + 1)
 
     def run(k: int, body: dict[str, Any]) -> None:
-        with httpx.Client(base_url=url, timeout=600) as c:
+        with CLIENTS[client](url) as c:
             go.wait()
             latencies[k], error = one(c, body, time.perf_counter())
             if error is not None:
@@ -83,13 +134,13 @@ def all_at_once(url: str, bodies: list[dict[str, Any]],
     for th in threads:
         th.start()
     go.wait()
-    t0 = time.perf_counter()
+    t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     for th in threads:
         th.join()
-    wall = time.perf_counter() - t0
+    wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
     if errors:
         raise SystemExit(f"{len(errors)} requests failed, first: {errors[0]}")
-    return wall, latencies
+    return wall, latencies, r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
 
 
 def run_requests(url: str, bodies: list[dict[str, Any]]) -> tuple[float, list[float], int]:
@@ -106,7 +157,7 @@ def run_requests(url: str, bodies: list[dict[str, Any]]) -> tuple[float, list[fl
         status = c.get(f"/v1/rollouts/{t['id']}").json()["status"]
         return latency, None if status == "succeeded" else f"rollout {t['id']} {status}"
 
-    wall, latencies = all_at_once(url, bodies, one)
+    wall, latencies, _ = all_at_once(url, bodies, one)
     return wall, latencies, sum(len(b["prompts"]) * b.get("num_outputs_per_prompt", 1) for b in bodies)
 
 
@@ -229,13 +280,14 @@ class Server:
             self.proc.wait(10)
 
 
-def poll_requests(url: str, bodies: list[dict[str, Any]],
-                  every_s: float = 0.02) -> tuple[float, list[float], int, int]:
+def poll_requests(url: str, bodies: list[dict[str, Any]], every_s: float = 0.02,
+                  client: str = "httpx") -> tuple[float, list[float], int, int, float]:
     """All `bodies` posted at once, each polling its status every `every_s` until it ends: (wall
-    seconds, per-request latency to the status that says succeeded, samples, status reads in all)."""
+    seconds, per-request latency to the status that says succeeded, samples, status reads in all,
+    the user+sys seconds this process (the clients) took meanwhile)."""
     reads: list[int] = []  # one entry a GET (list.append is atomic across the client threads)
 
-    def one(c: httpx.Client, body: dict[str, Any], t0: float) -> tuple[float, str | None]:
+    def one(c: Any, body: dict[str, Any], t0: float) -> tuple[float, str | None]:
         r = c.post("/v1/rollouts", json=body)
         if r.status_code != 202:
             return 0.0, r.text
@@ -248,72 +300,86 @@ def poll_requests(url: str, bodies: list[dict[str, Any]],
                 break
         return time.perf_counter() - t0, None if status == "succeeded" else f"{path} {status}"
 
-    wall, latencies = all_at_once(url, bodies, one)
-    return wall, latencies, sum(len(b["prompts"]) for b in bodies), len(reads)
+    wall, latencies, clients = all_at_once(url, bodies, one, client)
+    return wall, latencies, sum(len(b["prompts"]) for b in bodies), len(reads), clients
+
+
+@dataclass
+class Tally:
+    """One workload on one server and client kind, a value a counted round."""
+
+    cpu: list[float] = field(default_factory=list)  # the server tree's user+sys seconds
+    loop: list[float] = field(default_factory=list)  # of which its event loop's
+    sps: list[float] = field(default_factory=list)  # samples/s over the round's wall time
+    lat: list[float] = field(default_factory=list)  # every request's latency
+    reads: list[int] = field(default_factory=list)  # status GETs
+    calls: list[float] = field(default_factory=list)  # model calls
+    clients: list[float] = field(default_factory=list)  # the clients' own user+sys seconds
+    cores: list[float] = field(default_factory=list)  # (server + clients) CPU / wall: the cores busy
 
 
 def server_cpu(a: argparse.Namespace) -> int:
     """The --server-cpu measure (module docstring); the ratios are taken within a round, medians printed."""
     flags = ("--model", a.model, "--workers", "1", "--log-level", "warning", "--queue-size", str(4 * a.n + 8),
              "--batch-wait-ms", str(a.wait_ms))
-    runs = {"after": (sys.executable, ()), **({"before": (a.before, ())} if a.before else {})}
+    runs: dict[str, tuple[str, tuple[str, ...]]] = {"after": (sys.executable, ()), **({"before": (a.before, ())} if a.before else {})}
     for variant in a.variant:
         label, _, extra = variant.partition("=")
         runs[label] = (sys.executable, tuple(shlex.split(extra)))
     with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
         starting = {k: pool.submit(Server, py, *flags, *extra) for k, (py, extra) in runs.items()}
     servers = {k: f.result() for k, f in starting.items()}
+    # a row per server and client kind: the first kind's rows carry the server's label alone
+    rows = {k if n == 0 else f"{k}/{kind}": (servers[k], kind) for n, kind in enumerate(a.clients) for k in servers}
     loads = {w: b for w, b in workloads(a, 0, 0).items() if w in CPU_LOADS}
-    cpu: dict[tuple[str, str], list[float]] = {(w, k): [] for w in loads for k in servers}
-    sps: dict[tuple[str, str], list[float]] = {(w, k): [] for w in loads for k in servers}
-    lat: dict[tuple[str, str], list[float]] = {(w, k): [] for w in loads for k in servers}
-    loop: dict[tuple[str, str], list[float]] = {(w, k): [] for w in loads for k in servers}
-    reads: dict[tuple[str, str], list[int]] = {(w, k): [] for w in loads for k in servers}
-    calls: dict[tuple[str, str], list[float]] = {(w, k): [] for w in loads for k in servers}
+    tally = {(w, k): Tally() for w in loads for k in rows}
     try:
-        pairs = [(w, k) for w in loads for k in servers]
+        pairs = list(tally)
         for r in range(a.rounds + 1):
             for w, k in pairs[r % len(pairs):] + pairs[:r % len(pairs)]:
+                server, kind = rows[k]
                 bodies = [{**b, "model": a.model, "seed": 1000 * r + j} for j, b in enumerate(loads[w])]
                 time.sleep(0.2)  # the previous workload's last polls and the reaper settle
-                m0 = servers[k].model_calls()  # read outside the CPU window: a scrape costs the server too
-                c0, l0 = servers[k].cpu_s(), servers[k].loop_cpu_s()
-                wall, lats, samples, n_reads = poll_requests(servers[k].rest_url, bodies)
-                c1, l1 = servers[k].cpu_s(), servers[k].loop_cpu_s()
-                m1 = servers[k].model_calls()
+                m0 = server.model_calls()  # read outside the CPU window: a scrape costs the server too
+                c0, l0 = server.cpu_s(), server.loop_cpu_s()
+                wall, lats, samples, n_reads, client_s = poll_requests(server.rest_url, bodies, client=kind)
+                c1, l1 = server.cpu_s(), server.loop_cpu_s()
+                m1 = server.model_calls()
                 if r:
-                    calls[(w, k)].append(m1 - m0)
-                    cpu[(w, k)].append(c1 - c0)
-                    loop[(w, k)].append(l1 - l0)
-                    reads[(w, k)].append(n_reads)
-                    sps[(w, k)].append(samples / wall)
-                    lat[(w, k)].extend(lats)
+                    t = tally[(w, k)]
+                    t.calls.append(m1 - m0)
+                    t.cpu.append(c1 - c0)
+                    t.loop.append(l1 - l0)
+                    t.reads.append(n_reads)
+                    t.clients.append(client_s)
+                    t.cores.append((c1 - c0 + client_s) / wall)
+                    t.sps.append(samples / wall)
+                    t.lat.extend(lats)
     finally:
         for s in servers.values():
             s.stop()
 
     def wall_ratio(k: str) -> float:
-        return statistics.median(x / y for x, y in zip(sps[("N x B=1", k)], sps[("one-B=N", k)], strict=True))
+        return statistics.median(x / y for x, y in zip(tally[("N x B=1", k)].sps, tally[("one-B=N", k)].sps, strict=True))
 
     def cpu_ratio(k: str) -> float:  # totals over the rounds: the OS counts CPU time in 10 ms ticks
-        return sum(cpu[("N x B=1", k)]) / max(sum(cpu[("one-B=N", k)]), 1e-9)
+        return sum(tally[("N x B=1", k)].cpu) / max(sum(tally[("one-B=N", k)].cpu), 1e-9)
 
     print(f"server CPU: model={a.model} N={a.n} T={a.steps} --batch-wait-ms {a.wait_ms:g} rounds={a.rounds} "
           f"(+1 warm-up), status polled every 20 ms")
-    width = max(7, *map(len, servers))
+    width = max(7, *map(len, rows))
     print(f"{'workload':<9} {'server':<{width}} {'cpu ms':>8} {'samples/s':>10} {'p50 ms':>8} {'loop ms':>8} "
-          f"{'reads':>6} {'calls':>6}   (cpu, loop, reads, model calls: mean a round)")
-    for w in loads:
-        for k in servers:
-            print(f"{w:<9} {k:<{width}} {statistics.mean(cpu[(w, k)]) * 1e3:>8.1f} {statistics.median(sps[(w, k)]):>10.2f} "
-                  f"{percentile(lat[(w, k)], 50) * 1e3:>8.1f} {statistics.mean(loop[(w, k)]) * 1e3:>8.1f} "
-                  f"{statistics.mean(reads[(w, k)]):>6.1f} {statistics.mean(calls[(w, k)]):>6.2f}")
-    for k in servers:
+          f"{'reads':>6} {'calls':>6} {'client ms':>9} {'cores':>5}   (cpu, loop, reads, calls, client: mean a round)")
+    for (w, k), t in tally.items():
+        print(f"{w:<9} {k:<{width}} {statistics.mean(t.cpu) * 1e3:>8.1f} {statistics.median(t.sps):>10.2f} "
+              f"{percentile(t.lat, 50) * 1e3:>8.1f} {statistics.mean(t.loop) * 1e3:>8.1f} {statistics.mean(t.reads):>6.1f} "
+              f"{statistics.mean(t.calls):>6.2f} {statistics.mean(t.clients) * 1e3:>9.1f} {statistics.median(t.cores):>5.2f}")
+    for k in rows:
         print(f"{k}: N x B=1 / one-B=N server CPU {cpu_ratio(k):.2f}x (target <= 1.4), "
               f"wall samples/s {wall_ratio(k):.2f}x (target >= 0.8)")
     if "before" in servers:
-        lone = [statistics.median(lat[("lone B=1", k)]) for k in ("after", "before")]
-        big = [statistics.median(sps[("one-B=N", k)]) for k in ("after", "before")]
+        lone = [statistics.median(tally[("lone B=1", k)].lat) for k in ("after", "before")]
+        big = [statistics.median(tally[("one-B=N", k)].sps) for k in ("after", "before")]
         print(f"after / before: lone B=1 latency {lone[0] / lone[1]:.2f} (target <= 1), "
               f"one-B=N samples/s {big[0] / big[1]:.2f} (target >= 1)")
     return 0
@@ -333,6 +399,10 @@ def main() -> int:
     ap.add_argument("--variant", metavar="LABEL=FLAGS", action="append", default=[],
                     help="--server-cpu: also a server of this checkout with these extra serve flags, shown as "
                     "LABEL (repeatable), e.g. --variant 'threads-1=--torch-threads 1'")
+    ap.add_argument("--clients", nargs="+", choices=sorted(CLIENTS), default=["httpx"],
+                    help="--server-cpu: the polling clients' HTTP library, each a row per server (default httpx; "
+                    "stdlib: http.client, about a quarter of httpx's CPU a request, for how much the clients' own CPU "
+                    "beside the server moves the figures)")
     a = ap.parse_args()
     if a.server_cpu:
         return server_cpu(a)

@@ -33,28 +33,33 @@ def test_bench_batching_prints_every_workload_and_the_target_ratios():
 
 def test_bench_batching_server_cpu_prints_each_workload_for_every_server_and_the_ratios():
     """--server-cpu with --before and a --variant: a server per interpreter (here the same one twice)
-    and one with the variant's flags, every workload on each, with the event loop's share of the CPU,
-    the clients' status reads and the model calls the requests ran as."""
+    and one with the variant's flags, every workload on each, polled by httpx clients and by http.client
+    ones (--clients), with the event loop's share of the CPU, the clients' status reads, the model
+    calls the requests ran as, the clients' own CPU and the cores busy."""
     out = subprocess.run([sys.executable, "ops/bench_batching.py", "--server-cpu", "--before", sys.executable, "--n", "3",
-                          "--steps", "1", "--rounds", "1", "--variant", "threads-1=--torch-threads 1"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--steps", "1", "--rounds", "1", "--variant", "threads-1=--torch-threads 1",
+                          "--clients", "httpx", "stdlib"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    servers = ("after", "before", "threads-1")
-    loops = 0.0
+    rows = [f"{server}{kind}" for kind in ("", "/stdlib") for server in ("after", "before", "threads-1")]
+    loops = clients = 0.0
     for workload in ("one-B=N", "N x B=1", "lone B=1"):
-        for server in servers:
-            row = re.search(rf"^{re.escape(workload)}\s+{server}\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)\s+([\d.]+)"
-                            rf"\s+([\d.]+)$", out.stdout, re.M)
+        for server in rows:
+            row = re.search(rf"^{re.escape(workload)}\s+{re.escape(server)}\s+([\d.]+)\s+[\d.]+\s+[\d.]+\s+([\d.]+)"
+                            rf"\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out.stdout, re.M)
             assert row, out.stdout
-            cpu, loop, reads, calls = map(float, row.groups())
+            cpu, loop, reads, calls, client, cores = map(float, row.groups())
             # a lone request is one model call; 3 clients' B=1 requests are 1-3 calls
             assert calls == 1 if workload != "N x B=1" else 1 <= calls <= 3, row.group(0)
             assert loop <= cpu, row.group(0)  # the event loop's CPU is part of the process tree's
             assert reads >= (3 if workload == "N x B=1" else 1), row.group(0)  # every client reads once at least
+            assert cores > 0, row.group(0)  # the server's CPU and the clients' over the round's wall time
             loops += loop
-    assert loops > 0, out.stdout  # the OS counts a thread's CPU in 10 ms ticks: one row may show 0, not all
-    for server in servers:
-        assert re.search(rf"^{server}: N x B=1 / one-B=N server CPU [\d.]+x .* wall samples/s [\d.]+x", out.stdout, re.M)
+            clients += client
+    # the OS counts a thread's CPU in 10 ms ticks: one row may show 0, not all
+    assert loops > 0 and clients > 0, out.stdout
+    for server in rows:
+        assert re.search(rf"^{re.escape(server)}: N x B=1 / one-B=N server CPU [\d.]+x .* wall samples/s [\d.]+x",
+                         out.stdout, re.M)
     assert re.search(r"^after / before: lone B=1 latency [\d.]+ .* one-B=N samples/s [\d.]+", out.stdout, re.M)
 
 
