@@ -100,7 +100,7 @@ class StdlibClient:
         r = self.conn.getresponse()
         return self.Response(r.status, r.read().decode())
 
-    def post(self, path: str, json: dict[str, Any]) -> Response:  # noqa: A002 (httpx's name)
+    def post(self, path: str, json: dict[str, Any]) -> Response:  # `json=`, as httpx names it
         return self._send("POST", path, dumps(json).encode(), {"Content-Type": "application/json"})
 
     def get(self, path: str) -> Response:
