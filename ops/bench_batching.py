@@ -37,6 +37,13 @@ figures on a small box:
 
   .venv/bin/python ops/bench_batching.py --server-cpu --before ../sigmaflight-main/.venv/bin/python --rounds 8
 
+`--poll-probe` times one B=N request's model call (its own status: started_at to finished_at)
+while N client threads poll a finished rollout's status every 20 ms: on no server, on the same one
+(whose event loop shares the call's GIL and the cores) or on a second server (another process:
+only the cores are shared), in rotating rounds:
+
+  .venv/bin/python ops/bench_batching.py --poll-probe --rounds 8
+
 `--variant LABEL=FLAGS` adds a server of this checkout with extra serve flags to the same rounds
 (e.g. --variant 'threads-1=--torch-threads 1').
 """
@@ -57,6 +64,7 @@ import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from json import dumps, loads
 from typing import Any
 
@@ -385,6 +393,78 @@ def server_cpu(a: argparse.Namespace) -> int:
     return 0
 
 
+def timed_call(url: str, body: dict[str, Any], every_s: float = 0.02) -> float:
+    """Post `body`, poll its status every `every_s` until it ends: its model call's seconds, from
+    its own status (started_at to finished_at, stamped by the server)."""
+    with httpx.Client(base_url=url, timeout=600) as c:
+        r = c.post("/v1/rollouts", json=body)
+        if r.status_code != 202:
+            raise SystemExit(f"POST /v1/rollouts: {r.status_code} {r.text}")
+        path = f"/v1/rollouts/{r.json()['id']}"
+        while (status := c.get(path).json())["status"] in ("queued", "running"):
+            time.sleep(every_s)
+    if status["status"] != "succeeded":
+        raise SystemExit(f"{path} {status['status']}")
+    return datetime.fromisoformat(status["finished_at"]).timestamp() - datetime.fromisoformat(status["started_at"]).timestamp()
+
+
+PROBE_PLACES = ("none", "same server", "other server")
+
+
+def poll_probe(a: argparse.Namespace) -> int:
+    """--poll-probe: what status polling does to a model call that runs meanwhile. Two servers of
+    this checkout; in rotating rounds one B=N request runs on the first while N client threads poll
+    a finished rollout's status every 20 ms on no server, on the same one (its event loop shares
+    the call's GIL and the cores) or on the other (another process: only the cores are shared)."""
+    flags = ("--model", a.model, "--workers", "1", "--log-level", "warning")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        starting = [pool.submit(Server, sys.executable, *flags) for _ in range(2)]
+    servers = [f.result() for f in starting]
+    body = {"prompts": [f"prompt {k}" for k in range(a.n)], "num_inference_steps": a.steps, "model": a.model}
+    calls: dict[str, list[float]] = {p: [] for p in PROBE_PLACES}
+    reads: dict[str, list[int]] = {p: [] for p in PROBE_PLACES}  # the pollers' GETs, a round
+    try:
+        done = {}  # a finished rollout on each server, for the pollers to read
+        for s in servers:
+            with httpx.Client(base_url=s.rest_url, timeout=600) as c:
+                done[s.rest_url] = c.post("/v1/rollouts", json={"prompts": ["p"], "num_inference_steps": 1}).json()["id"]
+            timed_call(s.rest_url, {"prompts": ["p"], "num_inference_steps": 1})  # and the model is warm
+
+        def poll(url: str, stop: threading.Event, made: list[int]) -> None:
+            with CLIENTS[a.clients[0]](url) as c:
+                while not stop.wait(0.02):
+                    c.get(f"/v1/rollouts/{done[url]}")
+                    made.append(1)  # atomic across the poller threads
+
+        for r in range(a.rounds + 1):
+            for place in PROBE_PLACES[r % 3:] + PROBE_PLACES[:r % 3]:
+                target = {"none": None, "same server": servers[0], "other server": servers[1]}[place]
+                stop, made = threading.Event(), list[int]()
+                pollers = [] if target is None else [threading.Thread(target=poll, args=(target.rest_url, stop, made))
+                                                     for _ in range(a.n)]
+                for th in pollers:
+                    th.start()
+                time.sleep(0.3)  # the pollers are under way
+                seconds = timed_call(servers[0].rest_url, {**body, "seed": r})
+                stop.set()
+                for th in pollers:
+                    th.join()
+                if r:  # the first round warms up
+                    calls[place].append(seconds)
+                    reads[place].append(len(made))
+    finally:
+        for s in servers:
+            s.stop()
+    base = statistics.median(calls["none"])
+    print(f"poll probe: model={a.model} N={a.n} T={a.steps} rounds={a.rounds} (+1 warm-up), {a.n} {a.clients[0]} "
+          f"clients polling a finished rollout every 20 ms")
+    print("one B=N request's model call, median ms: " + ", ".join(
+        f"pollers on {p} {statistics.median(v) * 1e3:.0f} ({statistics.median(v) / base:.2f}x)" if p != "none"
+        else f"no pollers {base * 1e3:.0f}" for p, v in calls.items()))
+    print("status reads a round: " + ", ".join(f"{p} {statistics.mean(v):.1f}" for p, v in reads.items()))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-sd3", help="built-in model id (default tiny-sd3)")
@@ -403,9 +483,13 @@ def main() -> int:
                     help="--server-cpu: the polling clients' HTTP library, each a row per server (default httpx; "
                     "stdlib: http.client, about a quarter of httpx's CPU a request, for how much the clients' own CPU "
                     "beside the server moves the figures)")
+    ap.add_argument("--poll-probe", action="store_true", help="time one B=N request's model call while N clients "
+                    "poll a finished rollout every 20 ms on no server, on the same one or on another (module docstring)")
     a = ap.parse_args()
     if a.server_cpu:
         return server_cpu(a)
+    if a.poll_probe:
+        return poll_probe(a)
 
     common = ("--model", a.model, "--workers", "1", "--log-level", "warning", "--queue-size", str(4 * a.n + 8))
     flags = {"on-0": (), "on-W": ("--batch-wait-ms", str(a.wait_ms)), "off": ("--max-batch-samples", "1")}

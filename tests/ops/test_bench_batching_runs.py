@@ -63,6 +63,23 @@ def test_bench_batching_server_cpu_prints_each_workload_for_every_server_and_the
     assert re.search(r"^after / before: lone B=1 latency [\d.]+ .* one-B=N samples/s [\d.]+", out.stdout, re.M)
 
 
+def test_bench_batching_poll_probe_times_the_call_with_pollers_nowhere_on_its_server_and_on_another():
+    out = subprocess.run([sys.executable, "ops/bench_batching.py", "--poll-probe", "--n", "3", "--steps", "1",
+                          "--rounds", "1", "--clients", "stdlib"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert re.search(r"^poll probe: .* 3 stdlib clients polling", out.stdout, re.M), out.stdout
+    line = re.search(r"^one B=N request's model call, median ms: no pollers (\d+), pollers on same server (\d+) "
+                     r"\(([\d.]+)x\), pollers on other server (\d+) \(([\d.]+)x\)$", out.stdout, re.M)
+    assert line, out.stdout
+    none, same, same_x, other, other_x = map(float, line.groups())
+    assert none > 0 and same > 0 and other > 0, line.group(0)  # a real call took time in every place
+    # each ratio is against the call without pollers (the printed ms are rounded)
+    assert same_x == pytest.approx(same / none, rel=0.1) and other_x == pytest.approx(other / none, rel=0.1), line.group(0)
+    reads = re.search(r"^status reads a round: none ([\d.]+), same server ([\d.]+), other server ([\d.]+)$", out.stdout, re.M)
+    assert reads, out.stdout
+    assert float(reads[1]) == 0 and float(reads[2]) > 0 and float(reads[3]) > 0, reads.group(0)  # the pollers polled
+
+
 def test_measure_batch_drift_finds_batch_invariance_bit_identical():
     out = subprocess.run([sys.executable, "ops/measure_batch_drift.py", "--models", "tiny-sd3"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
