@@ -482,7 +482,7 @@ def main() -> int:
     ap.add_argument("--clients", nargs="+", choices=sorted(CLIENTS), default=["httpx"],
                     help="--server-cpu: the polling clients' HTTP library, each a row per server (default httpx; "
                     "stdlib: http.client, about a quarter of httpx's CPU a request, for how much the clients' own CPU "
-                    "beside the server moves the figures)")
+                    "beside the server moves the figures); --poll-probe: the pollers', the first one given")
     ap.add_argument("--poll-probe", action="store_true", help="time one B=N request's model call while N clients "
                     "poll a finished rollout every 20 ms on no server, on the same one or on another (module docstring)")
     a = ap.parse_args()
