@@ -31,9 +31,9 @@ many status reads the clients made, and how many model calls the requests ran as
 call when the whole burst joins one batch; more when the batch window closed before the burst's
 last POST arrived, and then the rest waits for the first call to end). The clients run in this
 process, beside the server: `client ms` is their own CPU and `cores` the server's and theirs over
-the round's wall time; `--clients httpx stdlib` polls with each library in turn (http.client costs
-about a quarter of httpx's CPU a request), a row each, for how much the clients themselves move the
-figures on a small box:
+the round's wall time; `--clients httpx stdlib` polls this checkout's server ("after") with each
+library in turn, a row each ("after/stdlib"; http.client costs about a quarter of httpx's CPU a
+request), for how much the clients themselves move the figures on a small box:
 
   .venv/bin/python ops/bench_batching.py --server-cpu --before ../sigmaflight-main/.venv/bin/python --rounds 8
 
@@ -337,8 +337,9 @@ def server_cpu(a: argparse.Namespace) -> int:
     with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
         starting = {k: pool.submit(Server, py, *flags, *extra) for k, (py, extra) in runs.items()}
     servers = {k: f.result() for k, f in starting.items()}
-    # a row per server and client kind: the first kind's rows carry the server's label alone
-    rows = {k if n == 0 else f"{k}/{kind}": (servers[k], kind) for n, kind in enumerate(a.clients) for k in servers}
+    # a row per server with the first client library; each other library, a row of "after" ("after/stdlib")
+    rows = {k: (s, a.clients[0]) for k, s in servers.items()} | {
+        f"after/{kind}": (servers["after"], kind) for kind in a.clients[1:]}
     loads = {w: b for w, b in workloads(a, 0, 0).items() if w in CPU_LOADS}
     tally = {(w, k): Tally() for w in loads for k in rows}
     try:
@@ -480,9 +481,10 @@ def main() -> int:
                     help="--server-cpu: also a server of this checkout with these extra serve flags, shown as "
                     "LABEL (repeatable), e.g. --variant 'threads-1=--torch-threads 1'")
     ap.add_argument("--clients", nargs="+", choices=sorted(CLIENTS), default=["httpx"],
-                    help="--server-cpu: the polling clients' HTTP library, each a row per server (default httpx; "
-                    "stdlib: http.client, about a quarter of httpx's CPU a request, for how much the clients' own CPU "
-                    "beside the server moves the figures); --poll-probe: the pollers', the first one given")
+                    help="--server-cpu: the polling clients' HTTP library, the first for every server, each other one "
+                    "a row of this checkout's server, e.g. after/stdlib (default httpx; stdlib: http.client, about a "
+                    "quarter of httpx's CPU a request, for how much the clients' own CPU beside the server moves the "
+                    "figures); --poll-probe: the pollers', the first one given")
     ap.add_argument("--poll-probe", action="store_true", help="time one B=N request's model call while N clients "
                     "poll a finished rollout every 20 ms on no server, on the same one or on another (module docstring)")
     a = ap.parse_args()
