@@ -71,6 +71,7 @@ from typing import Any
 import httpx
 import pyarrow.flight as flight
 
+from sigmaflight import Client
 from sigmaflight.launcher import ServerProcess
 
 MODES = ("on-0", "on-W", "off")
@@ -394,19 +395,13 @@ def server_cpu(a: argparse.Namespace) -> int:
     return 0
 
 
-def timed_call(url: str, body: dict[str, Any], every_s: float = 0.02) -> float:
-    """Post `body`, poll its status every `every_s` until it ends: its model call's seconds, from
-    its own status (started_at to finished_at, stamped by the server)."""
-    with httpx.Client(base_url=url, timeout=600) as c:
-        r = c.post("/v1/rollouts", json=body)
-        if r.status_code != 202:
-            raise SystemExit(f"POST /v1/rollouts: {r.status_code} {r.text}")
-        path = f"/v1/rollouts/{r.json()['id']}"
-        while (status := c.get(path).json())["status"] in ("queued", "running"):
-            time.sleep(every_s)
-    if status["status"] != "succeeded":
-        raise SystemExit(f"{path} {status['status']}")
-    return datetime.fromisoformat(status["finished_at"]).timestamp() - datetime.fromisoformat(status["started_at"]).timestamp()
+def timed_call(url: str, body: dict[str, Any]) -> float:
+    """Submit `body` and wait for it, polling every 20 ms: its model call's seconds, from its own
+    status (started_at to finished_at, stamped by the server). RolloutFailed when it did not succeed."""
+    with Client(url) as client:
+        status = client.wait(client.submit(**body), timeout=600, poll_s=0.02, max_poll_s=0.02)
+    assert status.started_at is not None and status.finished_at is not None  # a succeeded rollout has both
+    return datetime.fromisoformat(status.finished_at).timestamp() - datetime.fromisoformat(status.started_at).timestamp()
 
 
 PROBE_PLACES = ("none", "same server", "other server")
@@ -425,11 +420,10 @@ def poll_probe(a: argparse.Namespace) -> int:
     calls: dict[str, list[float]] = {p: [] for p in PROBE_PLACES}
     reads: dict[str, list[int]] = {p: [] for p in PROBE_PLACES}  # the pollers' GETs, a round
     try:
-        done = {}  # a finished rollout on each server, for the pollers to read
+        done = {}  # a finished rollout on each server, for the pollers to read; and its model is warm
         for s in servers:
-            with httpx.Client(base_url=s.rest_url, timeout=600) as c:
-                done[s.rest_url] = c.post("/v1/rollouts", json={"prompts": ["p"], "num_inference_steps": 1}).json()["id"]
-            timed_call(s.rest_url, {"prompts": ["p"], "num_inference_steps": 1})  # and the model is warm
+            with Client(s.rest_url) as client:
+                done[s.rest_url] = client.wait(client.submit(prompts=["p"], num_inference_steps=1), timeout=600).id
 
         def poll(url: str, stop: threading.Event, made: list[int]) -> None:
             with CLIENTS[a.clients[0]](url) as c:
