@@ -168,6 +168,12 @@ def build_server(settings: Settings) -> uvicorn.Server:
                         f"run: chmod 600 {settings.token_file}", extra={"token_file": str(settings.token_file)})
 
     class Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            # uvicorn waits for open requests (up to timeout_graceful_shutdown) before the lifespan
+            # stops the jobs: a status read held until its rollout ends answers now instead.
+            app.state.held_reads.close()
+            await super().shutdown(sockets)
+
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)
             if self.should_exit:

@@ -114,6 +114,10 @@ class Settings(BaseSettings):
         2 * GiB, ge=1, description="Estimated captured latent bytes per rollout, refused up front beyond it."
     )
     max_flight_streams: int = Field(64, ge=1, description="Concurrent Flight do_get streams.")
+    max_held_reads: int = Field(
+        1024, ge=0, description="Status reads held at once until their rollout ends (GET /v1/rollouts/{id}?wait_s=); "
+        "past it a read answers at once (0: none is held).",
+    )
     max_weights_pushes: int = Field(
         2, ge=1, description="PUT .../weights and .../lora bodies taken at once (each up to --max-weights-bytes); "
         "429 beyond, before the body is read."

@@ -20,6 +20,9 @@ if TYPE_CHECKING:  # the engine's records hold torch tensors; a client reading a
     from sigmaflight.pipeline.spec import RolloutSpec
 
 INT64_MAX = (1 << 63) - 1
+MAX_STATUS_WAIT_S = 60.0
+"""The most `GET /v1/rollouts/{id}?wait_s=` may ask the server to hold a status read: below the idle
+timeout of common proxies (60 s)."""
 RolloutState = RestStatus
 """A status on the wire: one of the contract's six `sigmaflight.records.RolloutState`s."""
 

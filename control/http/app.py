@@ -11,6 +11,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import secrets
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,6 +22,7 @@ from sigmaflight.control.branches import Parent, StaleParent, branch_spec, check
 from sigmaflight.control.http import metrics
 from sigmaflight.control.http.docs_page import docs_routes
 from sigmaflight.control.http.errors import EXCEPTION_HANDLERS, HttpError, invalid
+from sigmaflight.control.http.holds import HeldReads
 from sigmaflight.control.http.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from sigmaflight.control.http.openapi import openapi_document
 from sigmaflight.control.http.status import StatusBodies, flight_ticket, status_of
@@ -54,6 +56,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from sigmaflight.wire import (
+    MAX_STATUS_WAIT_S,
     STATES,
     ModelInfo,
     ModelList,
@@ -84,7 +87,7 @@ def _service(request: Request) -> Service:
 MAX_IDEMPOTENCY_KEY = 255
 """Longest accepted Idempotency-Key, in characters (printable ASCII)."""
 
-QUERY_PARAMETERS = {"list_rollouts": ("status", "limit", "ticket")}
+QUERY_PARAMETERS = {"list_rollouts": ("status", "limit", "ticket"), "get_rollout": ("wait_s",)}
 
 
 def limit_flag(setting: str) -> str:
@@ -131,6 +134,21 @@ def query_int(request: Request, name: str, default: int, low: int, high: int) ->
     if not (raw.isascii() and raw.isdigit()) or not low <= int(raw) <= high:
         raise invalid(["query", name], f"must be an integer in {low}..{high}", "int_parsing")
     return int(raw)
+
+
+def query_seconds(request: Request, name: str, high: float) -> float | None:
+    """The query parameter `name`, a number of seconds in (0, high], else 422 naming it."""
+    raw = request.query_params.get(name)
+    if raw is None:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds <= high:  # NaN and inf fail too
+        raise invalid(["query", name], f"must be a number of seconds greater than 0 and at most {high:g}",
+                      "float_parsing" if math.isnan(seconds) else "less_than_equal" if seconds > 0 else "greater_than")
+    return seconds
 
 
 def check_query(request: Request, route: str) -> None:
@@ -269,9 +287,20 @@ async def _branch(req: RolloutRequest, parent: Parent, model: Any, spec: Rollout
 
 async def get_rollout(request: Request) -> Response:
     service = _service(request)
-    job = service.jobs.get(request.path_params["rollout_id"])  # a dict read: no thread hop
+    rollout_id = request.path_params["rollout_id"]
+    if request.query_params:
+        check_query(request, "get_rollout")
+        wait_s = query_seconds(request, "wait_s", MAX_STATUS_WAIT_S)
+    else:
+        wait_s = None
+    job = service.jobs.get(rollout_id)  # a dict read: no thread hop
     if job is None:
-        raise unknown_rollout(request.path_params["rollout_id"])
+        raise unknown_rollout(rollout_id)
+    if wait_s is not None and job.status.active:
+        await request.state.held_reads.until_ended(service.jobs, rollout_id, wait_s)  # holds.py
+        job = service.jobs.get(rollout_id)
+        if job is None:  # released, or its record dropped, while held
+            raise unknown_rollout(rollout_id)
     return Response(request.state.status_bodies.body(job), media_type="application/json")
 
 
@@ -375,7 +404,7 @@ def create_app(settings: Settings, service: Service | None = None) -> Starlette:
         service_metrics.bind(svc)
         app.state.service = svc
         try:
-            yield {"service": svc, "status_bodies": StatusBodies(svc)}
+            yield {"service": svc, "status_bodies": StatusBodies(svc), "held_reads": app.state.held_reads}
         finally:
             await run_in_threadpool(svc.stop)
 
@@ -399,5 +428,7 @@ def create_app(settings: Settings, service: Service | None = None) -> Starlette:
     app.state.metrics = service_metrics
     app.state.tokens = tokens
     app.state.push_slots = PushSlots(settings.max_weights_pushes)
+    app.state.held_reads = HeldReads(settings.max_held_reads)
+    service_metrics.held_reads.set_function(app.state.held_reads.__len__)
     app.state.openapi = openapi_document(auth=bool(tokens))
     return app

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
+    Gauge,
     Histogram,
     ProcessCollector,
     disable_created_metrics,
@@ -49,6 +50,10 @@ class ServiceMetrics:
             registry=self.registry,
         )
 
+        self.held_reads = Gauge(
+            "sigmaflight_held_reads", "Status reads held now until their rollout ends (GET /v1/rollouts/{id}?wait_s=).",
+            registry=self.registry,
+        )
         self.batch_samples = Histogram(
             "sigmaflight_batch_samples", "Samples per co-batched model call.", registry=self.registry,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, float("inf")),

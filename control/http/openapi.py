@@ -6,7 +6,16 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
-from sigmaflight.wire import ErrorBody, Health, ModelList, RolloutList, RolloutRequest, RolloutStatus, Ticket
+from sigmaflight.wire import (
+    MAX_STATUS_WAIT_S,
+    ErrorBody,
+    Health,
+    ModelList,
+    RolloutList,
+    RolloutRequest,
+    RolloutStatus,
+    Ticket,
+)
 
 _REF = "#/components/schemas/{model}"
 
@@ -106,8 +115,15 @@ def openapi_document(*, auth: bool = False) -> dict[str, Any]:
             "get": {
                 "operationId": "get_rollout",
                 "summary": "Status of one rollout, with progress, error or result.",
-                "parameters": [rid],
-                "responses": {"200": _json("RolloutStatus", "Status."), **_errors(*secured, 404)},
+                "parameters": [
+                    rid,
+                    {"name": "wait_s", "in": "query", "required": False,
+                     "description": "Hold the answer until the rollout has ended (succeeded, failed, cancelled or "
+                                    "expired) or for this many seconds, whichever is first; the status then. The "
+                                    "server answers at once past --max-held-reads held reads and while it shuts down.",
+                     "schema": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_STATUS_WAIT_S}},
+                ],
+                "responses": {"200": _json("RolloutStatus", "Status."), **_errors(*secured, 404, 422)},
             },
             "delete": {
                 "operationId": "delete_rollout",

@@ -95,6 +95,13 @@ class JobManager:
         """The job's latest snapshot (no lock taken: it never waits on a journal write)."""
         return self._table.get(job_id)
 
+    def watch(self, job_id: str, callback: Callable[[], None]) -> None:
+        """`callback` once the job has ended or is forgotten (`JobTable.watch`, table.py)."""
+        self._table.watch(job_id, callback)
+
+    def unwatch(self, job_id: str, callback: Callable[[], None]) -> None:
+        self._table.unwatch(job_id, callback)
+
     def list(self, status: str | None = None, limit: int = 100, ticket: str | None = None) -> list[JobView]:
         """Newest first (table.py `JobTable.list`)."""
         return self._table.list(status, limit, ticket)

@@ -6,7 +6,9 @@ queue (`pending`) and the batches being gathered (`forming`), `accepting`, and t
 It is re-entrant, and `work` (a Condition over it) is signalled when a job is queued, when a
 gathering batch gives jobs back and when the manager stops. Readers (`get`, `list`,
 `queue_depth`, `status_counts`) take no lock: each `views` value is replaced whole, so a status
-read never waits on a journal write.
+read never waits on a journal write. A reader that waits for a job to end (a held status read)
+`watch`es it: its callback is called once the job's published view has ended or the job is
+forgotten, under a lock of its own (the table's may wait on a journal write).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from sigmaflight.control.jobs.job import TRAJECTORY, Job, JobView
@@ -58,6 +60,8 @@ class JobTable:
         self.stopped = threading.Event()
         self.counters: Counter[str] = Counter()
         """Rollouts finished by status ("rollouts_<status>") and steps done ("steps")."""
+        self._watchers: dict[str, list[Callable[[], None]]] = {}
+        self._watch_lock = threading.Lock()
 
     def add(self, job: Job) -> None:
         """Under the lock: register a job (new, or restored from the journal)."""
@@ -72,10 +76,37 @@ class JobTable:
         del self.views[job.id]
         if job.idempotency_key:
             self.idem.pop(job.idempotency_key, None)
+        self._ended(job.id)
 
     def publish(self, job: Job) -> None:
         """Under the lock, after every change: readers now see the job as it is."""
-        self.views[job.id] = job.view()
+        view = self.views[job.id] = job.view()
+        if not view.status.active:
+            self._ended(job.id)
+
+    def watch(self, job_id: str, callback: Callable[[], None]) -> None:
+        """Call `callback` (on the thread that publishes, so it must only hand over: e.g.
+        `loop.call_soon_threadsafe`) once the job has ended or is forgotten. Register it, then read
+        the job's view: a job that ended in between is seen by the read, one that ends later
+        calls it back."""
+        with self._watch_lock:
+            self._watchers.setdefault(job_id, []).append(callback)
+
+    def unwatch(self, job_id: str, callback: Callable[[], None]) -> None:
+        with self._watch_lock:
+            callbacks = self._watchers.get(job_id)
+            if callbacks is not None and callback in callbacks:
+                callbacks.remove(callback)
+                if not callbacks:
+                    del self._watchers[job_id]
+
+    def _ended(self, job_id: str) -> None:
+        if not self._watchers:  # no lock: a dict's truth is one read, and a watch made after it reads the view
+            return
+        with self._watch_lock:
+            callbacks = self._watchers.pop(job_id, [])
+        for callback in callbacks:
+            callback()
 
     def unqueue(self, job: Job) -> None:
         """Under the lock: take a queued job out of the queue or the batch gathering it."""
