@@ -57,7 +57,10 @@ class HeaderTimeoutHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self._header_timer: asyncio.TimerHandle | None = None
         self._awaiting_headers = True
-        """No request is being read past its headers: the next bytes are a request line."""
+        """A request's line and headers are due: the connection's first, or a next one begun on a
+        kept-alive connection. Not while a request is handled (its answer may take long: a held
+        status read, a weights file staged) nor while the connection is idle between requests
+        (uvicorn's keep-alive timeout closes that)."""
         self._oversized: str | None = None
         """The header (lower case; "" for the request line) that crossed MAX_HEADER_BYTES."""
 
@@ -73,6 +76,7 @@ class HeaderTimeoutHttpToolsProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._header_bytes = 0
+        self._awaiting_headers = True
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url), None)
@@ -114,7 +118,7 @@ class HeaderTimeoutHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
-        self._awaiting_headers = True
+        self._awaiting_headers = False  # until the next request's first byte (on_message_begin)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

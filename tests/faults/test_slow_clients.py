@@ -192,3 +192,23 @@ def test_request_headers_over_16_kib_are_refused_with_431_naming_the_header_and_
     assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["details"][0]["loc"] == ["url"]
     with httpx.Client(base_url=server.rest_url, timeout=10) as c:  # others are served
         assert c.get("/healthz").status_code == 200
+
+
+@pytest.mark.timeout(120)
+def test_a_request_answered_after_longer_than_the_header_timeout_gets_its_answer(server: InProcessServer) -> None:
+    """The header timeout counts while a request's headers are due, not while it is handled: a
+    status read held past it is answered, not cut with a 408."""
+    hold = HEADER_TIMEOUT_S + 1.5
+    with httpx.Client(base_url=server.rest_url, timeout=60) as c:
+        # 256 samples x 200 steps (x_0 kept only): tens of seconds of work, cancelled at the end
+        rid = c.post("/v1/rollouts", json={"prompts": ["blocker"] * 8, "num_outputs_per_prompt": 32,
+                                           "num_inference_steps": 200, "seed": 1, "return": {"steps": [0]}}).json()["id"]
+        try:
+            t0 = time.monotonic()
+            r = c.get(f"/v1/rollouts/{rid}", params={"wait_s": hold})
+            took = time.monotonic() - t0
+        finally:
+            c.delete(f"/v1/rollouts/{rid}")
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] in ("queued", "running")
+    assert took >= hold - 0.05, took
