@@ -88,8 +88,8 @@ class AsyncClient:
         body = rest.branch_body(parent, step, samples, branches, sampler, request)
         return await self.submit(idempotency_key=idempotency_key, **body)
 
-    async def status(self, rollout_id: str | Ticket) -> RolloutStatus:
-        return await self._call(rest.status(rollout_id))
+    async def status(self, rollout_id: str | Ticket, *, wait_s: float | None = None) -> RolloutStatus:
+        return await self._call(rest.status(rollout_id, wait_s, self.timeout))
 
     async def rollouts(self, status: str | None = None, limit: int = 100, *,
                        ticket: str | None = None) -> list[RolloutStatus]:
@@ -101,7 +101,7 @@ class AsyncClient:
                    max_poll_s: float = 1.0, raise_on_failure: bool = True) -> RolloutStatus:
         waiting = rest.Waiting(timeout, poll_s, max_poll_s, raise_on_failure)
         while True:
-            st = await self.status(ticket)
+            st = await self.status(ticket, wait_s=waiting.hold_s())
             pause = waiting.pause_after(st)
             if pause is None:
                 return st

@@ -144,9 +144,11 @@ class Client:
         body = rest.branch_body(parent, step, samples, branches, sampler, request)
         return self.submit(idempotency_key=idempotency_key, **body)
 
-    def status(self, rollout_id: str | Ticket) -> RolloutStatus:
-        """GET /v1/rollouts/{id}; NotFound for an unknown id or a string that cannot be one."""
-        return self._call(rest.status(rollout_id))
+    def status(self, rollout_id: str | Ticket, *, wait_s: float | None = None) -> RolloutStatus:
+        """GET /v1/rollouts/{id}; NotFound for an unknown id or a string that cannot be one.
+        `wait_s` (at most 60): the server holds the answer until the rollout has ended or for
+        that many seconds, whichever is first (an older server answers at once)."""
+        return self._call(rest.status(rollout_id, wait_s, self.timeout))
 
     def rollouts(self, status: str | None = None, limit: int = 100, *, ticket: str | None = None) -> list[RolloutStatus]:
         """GET /v1/rollouts, newest first (optionally only one status, or only the rollout that a
@@ -159,15 +161,17 @@ class Client:
         self, ticket: str | Ticket, timeout: float = 300.0, *, poll_s: float = 0.05, max_poll_s: float = 1.0,
         raise_on_failure: bool = True,
     ) -> RolloutStatus:
-        """Poll until the rollout is finished; TimeoutError after `timeout` seconds.
+        """Wait until the rollout is finished; TimeoutError after `timeout` seconds.
 
-        Polls after `poll_s`, then backs off, doubling the pause up to `max_poll_s` (a long rollout
-        costs the server a poll a second, a short one is seen within tens of ms). Raises
-        RolloutFailed (RolloutCancelled when cancelled) when it ended other than succeeded,
-        unless `raise_on_failure=False`."""
+        Each status read is held by the server until the rollout ends (`status(wait_s=20)`): a
+        wait costs the server a read every 20 s and returns as the rollout ends. A server that
+        answers a read early (an older one, or one holding --max-held-reads reads already) is
+        polled after `poll_s`, the pause doubling up to `max_poll_s`. Raises RolloutFailed
+        (RolloutCancelled when cancelled) when it ended other than succeeded, unless
+        `raise_on_failure=False`."""
         waiting = rest.Waiting(timeout, poll_s, max_poll_s, raise_on_failure)
         while True:
-            st = self.status(ticket)
+            st = self.status(ticket, wait_s=waiting.hold_s())
             pause = waiting.pause_after(st)
             if pause is None:
                 return st

@@ -25,7 +25,7 @@ from urllib.parse import quote
 import httpx
 
 from sigmaflight.errors import ApiError, NotFound, RolloutFailed, ServerUnreachable, Unauthorized
-from sigmaflight.wire import TERMINAL, RolloutStatus, Ticket
+from sigmaflight.wire import MAX_STATUS_WAIT_S, TERMINAL, RolloutStatus, Ticket
 
 T = TypeVar("T")
 
@@ -149,8 +149,18 @@ def branch_body(parent: object, step: int, samples: list[int] | None, branches: 
     return body
 
 
-def status(rollout_id: object) -> Call[RolloutStatus]:
-    return Call("GET", rollout_path(rollout_id), lambda r: RolloutStatus.model_validate(r.json()))
+def status(rollout_id: object, wait_s: float | None = None, timeout: float | None = None) -> Call[RolloutStatus]:
+    """GET /v1/rollouts/{id}; with `wait_s`, held by the server until the rollout ends or for
+    `wait_s` seconds (then `timeout`, the client's own per request, is counted past the hold)."""
+    options: dict[str, Any] = {}
+    if wait_s is not None:
+        if not 0 < wait_s <= MAX_STATUS_WAIT_S:
+            raise ValueError(f"wait_s must be a number of seconds greater than 0 and at most {MAX_STATUS_WAIT_S:g}, "
+                             f"got {wait_s!r}")
+        options["params"] = {"wait_s": f"{wait_s:.3f}"}
+        if timeout is not None:
+            options["timeout"] = wait_s + timeout
+    return Call("GET", rollout_path(rollout_id), lambda r: RolloutStatus.model_validate(r.json()), options)
 
 
 def cancel(rollout_id: object) -> Call[RolloutStatus]:
@@ -172,9 +182,17 @@ def delete_lora(model_id: object) -> Call[dict[str, Any]]:
     return Call("DELETE", model_path(model_id, "lora"), lambda r: dict(r.json()))
 
 
+HOLD_S = 20.0
+"""How long `wait` asks the server to hold each status read."""
+
+
 class Waiting:
-    """The polling of `wait`, shared by both clients: after each status, the pause before the next
-    poll (`poll_s`, doubling up to `max_poll_s`), or None when the rollout is finished; RolloutFailed
+    """The reads of `wait`, shared by both clients. Each read asks the server to hold it until the
+    rollout ends (`hold_s`: HOLD_S, never past the deadline), so a wait costs the server about a
+    read per HOLD_S and sees the end when it happens. After each status, `pause_after` gives the
+    pause before the next read: none after a read the server held to its end, `poll_s` doubling up
+    to `max_poll_s` after one it answered early (a server that holds no reads: an older one, or one
+    past its --max-held-reads), or None when the rollout is finished; RolloutFailed
     (RolloutCancelled) when it ended other than succeeded unless `raise_on_failure=False`,
     TimeoutError after `timeout` seconds."""
 
@@ -182,15 +200,25 @@ class Waiting:
         self.timeout, self.deadline = timeout, time.monotonic() + timeout
         self.pause, self.max_pause = poll_s, max(max_poll_s, poll_s)
         self.raise_on_failure = raise_on_failure
+        self.asked, self.sent = 0.0, 0.0
+
+    def hold_s(self) -> float:
+        """The hold to ask of the next read (which is sent now)."""
+        self.sent = time.monotonic()
+        self.asked = round(max(0.001, min(HOLD_S, self.deadline - self.sent)), 3)
+        return self.asked
 
     def pause_after(self, st: RolloutStatus) -> float | None:
         if st.status in TERMINAL:
             if self.raise_on_failure and st.status != "succeeded":
                 raise RolloutFailed.from_status(st)
             return None
-        left = self.deadline - time.monotonic()
+        now = time.monotonic()
+        left = self.deadline - now
         if left <= 0:
             raise TimeoutError(f"rollout {st.id} still {st.status} after {self.timeout} s")
+        if self.asked and now - self.sent >= 0.9 * self.asked:
+            return 0.0  # held until its time ran out: ask again at once
         pause, self.pause = min(self.pause, left), min(self.pause * 2, self.max_pause)
         return pause
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import httpx
 import pytest
 import torch
@@ -10,9 +13,10 @@ from sigmaflight.pipeline.kernels import step_log_prob as step_log_prob_impl
 from sigmaflight.pipeline.models import ModelRegistry, weights_digest
 from sigmaflight.pipeline.replay import Replayer as ReplayerImpl
 
+from sigmaflight import AsyncClient, Replayer, Trajectory, step_log_prob
 from sigmaflight import Client as ReExported
-from sigmaflight import Replayer, Trajectory, step_log_prob
 from sigmaflight.client import ApiError, Client, NotFound, RolloutFailed, replay_log_probs, rollout_spec
+from sigmaflight.wire import Ticket
 from tests.servers import InProcessServer
 
 
@@ -181,14 +185,65 @@ def _get_200s(c) -> float:
                if s.name == "sigmaflight_http_responses_total" and s.labels == {"method": "GET", "code": "200"})
 
 
-def test_wait_backs_off_between_polls(server):
-    """A rollout that stays queued for 4 s costs about ten status polls, not one every 50 ms
+def _queued_behind_a_blocker(c: Client) -> tuple[Ticket, Ticket]:
+    """(blocker, queued): 256 samples x 200 steps (x_0 kept only), tens of seconds of work, and a
+    rollout that waits behind it; cancel both at the end."""
+    blocker = c.submit(prompts=["blocker"] * 8, num_outputs_per_prompt=32, num_inference_steps=200, seed=1,
+                       return_={"steps": [0]})
+    return blocker, c.submit(prompts=["a"], num_inference_steps=2, seed=2)
+
+
+def test_wait_holds_each_read_until_the_rollout_ends(server):
+    """`wait` asks the server to hold each status read until the rollout ends: a rollout that stays
+    queued for 4 s costs one read, and one that ends costs one read, answered with its end
     (counted by the server's own /metrics)."""
     with Client(server.rest_url) as c:
-        # 256 samples x 200 steps (x_0 kept only): tens of seconds of work, cancelled at the end
-        blocker = c.submit(prompts=["blocker"] * 8, num_outputs_per_prompt=32, num_inference_steps=200, seed=1,
-                           return_={"steps": [0]})
-        queued = c.submit(prompts=["a"], num_inference_steps=2, seed=2)  # waits behind the blocker
+        blocker, queued = _queued_behind_a_blocker(c)
+        try:
+            before = _get_200s(c)
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError, match="still queued"):
+                c.wait(queued, timeout=4)
+            took = time.monotonic() - t0
+            reads = _get_200s(c) - before - 1  # this /metrics GET itself
+            c.cancel(blocker)
+            before = _get_200s(c)
+            st = c.wait(queued, timeout=60)  # runs now: two steps
+            reads_to_end = _get_200s(c) - before - 1
+        finally:
+            c.cancel(queued)
+            c.cancel(blocker)
+    assert reads == 1, reads
+    assert 3.9 <= took < 10, took
+    assert st.status == "succeeded" and reads_to_end == 1, (st.status, reads_to_end)
+
+
+def test_async_wait_holds_its_reads_too(server):
+    """AsyncClient.wait sends the same held reads: three waits on rollouts queued behind a blocker
+    for a second, then run, cost three reads."""
+    async def main(c: Client) -> list[str]:
+        async with AsyncClient(server.rest_url) as ac:
+            blocker = await ac.submit(prompts=["blocker"] * 8, num_outputs_per_prompt=32, num_inference_steps=200,
+                                      seed=1, return_={"steps": [0]})
+            tickets = [await ac.submit(prompts=[f"held {i}"], num_inference_steps=2, seed=i) for i in range(3)]
+            waits = asyncio.gather(*(ac.wait(t, timeout=60) for t in tickets))
+            await asyncio.sleep(1.0)
+            await ac.cancel(blocker)
+            return [st.status for st in await waits]
+
+    with Client(server.rest_url) as c:
+        before = _get_200s(c)
+        statuses = asyncio.run(main(c))
+        reads = _get_200s(c) - before - 1  # this /metrics GET itself
+    assert statuses == ["succeeded"] * 3
+    assert reads == 3, reads
+
+
+def test_wait_backs_off_between_polls_on_a_server_that_holds_no_reads():
+    """A server that answers a held read at once (here --max-held-reads 0; an older server ignores
+    wait_s) is polled with backoff: about ten reads in 4 s, not one every 50 ms."""
+    with InProcessServer("--max-held-reads", "0") as s, Client(s.rest_url) as c:
+        blocker, queued = _queued_behind_a_blocker(c)
         try:
             before = _get_200s(c)
             with pytest.raises(TimeoutError, match="still queued"):
