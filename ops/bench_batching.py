@@ -33,9 +33,12 @@ last POST arrived, and then the rest waits for the first call to end). The clien
 process, beside the server: `client ms` is their own CPU and `cores` the server's and theirs over
 the round's wall time; `--clients httpx stdlib` polls this checkout's server ("after") with each
 library in turn, a row each ("after/stdlib"; http.client costs about a quarter of httpx's CPU a
-request), for how much the clients themselves move the figures on a small box:
+request), for how much the clients themselves move the figures on a small box. `--clients httpx held`
+adds a row ("after/httpx+held") whose clients read the same way, every 20 ms after each answer, but
+each read asks the server to hold it until the rollout ends (`?wait_s=10`, as `Client.wait` reads):
 
   .venv/bin/python ops/bench_batching.py --server-cpu --before ../sigmaflight-main/.venv/bin/python --rounds 8
+  .venv/bin/python ops/bench_batching.py --server-cpu --clients httpx httpx+held stdlib+held --rounds 8
 
 `--poll-probe` times one B=N request's model call (its own status: started_at to finished_at)
 while N client threads poll a finished rollout's status every 20 ms: on no server, on the same one
@@ -120,12 +123,16 @@ CLIENTS: dict[str, Callable[[str], Any]] = {
     "httpx": lambda url: httpx.Client(base_url=url, timeout=600),
     "stdlib": lambda url: StdlibClient(url, timeout=600),
 }
+HELD = "+held"
+"""A client kind's suffix (`--clients httpx+held`): each status read asks the server to hold it
+until the rollout ends, 10 s at most (`?wait_s=10`, GET /v1/rollouts/{id}), as `Client.wait` reads."""
+KINDS = [*CLIENTS, *(library + HELD for library in CLIENTS)]
 
 
 def all_at_once(url: str, bodies: list[dict[str, Any]], one: Callable[[Any, dict[str, Any], float], tuple[float, str | None]],
                 client: str = "httpx") -> tuple[float, list[float], float]:
     """`one(client, body, t0)` for every body at once, one client thread each (an httpx.Client, or
-    with client="stdlib" a StdlibClient), started together: (wall seconds, each one's latency, the
+    with client="stdlib" or "stdlib+held" a StdlibClient), started together: (wall seconds, each one's latency, the
     user+sys seconds this process took meanwhile: the clients' own CPU, their set-up before the start
     left out). `one` returns (its latency, an error or None)."""
     latencies: list[float] = [0.0] * len(bodies)
@@ -133,7 +140,7 @@ def all_at_once(url: str, bodies: list[dict[str, Any]], one: Callable[[Any, dict
     go = threading.Barrier(len(bodies) + 1)
 
     def run(k: int, body: dict[str, Any]) -> None:
-        with CLIENTS[client](url) as c:
+        with CLIENTS[client.removesuffix(HELD)](url) as c:
             go.wait()
             latencies[k], error = one(c, body, time.perf_counter())
             if error is not None:
@@ -291,7 +298,8 @@ class Server:
 
 def poll_requests(url: str, bodies: list[dict[str, Any]], every_s: float = 0.02,
                   client: str = "httpx") -> tuple[float, list[float], int, int, float]:
-    """All `bodies` posted at once, each polling its status every `every_s` until it ends: (wall
+    """All `bodies` posted at once, each polling its status every `every_s` until it ends (a `client`
+    kind ending in +held: each read held by the server until the rollout ends, then `every_s`): (wall
     seconds, per-request latency to the status that says succeeded, samples, status reads in all,
     the user+sys seconds this process (the clients) took meanwhile)."""
     reads: list[int] = []  # one entry a GET (list.append is atomic across the client threads)
@@ -300,7 +308,7 @@ def poll_requests(url: str, bodies: list[dict[str, Any]], every_s: float = 0.02,
         r = c.post("/v1/rollouts", json=body)
         if r.status_code != 202:
             return 0.0, r.text
-        path = f"/v1/rollouts/{r.json()['id']}"
+        path = f"/v1/rollouts/{r.json()['id']}" + ("?wait_s=10" if client.endswith(HELD) else "")
         while True:
             time.sleep(every_s)
             status = c.get(path).json()["status"]
@@ -396,8 +404,9 @@ def server_cpu(a: argparse.Namespace) -> int:
 
 
 def timed_call(url: str, body: dict[str, Any]) -> float:
-    """Submit `body` and wait for it, polling every 20 ms: its model call's seconds, from its own
-    status (started_at to finished_at, stamped by the server). RolloutFailed when it did not succeed."""
+    """Submit `body` and wait for it (`Client.wait`: its reads held until it ends): its model call's
+    seconds, from its own status (started_at to finished_at, stamped by the server). RolloutFailed
+    when it did not succeed."""
     with Client(url) as client:
         status = client.wait(client.submit(**body), timeout=600, poll_s=0.02, max_poll_s=0.02)
     assert status.started_at is not None and status.finished_at is not None  # a succeeded rollout has both
@@ -426,7 +435,7 @@ def poll_probe(a: argparse.Namespace) -> int:
                 done[s.rest_url] = client.wait(client.submit(prompts=["p"], num_inference_steps=1), timeout=600).id
 
         def poll(url: str, stop: threading.Event, made: list[int]) -> None:
-            with CLIENTS[a.clients[0]](url) as c:
+            with CLIENTS[a.clients[0].removesuffix(HELD)](url) as c:
                 while not stop.wait(0.02):
                     c.get(f"/v1/rollouts/{done[url]}")
                     made.append(1)  # atomic across the poller threads
@@ -474,11 +483,12 @@ def main() -> int:
     ap.add_argument("--variant", metavar="LABEL=FLAGS", action="append", default=[],
                     help="--server-cpu: also a server of this checkout with these extra serve flags, shown as "
                     "LABEL (repeatable), e.g. --variant 'threads-1=--torch-threads 1'")
-    ap.add_argument("--clients", nargs="+", choices=sorted(CLIENTS), default=["httpx"],
+    ap.add_argument("--clients", nargs="+", choices=KINDS, default=["httpx"],
                     help="--server-cpu: the polling clients' HTTP library, the first for every server, each other one "
                     "a row of this checkout's server, e.g. after/stdlib (default httpx; stdlib: http.client, about a "
                     "quarter of httpx's CPU a request, for how much the clients' own CPU beside the server moves the "
-                    "figures); --poll-probe: the pollers', the first one given")
+                    "figures; LIBRARY+held: each read held by the server until the rollout ends, ?wait_s=10, as "
+                    "Client.wait reads); --poll-probe: the pollers', the first one given")
     ap.add_argument("--poll-probe", action="store_true", help="time one B=N request's model call while N clients "
                     "poll a finished rollout every 20 ms on no server, on the same one or on another (module docstring)")
     a = ap.parse_args()

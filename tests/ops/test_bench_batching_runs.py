@@ -34,13 +34,14 @@ def test_bench_batching_prints_every_workload_and_the_target_ratios():
 def test_bench_batching_server_cpu_prints_each_workload_for_every_server_and_the_ratios():
     """--server-cpu with --before and a --variant: a server per interpreter (here the same one twice)
     and one with the variant's flags, every workload on each, polled by httpx clients, and this
-    checkout's also by http.client ones (--clients), with the event loop's share of the CPU, the clients' status reads, the model
+    checkout's also by http.client ones whose reads the server holds until the rollout ends
+    (--clients stdlib+held: one read a request), with the event loop's share of the CPU, the clients' status reads, the model
     calls the requests ran as, the clients' own CPU and the cores busy."""
     out = subprocess.run([sys.executable, "ops/bench_batching.py", "--server-cpu", "--before", sys.executable, "--n", "3",
                           "--steps", "1", "--rounds", "1", "--variant", "threads-1=--torch-threads 1",
-                          "--clients", "httpx", "stdlib"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--clients", "httpx", "stdlib+held"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = ["after", "before", "threads-1", "after/stdlib"]  # the second library polls this checkout's server
+    rows = ["after", "before", "threads-1", "after/stdlib+held"]  # the second kind reads this checkout's server
     loops = clients = 0.0
     for workload in ("one-B=N", "N x B=1", "lone B=1"):
         for server in rows:
@@ -51,7 +52,11 @@ def test_bench_batching_server_cpu_prints_each_workload_for_every_server_and_the
             # a lone request is one model call; 3 clients' B=1 requests are 1-3 calls
             assert calls == 1 if workload != "N x B=1" else 1 <= calls <= 3, row.group(0)
             assert loop <= cpu, row.group(0)  # the event loop's CPU is part of the process tree's
-            assert reads >= (3 if workload == "N x B=1" else 1), row.group(0)  # every client reads once at least
+            requests = 3 if workload == "N x B=1" else 1
+            if server.endswith("+held"):  # each read held until its rollout ends: one a request
+                assert reads == requests, row.group(0)
+            else:
+                assert reads >= requests, row.group(0)  # every client reads once at least
             assert cores > 0, row.group(0)  # the server's CPU and the clients' over the round's wall time
             loops += loop
             clients += client
