@@ -33,7 +33,7 @@ last POST arrived, and then the rest waits for the first call to end). The clien
 process, beside the server: `client ms` is their own CPU and `cores` the server's and theirs over
 the round's wall time; `--clients httpx stdlib` polls this checkout's server ("after") with each
 library in turn, a row each ("after/stdlib"; http.client costs about a quarter of httpx's CPU a
-request), for how much the clients themselves move the figures on a small box. `--clients httpx held`
+request), for how much the clients themselves move the figures on a small box. `--clients httpx httpx+held`
 adds a row ("after/httpx+held") whose clients read the same way, every 20 ms after each answer, but
 each read asks the server to hold it until the rollout ends (`?wait_s=10`, as `Client.wait` reads):
 

@@ -157,7 +157,7 @@ def status(rollout_id: object, wait_s: float | None = None, timeout: float | Non
         if not 0 < wait_s <= MAX_STATUS_WAIT_S:
             raise ValueError(f"wait_s must be a number of seconds greater than 0 and at most {MAX_STATUS_WAIT_S:g}, "
                              f"got {wait_s!r}")
-        options["params"] = {"wait_s": f"{wait_s:.3f}"}
+        options["params"] = {"wait_s": f"{wait_s:g}"}
         if timeout is not None:
             options["timeout"] = wait_s + timeout
     return Call("GET", rollout_path(rollout_id), lambda r: RolloutStatus.model_validate(r.json()), options)
