@@ -27,10 +27,16 @@ import httpx
 
 from sigmaflight.launcher import ServerProcess
 
-__all__ = ["AnyServer", "InProcessServer", "ServerProcess", "flight_streams", "metric", "wait_for", "wait_for_log",
+__all__ = ["BLOCKER", "AnyServer", "InProcessServer", "ServerProcess", "flight_streams", "metric", "wait_for", "wait_for_log",
            "wait_for_status"]
 
 T = TypeVar("T")
+
+BLOCKER: dict[str, Any] = {"prompts": ["blocker"] * 8, "num_outputs_per_prompt": 32, "num_inference_steps": 200,
+                           "seed": 1, "return": {"steps": [0]}}
+"""A rollout request of 256 samples x 200 steps (x_0 kept only): tens of seconds of work on the one
+worker, nothing else can join its batch, and what comes after it stays queued until it is
+cancelled. A POST body as is, or `Client.submit(**BLOCKER)`."""
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from sigmaflight import AsyncClient, Replayer, Trajectory, step_log_prob
 from sigmaflight import Client as ReExported
 from sigmaflight.client import ApiError, Client, NotFound, RolloutFailed, replay_log_probs, rollout_spec
 from sigmaflight.wire import Ticket
-from tests.servers import InProcessServer
+from tests.servers import BLOCKER, InProcessServer
 
 
 def _stock_velocity(model, spec, x, t):
@@ -186,10 +186,8 @@ def _get_200s(c) -> float:
 
 
 def _queued_behind_a_blocker(c: Client) -> tuple[Ticket, Ticket]:
-    """(blocker, queued): 256 samples x 200 steps (x_0 kept only), tens of seconds of work, and a
-    rollout that waits behind it; cancel both at the end."""
-    blocker = c.submit(prompts=["blocker"] * 8, num_outputs_per_prompt=32, num_inference_steps=200, seed=1,
-                       return_={"steps": [0]})
+    """(blocker, queued): BLOCKER and a rollout that waits behind it; cancel both at the end."""
+    blocker = c.submit(**BLOCKER)
     return blocker, c.submit(prompts=["a"], num_inference_steps=2, seed=2)
 
 
@@ -225,8 +223,7 @@ def test_async_wait_holds_its_reads_too(server):
     for a second, then run, cost three reads."""
     async def main(c: Client) -> list[str]:
         async with AsyncClient(server.rest_url) as ac:
-            blocker = await ac.submit(prompts=["blocker"] * 8, num_outputs_per_prompt=32, num_inference_steps=200,
-                                      seed=1, return_={"steps": [0]})
+            blocker = await ac.submit(**BLOCKER)
             tickets = [await ac.submit(prompts=[f"held {i}"], num_inference_steps=2, seed=i) for i in range(3)]
             waits = asyncio.gather(*(ac.wait(t, timeout=60) for t in tickets))
             await asyncio.sleep(1.0)

@@ -22,7 +22,7 @@ from sigmaflight.pipeline.models import ModelRegistry
 
 from sigmaflight.client import Client, RolloutCancelled, RolloutFailed
 from tests.pipeline.test_kernels import flow_grpo_step
-from tests.servers import InProcessServer, ServerProcess, wait_for
+from tests.servers import BLOCKER, InProcessServer, ServerProcess, wait_for
 
 T = 4
 BASE: dict[str, Any] = {"num_inference_steps": T, "guidance_scale": 4.5, "sampler": {"type": "sde", "noise_level": 0.7}}
@@ -41,9 +41,8 @@ def model():
 
 
 def blocker(c: Client) -> str:
-    """256 samples x 200 steps (x_0 kept only): seconds of work nothing else can join."""
-    return c.submit(prompts=["blocker"] * 8, num_outputs_per_prompt=32, num_inference_steps=200, seed=1,
-                    return_={"steps": [0]}).id
+    """BLOCKER (tests/servers.py): seconds of work nothing else can join."""
+    return c.submit(**BLOCKER).id
 
 
 def until_running(c: Client, rollout_id: str, steps: int = 1) -> None:

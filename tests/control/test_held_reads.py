@@ -11,11 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.servers import InProcessServer, metric, wait_for, wait_for_status
-
-BLOCKER = {"prompts": ["blocker"] * 8, "num_outputs_per_prompt": 32, "num_inference_steps": 200, "seed": 1,
-           "return": {"steps": [0]}}
-"""256 samples x 200 steps (x_0 kept only): tens of seconds of work, cancelled at the end."""
+from tests.servers import BLOCKER, InProcessServer, metric, wait_for, wait_for_status
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from tests.servers import InProcessServer
+from tests.servers import BLOCKER, InProcessServer
 
 HEADER_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 3.0
@@ -200,9 +200,7 @@ def test_a_request_answered_after_longer_than_the_header_timeout_gets_its_answer
     status read held past it is answered, not cut with a 408."""
     hold = HEADER_TIMEOUT_S + 1.5
     with httpx.Client(base_url=server.rest_url, timeout=60) as c:
-        # 256 samples x 200 steps (x_0 kept only): tens of seconds of work, cancelled at the end
-        rid = c.post("/v1/rollouts", json={"prompts": ["blocker"] * 8, "num_outputs_per_prompt": 32,
-                                           "num_inference_steps": 200, "seed": 1, "return": {"steps": [0]}}).json()["id"]
+        rid = c.post("/v1/rollouts", json=BLOCKER).json()["id"]  # tens of seconds of work, cancelled at the end
         try:
             t0 = time.monotonic()
             r = c.get(f"/v1/rollouts/{rid}", params={"wait_s": hold})
