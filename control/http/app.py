@@ -297,7 +297,7 @@ async def get_rollout(request: Request) -> Response:
     if job is None:
         raise unknown_rollout(rollout_id)
     if wait_s is not None and job.status.active:
-        await request.state.held_reads.until_ended(service.jobs, rollout_id, wait_s)  # holds.py
+        await request.state.held_reads.until_ended(service.jobs, rollout_id, wait_s, request.receive)  # holds.py
         job = service.jobs.get(rollout_id)
         if job is None:  # released, or its record dropped, while held
             raise unknown_rollout(rollout_id)

@@ -6,7 +6,9 @@ instead of every few tens of milliseconds, and sees the end the moment it happen
 to one poll later. A held read costs the server one asyncio future and a callback on the job
 table (`JobTable.watch`), nothing a step: only the job's end wakes it. At most `limit` reads are
 held at once (`--max-held-reads`); past it, and while the server shuts down, a read answers at
-once, as one without `wait_s` does: the client's next read comes after its own pause.
+once, as one without `wait_s` does: the client's next read comes after its own pause. A read whose
+client leaves (closes its connection) is let go at once, so a client that gives up does not keep
+its place for the rest of its `wait_s`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 
 from sigmaflight.control.jobs import JobManager
+from starlette.types import Receive
 
 
 class HeldReads:
@@ -25,9 +28,10 @@ class HeldReads:
     def __len__(self) -> int:
         return len(self._held)
 
-    async def until_ended(self, jobs: JobManager, job_id: str, seconds: float) -> None:
+    async def until_ended(self, jobs: JobManager, job_id: str, seconds: float, receive: Receive | None = None) -> None:
         """Return once the job has ended (or is gone), after `seconds`, or at once when `limit`
-        reads are held already or the server is shutting down."""
+        reads are held already or the server is shutting down. `receive`: the request's ASGI
+        receive (its body read or empty): return too once it reports the client gone."""
         if self._closed or len(self._held) >= self.limit:
             return
         loop = asyncio.get_running_loop()
@@ -36,14 +40,20 @@ class HeldReads:
         def wake() -> None:  # on the thread that published the end
             loop.call_soon_threadsafe(_settle, ended)
 
+        gone: asyncio.Future[None] | None = None
         jobs.watch(job_id, wake)
         self._held.add(ended)
         try:
             view = jobs.get(job_id)  # after `watch`: an end published in between is seen here
             if view is None or not view.status.active:
                 return
-            await asyncio.wait([ended], timeout=seconds)
+            if receive is not None:
+                gone = asyncio.ensure_future(_disconnected(receive))
+            await asyncio.wait([ended] if gone is None else [ended, gone], timeout=seconds,
+                               return_when=asyncio.FIRST_COMPLETED)
         finally:
+            if gone is not None:
+                gone.cancel()
             self._held.discard(ended)
             jobs.unwatch(job_id, wake)
 
@@ -53,6 +63,13 @@ class HeldReads:
         self._closed = True
         for ended in list(self._held):
             _settle(ended)
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Return once the client has left: ASGI's `http.disconnect` (what is left of the request's
+    body, empty for a GET, is skipped)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _settle(ended: asyncio.Future[None]) -> None:

@@ -4,8 +4,10 @@ naming it; shutting down answers every held read at once. Real server, in proces
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
+from urllib.parse import urlsplit
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -99,6 +101,19 @@ def test_past_max_held_reads_a_read_answers_at_once(server, queued):
         c.delete(f"/v1/rollouts/{queued}")
         assert [f.result(timeout=10)[1].json()["status"] for f in held] == ["cancelled"] * 2
         wait_for(lambda: metric(c.get("/metrics").text, "sigmaflight_held_reads") == 0 or None, "no read held")
+
+
+def test_a_held_read_whose_client_leaves_is_released_at_once(server, queued):
+    """A client that gives up on a held read (closes its connection) frees its place at once, not
+    after its wait_s: it stops counting against --max-held-reads."""
+    url = urlsplit(server.rest_url)
+    with httpx.Client(base_url=server.rest_url, timeout=60) as c:
+        with socket.create_connection((url.hostname, url.port)) as s:
+            s.sendall(f"GET /v1/rollouts/{queued}?wait_s=30 HTTP/1.1\r\nHost: {url.netloc}\r\n\r\n".encode())
+            wait_for(lambda: metric(c.get("/metrics").text, "sigmaflight_held_reads") == 1 or None, "the read held")
+        wait_for(lambda: metric(c.get("/metrics").text, "sigmaflight_held_reads") == 0 or None,
+                 "the read released once its client left", timeout=5)
+        assert c.get(f"/v1/rollouts/{queued}").json()["status"] == "queued"  # the rollout itself is untouched
 
 
 @pytest.mark.parametrize(("value", "kind"), [("0", "greater_than"), ("-1", "greater_than"), ("61", "less_than_equal"),
