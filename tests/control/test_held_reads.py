@@ -7,8 +7,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from urllib.parse import urlsplit
 from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
