@@ -10,7 +10,7 @@ from sigmaflight.dataplane.codec import HeaderColumns, encode_step_sized
 from sigmaflight.dataplane.durable import DurableDir
 from sigmaflight.dataplane.entry import Entry
 from sigmaflight.dataplane.files import TrajectoryFileWriter
-from sigmaflight.dataplane.record import StepBatch
+from sigmaflight.dataplane.record import StepBatch, TrajectoryHeader
 
 from sigmaflight.records import ResultInfo, RolloutState
 
@@ -48,23 +48,45 @@ class TrajectoryWriter:
     def ticket(self) -> str:
         return self._entry.ticket
 
+    @property
+    def header(self) -> TrajectoryHeader:
+        return self._entry.header
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self._entry.schema
+
     def append(self, batch: StepBatch) -> None:
+        """Step `batch.step` (the next one due) of this trajectory, from its own tensors."""
+        e = self._entry
+        self._check(batch.step)
+        self._add(batch.step, encode_step_sized(e.header, batch, max_batch_bytes=self._store.max_batch_bytes,
+                                                schema=e.schema, columns=self._columns))
+
+    def append_encoded(self, step: int, sized: list[tuple[pa.RecordBatch, int]]) -> None:
+        """Step `step` (the next one due) as record batches of this trajectory's schema made
+        already, each with its bytes (`CallWriters`: a co-batched call's step, encoded once)."""
+        self._check(step)
+        self._add(step, sized)
+
+    def _check(self, step: int) -> None:
         e = self._entry
         if e.state is not RolloutState.RUNNING:
             raise RuntimeError(f"rollout {e.rollout_id} is {e.state}; cannot append")
-        if not self._pending or batch.step != self._pending[0]:
+        if not self._pending or step != self._pending[0]:
             raise ValueError(
-                f"rollout {e.rollout_id}: step {batch.step} out of order; expected "
+                f"rollout {e.rollout_id}: step {step} out of order; expected "
                 f"{self._pending[0] if self._pending else 'nothing (all steps appended)'}"
             )
-        sized = encode_step_sized(e.header, batch, max_batch_bytes=self._store.max_batch_bytes, schema=e.schema,
-                                  columns=self._columns)
+
+    def _add(self, step: int, sized: list[tuple[pa.RecordBatch, int]]) -> None:
+        e = self._entry
         batches = [b for b, _ in sized]
         if self._file is not None:
             for b in batches:
                 self._file.write(b)
         self._pending.pop(0)
-        self._store.appended(e, e.append(batch.step, batches, sum(n for _, n in sized)))
+        self._store.appended(e, e.append(step, batches, sum(n for _, n in sized)))
 
     def publish(self, name: str, table: pa.Table) -> None:
         """Add one extra stream of the rollout (whole table; see dataplane/streams.py), before

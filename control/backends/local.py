@@ -24,6 +24,7 @@ from sigmaflight.control.jobs.backend import (
 )
 from sigmaflight.control.policy import check_started_with
 from sigmaflight.control.streams import outputs_table, stream_names
+from sigmaflight.dataplane.cobatch import CallWriters
 from sigmaflight.dataplane.record import StepBatch, TrajectoryHeader
 from sigmaflight.dataplane.store import ResultStore
 from sigmaflight.dataplane.streams import CONDITIONING, OUTPUTS, StreamNotFound, stream_table
@@ -168,14 +169,17 @@ class LocalBackend:
 
 
 class _Writers:
-    """The sink of one local model call: each rollout's writer into the store. A step is written
-    member by member (each has its own stream) from the call's host tensors, and its progress
+    """The sink of one local model call: each rollout's writer into the store. A step is encoded
+    once for the call and each member given a copy of its rows (`CallWriters`), and its progress
     reported once for the call."""
 
     def __init__(self, backend: LocalBackend, model: LoadedModel) -> None:
         self.backend, self.model = backend, model
         self.writers: dict[str, TrajectoryWriter] = {}
         self.headers: dict[str, TrajectoryHeader] = {}
+        self.rows: list[tuple[TrajectoryWriter, int, int]] = []
+        self.call: CallWriters | None = None
+        """Made at the first step, which gives the call's rows."""
 
     def start(self, ctx: RunContext, policy: Policy) -> None:
         check_started_with(ctx.spec.expected_digest, policy.digest)
@@ -189,18 +193,26 @@ class _Writers:
         rollout = {"id": ctx.job_id, **rows.metadata, "streams": stream_names(spec)}
         header = header_for(ctx.job_id, rows.snapshot, rollout, spec.return_log_probs,
                             velocities=spec.return_velocities, parent=parent_metadata(spec))
-        self.writers[ctx.job_id] = self.backend.store.create(header)
+        writer = self.writers[ctx.job_id] = self.backend.store.create(header)
         self.headers[ctx.job_id] = header
+        self.rows.append((writer, rows.first, rows.end))
 
     def step(self, step: CallStep[RunContext]) -> Failures[RunContext]:
-        def write(rows: Rows[RunContext]) -> None:
-            writer = self.writers[rows.rollout.job_id]
-            # its own rows (copies unless they are the whole call): the store counts, and may keep
-            # for long, each trajectory's own bytes, not a view of the call's tensor
-            for cap in step.captures(rows, own=True):
-                writer.append(StepBatch(step=cap.step, latent=cap.latent, log_prob=cap.log_prob, velocity=cap.velocity))
-
-        failures = each_member(step.running, write)
+        host = step.latent if step.latent is not None else step.next_latent
+        if self.call is None and host is not None:
+            self.call = CallWriters(self.rows, host.shape[0], max_batch_bytes=self.backend.store.max_batch_bytes)
+        members = {id(w): r for r in step.running if (w := self.writers.get(r.rollout.job_id)) is not None}
+        failures: Failures[RunContext] = [(r, RuntimeError(f"rollout {r.rollout.job_id} has no trajectory writer"))
+                                          for r in step.running if r.rollout.job_id not in self.writers]
+        i, last = step.i, step.total
+        for at, latent, lp, v, wanted in ((i, step.latent, step.log_prob, step.velocity, True),
+                                          (last, step.next_latent, None, None, i == last - 1)):
+            writers = [self.writers[r.rollout.job_id] for r in step.running
+                       if wanted and at in r.steps and r.rollout.job_id in self.writers]
+            if writers:
+                assert self.call is not None and latent is not None
+                batch = StepBatch(step=at, latent=latent, log_prob=lp, velocity=v)
+                failures += [(members[id(w)], exc) for w, exc in self.call.append(batch, writers)]
         report_progress([r.rollout for r in step.running], step.i + 1, step.total)
         return failures
 
