@@ -74,8 +74,8 @@ class CallColumns:
                 pa.array(self.spread([h.prompt_indices() for h in hs], np.int32)),
                 pa.array(self.spread([h.seeds for h in hs], np.int64)),
             ]
-            if hs[0].parent_sample is not None:
-                cols.append(pa.array(self.spread([h.parent_sample or () for h in hs], np.int32)))
+            if any(h.parent_sample is not None for h in hs):  # branches (all of a call's are: their batch key)
+                cols.append(pa.array(self.spread([h.parent_sample or 0 for h in hs], np.int32)))
             self._row_columns = cols
         return self._row_columns
 
@@ -108,16 +108,19 @@ def encode_call_step(
         if tuple(v.shape) != (b, *shape):
             raise ValueError(f"velocity must be [B={b}, *{list(shape)}], got {list(v.shape)}")
         velocity = _wrap_latent(v, shape, torch.float32)[0]
-    calls: dict[bool, pa.RecordBatch] = {}  # by whether the stream has the velocity column
+    calls: dict[tuple[bool, bool], pa.RecordBatch] = {}  # by the stream's optional columns: velocity, parent_sample
     out = []
     for k in members:
         h, schema, (first, end) = call.headers[k], call.schemas[k], call.ranges[k]
-        whole = calls.get(h.velocities)
+        layout = (h.velocities, h.parent_sample is not None)
+        whole = calls.get(layout)
         if whole is None:
             cols = list(arrays)
             if h.velocities:
                 cols.append(velocity if velocity is not None else _null_velocity(b, shape)[0])
-            whole = calls[h.velocities] = pa.RecordBatch.from_arrays(cols + call.row_columns()[3:], schema=schema)
+            if h.parent_sample is not None:
+                cols.append(call.row_columns()[3])
+            whole = calls[layout] = pa.RecordBatch.from_arrays(cols, schema=schema)
         per_sample = math.prod(shape) * (batch.latent.element_size() + (4 if h.velocities and velocity is not None else 0))
         chunk = max(1, int(max_batch_bytes) // max(per_sample, 1))
         own = []

@@ -204,14 +204,17 @@ class _Writers:
         members = {id(w): r for r in step.running if (w := self.writers.get(r.rollout.job_id)) is not None}
         failures: Failures[RunContext] = [(r, RuntimeError(f"rollout {r.rollout.job_id} has no trajectory writer"))
                                           for r in step.running if r.rollout.job_id not in self.writers]
-        i, last = step.i, step.total
-        for at, latent, lp, v, wanted in ((i, step.latent, step.log_prob, step.velocity, True),
-                                          (last, step.next_latent, None, None, i == last - 1)):
+        # x_i (with its log-probs and velocities) to the members that capture i; after the last
+        # transition, x_T to those that capture T
+        batches = [StepBatch(step=step.i, latent=step.latent, log_prob=step.log_prob, velocity=step.velocity)] \
+            if step.latent is not None else []
+        if step.i == step.total - 1 and step.next_latent is not None:
+            batches.append(StepBatch(step=step.total, latent=step.next_latent, log_prob=None))
+        for batch in batches:
             writers = [self.writers[r.rollout.job_id] for r in step.running
-                       if wanted and at in r.steps and r.rollout.job_id in self.writers]
+                       if batch.step in r.steps and r.rollout.job_id in self.writers]
             if writers:
-                assert self.call is not None and latent is not None
-                batch = StepBatch(step=at, latent=latent, log_prob=lp, velocity=v)
+                assert self.call is not None
                 failures += [(members[id(w)], exc) for w, exc in self.call.append(batch, writers)]
         report_progress([r.rollout for r in step.running], step.i + 1, step.total)
         return failures

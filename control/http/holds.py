@@ -67,9 +67,13 @@ class HeldReads:
 
 async def _disconnected(receive: Receive) -> None:
     """Return once the client has left: ASGI's `http.disconnect` (what is left of the request's
-    body, empty for a GET, is skipped)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    body, empty for a GET, is skipped), or the request cannot be read any more (e.g. a body over
+    its limit: the read is not held for it)."""
+    try:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # ends the hold; the answer goes out as for any held read
+        return
 
 
 def _settle(ended: asyncio.Future[None]) -> None:

@@ -157,3 +157,23 @@ def test_a_call_of_one_rollout_stores_its_tensor_without_a_copy(flight_store):
     assert call.append(StepBatch(step=0, latent=x, log_prob=torch.zeros(4)), [w]) == []
     (batch,) = store.get("alone").batches
     assert batch.column("latent").storage.values.buffers()[1].address == x.data_ptr()
+
+
+def test_branch_members_keep_their_parent_samples(flight_store):
+    store, server = flight_store
+    parent = {"rollout": "p", "step": 1, "samples": [0, 2]}
+    hs = [dataclasses.replace(build_header(rid, T=T, B=2, shape=SHAPE), parent_sample=ps, prompt_index=pi, parent=parent)
+          for rid, ps, pi in (("x", (0, 2), (0, 1)), ("y", (2, 2), (1, 1)))]
+    writers = [(store.create(h), 2 * k, 2 * k + 2) for k, h in enumerate(hs)]
+    call = CallWriters(writers, 4, max_batch_bytes=8 << 20)
+    for step in call_steps(torch.float32).values():  # the call's first four rows
+        rows = dataclasses.replace(step, latent=step.latent[:4], velocity=None,
+                                   log_prob=None if step.log_prob is None else step.log_prob[:4])
+        assert call.append(rows, [w for w, _, _ in writers]) == []
+    for w, _, _ in writers:
+        w.finish()
+    for h in hs:
+        table = read(server, store, h.rollout_id)
+        assert table.schema.equals(trajectory_schema(h), check_metadata=True)
+        assert table.column("parent_sample").to_pylist() == list(h.parent_sample or ()) * (T + 1)
+        assert table.column("prompt_index").to_pylist() == list(h.prompt_index) * (T + 1)
