@@ -14,7 +14,7 @@ wrapped, no copy).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from sigmaflight.dataplane.codec import (
     _null_velocity,
     _step_columns,
     _wrap_latent,
+    log_prob_values,
 )
 from sigmaflight.dataplane.record import StepBatch, TrajectoryHeader
 from sigmaflight.dataplane.writer import TrajectoryWriter
@@ -138,12 +139,7 @@ def _log_probs(call: CallColumns, batch: StepBatch, sde: list[bool | None], last
     keep = [h.log_probs and bool(s) for h, s in zip(call.headers, sde, strict=True)]
     if last or batch.log_prob is None or not any(keep):
         return _null_log_probs(b)[0]
-    lp_t = batch.log_prob
-    if lp_t.dtype != torch.float32 or lp_t.device.type != "cpu" or lp_t.requires_grad:
-        lp_t = lp_t.detach().to("cpu", torch.float32)
-    values = lp_t.numpy().reshape(-1)
-    if values.shape[0] != b:
-        raise ValueError(f"log_prob must be [B={b}], got {list(batch.log_prob.shape)}")
+    values = log_prob_values(batch.log_prob, b)
     null = np.isnan(values)
     if not all(keep):
         null |= ~call.spread(keep, bool)
@@ -167,22 +163,20 @@ class CallWriters:
         each with its error (all of them when the step could not be encoded)."""
         if not writers:
             return []
-        if self.alone:
-            return _each(writers, lambda w: w.append(batch))
-        try:
-            sized = encode_call_step(self.call, batch, [self.index[id(w)] for w in writers],
-                                     max_batch_bytes=self.max_batch_bytes)
-        except Exception as exc:
-            return [(w, exc) for w in writers]
-        steps = dict(zip(map(id, writers), sized, strict=True))
-        return _each(writers, lambda w: w.append_encoded(batch.step, steps[id(w)]))
-
-
-def _each(writers: Sequence[TrajectoryWriter], call: Callable[[TrajectoryWriter], None]) -> list[tuple[TrajectoryWriter, Exception]]:
-    failures = []
-    for w in writers:
-        try:
-            call(w)
-        except Exception as exc:
-            failures.append((w, exc))
-    return failures
+        sized: list[list[tuple[pa.RecordBatch, int]]] | None = None
+        if not self.alone:  # co-batched: the step encoded once for the call (alone: as it is, no copy)
+            try:
+                sized = encode_call_step(self.call, batch, [self.index[id(w)] for w in writers],
+                                         max_batch_bytes=self.max_batch_bytes)
+            except Exception as exc:
+                return [(w, exc) for w in writers]
+        failures = []
+        for k, w in enumerate(writers):
+            try:
+                if sized is None:
+                    w.append(batch)
+                else:
+                    w.append_encoded(batch.step, sized[k])
+            except Exception as exc:
+                failures.append((w, exc))
+        return failures

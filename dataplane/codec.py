@@ -171,12 +171,7 @@ def encode_step_sized(
     sde = (i in header.sde_steps) if not last else None
     log_prob: np.ndarray[Any, Any] | None = None
     if header.log_probs and batch.log_prob is not None and not last and sde:
-        lp_t = batch.log_prob
-        if lp_t.dtype != torch.float32 or lp_t.device.type != "cpu" or lp_t.requires_grad:
-            lp_t = lp_t.detach().to("cpu", torch.float32)
-        log_prob = lp_t.numpy().reshape(-1)
-        if log_prob.shape[0] != b:
-            raise ValueError(f"log_prob must be [B={b}], got {list(batch.log_prob.shape)}")
+        log_prob = log_prob_values(batch.log_prob, b)
     velocity = None
     if header.velocities and not last and batch.velocity is not None:
         velocity = batch.velocity.detach().to("cpu", torch.float32).contiguous()
@@ -216,6 +211,17 @@ def encode_step_sized(
         arrays += same[3:]
         out.append((pa.RecordBatch.from_arrays(arrays, schema=schema), nbytes))
     return out
+
+
+def log_prob_values(log_prob: torch.Tensor, rows: int) -> np.ndarray[Any, Any]:
+    """A step's log-probs as float32 numpy [rows] on the host (a view when they are already)."""
+    lp = log_prob
+    if lp.dtype != torch.float32 or lp.device.type != "cpu" or lp.requires_grad:
+        lp = lp.detach().to("cpu", torch.float32)
+    values = lp.numpy().reshape(-1)
+    if values.shape[0] != rows:
+        raise ValueError(f"log_prob must be [B={rows}], got {list(log_prob.shape)}")
+    return values
 
 
 @functools.lru_cache(maxsize=4096)
