@@ -50,6 +50,7 @@ class Service:
             workers=settings.workers,
             queue_size=settings.queue_size,
             ttl_s=settings.ttl_s,
+            keep_records=settings.max_records,
             data_dir=settings.data_dir,
             max_batch_samples=settings.max_batch_samples,
             batch_wait_s=settings.batch_wait_ms / 1000.0,

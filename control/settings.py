@@ -76,6 +76,10 @@ class Settings(BaseSettings):
         "at most 8x in all (0: a lone rollout starts at once).",
     )
     ttl_s: float = Field(3600.0, gt=0, description="Seconds a finished result is kept before it expires.")
+    max_records: int = Field(
+        10_000, ge=1, description="Records of ended rollouts kept (their status, error, idempotency key); past it "
+        "the oldest are dropped and what they hold is released, before their --ttl-s if need be.",
+    )
 
     # Store
     data_dir: Path | None = Field(
@@ -108,6 +112,10 @@ class Settings(BaseSettings):
         512 * MiB, ge=1024, description="Largest accepted PUT /v1/models/{id}/weights or /lora body (safetensors; 413 beyond)."
     )
     max_prompts: int = Field(64, ge=1, description="Prompts per request.")
+    max_prompt_chars: int = Field(
+        4096, ge=1, description="Characters of one prompt or negative_prompt (the text encoders keep their first 77 "
+        "to 512 tokens; a longer text only costs tokenizer time and log lines)."
+    )
     max_samples: int = Field(256, ge=1, description="Samples (prompts x outputs) per request.")
     max_steps: int = Field(200, ge=1, description="num_inference_steps per request.")
     max_rollout_bytes: int = Field(

@@ -187,6 +187,12 @@ def check_request(req: RolloutRequest, settings: Settings) -> None:
     if req.prompts is not None and len(req.prompts) > settings.max_prompts:
         raise invalid(["body", "prompts"], f"{len(req.prompts)} prompts exceed the limit of {settings.max_prompts} "
                       f"({limit_flag('max_prompts')})")
+    limit = settings.max_prompt_chars
+    texts: list[tuple[list[str | int], str]] = [(["body", "prompts", k], text) for k, text in enumerate(req.prompts or ())]
+    texts.append((["body", "negative_prompt"], req.negative_prompt or ""))
+    for loc, text in texts:
+        if len(text) > limit:
+            raise invalid(loc, f"{len(text)} characters exceed the limit of {limit} ({limit_flag('max_prompt_chars')})")
     _check_samples(req.num_samples, "prompts", settings)
     if req.num_inference_steps is not None and req.num_inference_steps > settings.max_steps:
         raise invalid(

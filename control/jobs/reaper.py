@@ -49,5 +49,10 @@ class Reaper:
             if len(done) > self.keep_records:
                 done.sort(key=lambda j: j.created_at)
                 for j in done[: len(done) - self.keep_records]:
+                    # what the record held goes with it: with no record left, neither the TTL
+                    # nor a DELETE could release it, and Flight would serve what REST calls unknown
+                    if j.state.finished:
+                        self.lifecycle.backend.release(j.id)
                     table.forget(j)
                     self.lifecycle.delete_row(j.id)
+                    log.info("rollout record dropped (--max-records)", extra={"rollout": j.id, "status": j.state})

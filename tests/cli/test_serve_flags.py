@@ -40,6 +40,9 @@ BEFORE = {
     "--queue-size QUEUE_SIZE": "Rollouts that may wait; beyond it POST answers 429. [env SIGMAFLIGHT_QUEUE_SIZE; "
     "default 64]",
     "--ttl-s TTL_S": "Seconds a finished result is kept before it expires. [env SIGMAFLIGHT_TTL_S; default 3600.0]",
+    "--max-records MAX_RECORDS": "Records of ended rollouts kept (their status, error, idempotency key); past it "
+    "the oldest are dropped and what they hold is released, before their --ttl-s if need be. "
+    "[env SIGMAFLIGHT_MAX_RECORDS; default 10000]",
     "--data-dir DATA_DIR": "Directory for durable trajectories and job records; survives restarts. None = memory "
     "only. [env SIGMAFLIGHT_DATA_DIR; default none]",
     # the files live in a private DIR/sigmaflight-<uid>/, and the help says so
@@ -61,6 +64,9 @@ BEFORE = {
     "--max-weights-bytes MAX_WEIGHTS_BYTES": "Largest accepted PUT /v1/models/{id}/weights or /lora body "
     "(safetensors; 413 beyond). [env SIGMAFLIGHT_MAX_WEIGHTS_BYTES; default 536870912]",
     "--max-prompts MAX_PROMPTS": "Prompts per request. [env SIGMAFLIGHT_MAX_PROMPTS; default 64]",
+    "--max-prompt-chars MAX_PROMPT_CHARS": "Characters of one prompt or negative_prompt (the text encoders keep "
+    "their first 77 to 512 tokens; a longer text only costs tokenizer time and log lines). "
+    "[env SIGMAFLIGHT_MAX_PROMPT_CHARS; default 4096]",
     "--max-samples MAX_SAMPLES": "Samples (prompts x outputs) per request. [env SIGMAFLIGHT_MAX_SAMPLES; default 256]",
     "--max-steps MAX_STEPS": "num_inference_steps per request. [env SIGMAFLIGHT_MAX_STEPS; default 200]",
     "--max-rollout-bytes MAX_ROLLOUT_BYTES": "Estimated captured latent bytes per rollout, refused up front beyond "

@@ -10,7 +10,7 @@ import pytest
 
 from tests.servers import InProcessServer, wait_for_status
 
-LIMITS = ("--max-body-bytes", "4096", "--max-prompts", "3", "--max-samples", "6", "--max-steps", "10",
+LIMITS = ("--max-body-bytes", "4096", "--max-prompts", "3", "--max-prompt-chars", "100", "--max-samples", "6", "--max-steps", "10",
           "--max-rollout-bytes", str(256 * 1024), "--max-flight-streams", "2")
 
 
@@ -54,6 +54,23 @@ def test_prompts_samples_steps(limited, body, field, numbers):
     assert error["details"][0]["loc"] == ["body", field]
     for n in numbers:
         assert n in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "loc"),
+    [({"prompts": ["a", "x" * 101]}, ["body", "prompts", 1]),
+     ({"prompts": ["a"], "negative_prompt": "y" * 101}, ["body", "negative_prompt"])],
+)
+def test_prompt_length(limited, body, loc):
+    """A long text would hold the worker in the tokenizer (a 900 KB prompt took 15 s on the tiny
+    models), though the encoders keep only its first tokens."""
+    server, c = limited
+    before = c.get("/v1/rollouts").json()["rollouts"]
+    error = _error(c.post("/v1/rollouts", json=body), 422, "validation_error")
+    assert error["details"][0]["loc"] == loc
+    assert "101 characters exceed the limit of 100 (--max-prompt-chars)" in error["message"]
+    assert c.get("/v1/rollouts").json()["rollouts"] == before
+    assert c.post("/v1/rollouts", json={"prompts": ["x" * 100], "num_inference_steps": 1}).status_code == 202
 
 
 def test_estimated_trajectory_bytes(limited):

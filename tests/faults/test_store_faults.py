@@ -43,12 +43,15 @@ def test_read_only_trajectory_dir_ends_the_stream_as_failed(tmpfs) -> None:
     with InProcessServer("--data-dir", str(data.path), "--workers", "1") as server, server.client() as c:
         traj.read_only()
         ticket = c.post("/v1/rollouts", json=SMALL).json()
-        live = Pull(server.flight_url, ticket["flight"]["ticket"], timeout=5)
+        # The consumer's deadline is far past the joins below: on a slow box the rollout may take
+        # longer than a short deadline, and only a stream the failure never ended may outlive them.
+        live = Pull(server.flight_url, ticket["flight"]["ticket"], timeout=90)
         live.start()  # a consumer already waiting on the ticket
         status = wait_for_status(c, ticket["id"], {"succeeded", "failed"}, timeout=30)
         assert status["status"] == "failed", status
         assert "Read-only" in status["error"]["message"], status
         live.join(15)
+        assert not live.is_alive(), "the live consumer still waits after the rollout failed"
         assert live.error is not None, "the waiting consumer got a table from a failed rollout"
         assert not isinstance(live.error, flight.FlightTimedOutError), "the live consumer waited forever"
         assert "failed" in str(live.error)
@@ -89,11 +92,12 @@ def test_failed_rename_ends_the_stream_as_failed(tmp_path) -> None:
         blocker = data / "trajectories" / f"{ticket['id']}.arrow"
         blocker.mkdir(parents=True)
         (blocker / "keep").write_text("in the way")
-        live = Pull(server.flight_url, ticket["flight"]["ticket"], timeout=8)
+        live = Pull(server.flight_url, ticket["flight"]["ticket"], timeout=90)  # see the read-only test
         live.start()
         status = wait_for_status(c, ticket["id"], {"succeeded", "failed"}, timeout=60)
         assert status["status"] == "failed", status
         live.join(25)
+        assert not live.is_alive(), "the live consumer still waits after the rollout failed"
         assert live.error is not None
         assert not isinstance(live.error, flight.FlightTimedOutError), "the live consumer waited forever"
         _assert_fails_fast(server.flight_url, ticket["flight"]["ticket"], "a new do_get")
