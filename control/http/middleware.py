@@ -87,6 +87,40 @@ class RequestIdMiddleware:
             )
 
 
+class InternalErrorMiddleware:
+    """The catch-all: an exception nothing mapped to an answer is logged with its traceback and
+    answered 500 `internal_error`, and the connection stays open. (Starlette's own catch-all answers
+    and then raises it again, and uvicorn then closes the connection: the client's next request on
+    it failed as if the server were gone.) Inside `RequestIdMiddleware`, so the 500 carries the
+    request id and is counted; a client that left (ClientDisconnect) is that middleware's to log."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except ClientDisconnect:
+            raise
+        except Exception as exc:
+            log.exception("unhandled error", extra={"method": scope["method"], "path": scope["path"],
+                                                    "request_id": scope.get("state", {}).get("request_id")})
+            if started:  # half an answer is out: only closing the connection ends it
+                raise
+            await send_error(send, 500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+
 class BearerAuthMiddleware:
     """Every route but the open ones needs `Authorization: Bearer <token>`; compared in constant time."""
 
