@@ -6,9 +6,10 @@ converter, `to_spec`, turns a validated request into a `RolloutSpec`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 from sigmaflight.records import STATES as STATES  # re-exported: the wire's names for the shared records
 from sigmaflight.records import TERMINAL as TERMINAL
@@ -81,7 +82,9 @@ class RolloutRequest(_Wire):
     width: int | None = Field(None, ge=1, description="Image width in pixels; default: the model's.")
     num_frames: int | None = Field(None, ge=1, description="Video models only.")
     seed: int | None = Field(None, ge=0, le=INT64_MAX, description="Per-sample seeds are derived from it.")
-    seeds: list[int] | None = Field(None, description="Exactly one per sample (0 <= seed < 2^63).")
+    seeds: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = Field(
+        None, description="Exactly one per sample (0 <= seed < 2^63)."
+    )
     sampler: Sampler = Field(default_factory=Sampler)
     return_: Return = Field(default_factory=Return, alias="return")
     branch_from: BranchFrom | None = Field(
@@ -94,13 +97,13 @@ class RolloutRequest(_Wire):
         "it differs at POST; the rollout fails with stale_policy when the weights change before it starts.",
     )
 
-    @model_validator(mode="after")
-    def _seed_xor_seeds(self) -> RolloutRequest:
-        if self.seed is not None and self.seeds is not None:
-            raise ValueError("give either seed or seeds, not both")
-        if self.seeds is not None and any(not 0 <= s <= INT64_MAX for s in self.seeds):
-            raise ValueError("seeds must lie in 0..2^63-1")
-        return self
+    @field_validator("seeds")
+    @classmethod
+    def _not_with_seed(cls, seeds: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        """Named at `seeds` (a model-level check would name only "body"); `seed` comes first."""
+        if seeds is not None and info.data.get("seed") is not None:
+            raise PydanticCustomError("seed_and_seeds", "give either seed or seeds, not both")
+        return seeds
 
     @property
     def num_samples(self) -> int:

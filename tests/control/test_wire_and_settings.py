@@ -47,8 +47,9 @@ def test_to_spec_uses_the_server_seed_only_without_seed_or_seeds():
 @pytest.mark.parametrize(
     ("body", "field"),
     [
-        ({"prompts": ["a"], "seed": 1, "seeds": [1]}, ()),
-        ({"prompts": ["a"], "seeds": [-1]}, ()),
+        ({"prompts": ["a"], "seed": 1, "seeds": [1]}, ("seeds",)),
+        ({"prompts": ["a", "b"], "seeds": [1, -1]}, ("seeds", 1)),
+        ({"prompts": ["a"], "seeds": [2**63]}, ("seeds", 0)),
         ({"prompts": ["a"], "seed": 2**63}, ("seed",)),
         ({"prompts": ["a"], "guidance_scale": float("inf")}, ("guidance_scale",)),
         ({"prompts": ["a"], "num_outputs_per_prompt": 0}, ("num_outputs_per_prompt",)),
