@@ -214,7 +214,7 @@ def read_token_file(path: Path) -> list[str]:
 
     Raises TokenFileError when the file is missing, unreadable, not text, or holds no token."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")  # a byte-order mark (Notepad, PowerShell) is no token
     except UnicodeDecodeError:
         raise TokenFileError(f"--token-file {path}: not UTF-8 text") from None
     except OSError as exc:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 from sigmaflight.control.serve import build_parser, settings_from_args
-from sigmaflight.control.settings import Settings
+from sigmaflight.control.settings import Settings, TokenFileError, read_token_file
 
 from sigmaflight.wire import RolloutRequest, to_spec
 
@@ -78,6 +78,17 @@ def test_tokens_come_from_file_and_variable(tmp_path):
     s = Settings(token_file=f, token="gamma,delta")
     assert s.tokens() == ["gamma", "delta", "alpha", "beta"]
     assert "gamma" not in repr(s)  # a secret never shows in a repr (and so never in a log)
+
+
+def test_a_token_file_saved_with_a_byte_order_mark_reads_as_without_it(tmp_path):
+    """Notepad and PowerShell write UTF-8 with a BOM: its first line is still a token or a comment,
+    so a file of comments only is still refused (fails closed) and a first-line token matches."""
+    f = tmp_path / "tokens"
+    f.write_bytes("alpha\r\nbeta\n".encode("utf-8-sig"))
+    assert Settings(token_file=f).tokens() == ["alpha", "beta"]
+    f.write_bytes("# only a comment\n".encode("utf-8-sig"))
+    with pytest.raises(TokenFileError, match="holds no token"):
+        read_token_file(f)
 
 
 def test_serve_help_explains_every_setting(capsys):
