@@ -78,12 +78,17 @@ def _str_or_none(path: Path | None) -> str | None:
 
 
 def quiet_library_progress_bars() -> None:
-    """Turn off diffusers' and transformers' own loading bars: they are not log lines (JSON logs)."""
+    """Turn off diffusers' and transformers' own loading bars, and send their log records (e.g. a
+    tokenizer's "input was truncated" warning, on every prompt longer than a text encoder keeps)
+    to the root logger instead of their own stderr handlers: every log line stays one of ours
+    (JSON by default)."""
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
-    diffusers_logging.disable_progress_bar()
-    transformers_logging.disable_progress_bar()
+    for library in (diffusers_logging, transformers_logging):
+        library.disable_progress_bar()
+        library.disable_default_handler()
+        library.enable_propagation()
 
 
 def load_registry(config: NodeConfig) -> ModelRegistry:
@@ -95,8 +100,7 @@ def load_registry(config: NodeConfig) -> ModelRegistry:
     model logs one "model loaded" line."""
     dtype = DTYPES[config.dtype]
     registry = ModelRegistry(device=config.device, dtype=dtype)
-    if config.hub_models or config.model_dir is not None:
-        quiet_library_progress_bars()
+    quiet_library_progress_bars()
     for model_id in config.hub_models:
         model = registry.register_hub(model_id, device=config.device, dtype=dtype)
         log.info("model loaded", extra={"model": model.id, "source": "hub", "family": model.family,
