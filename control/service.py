@@ -21,8 +21,11 @@ from sigmaflight.control.node import Node, NodeConfig
 from sigmaflight.control.settings import Settings
 from sigmaflight.control.weights_sink import ServiceWeightsSink
 from sigmaflight.dataplane.auth import TokenSet
+from sigmaflight.dataplane.tickets import Gone
 from sigmaflight.dataplane.weights import WeightsPushes
 from sigmaflight.pipeline.models import Policy, StagedWeights
+
+from sigmaflight.records import RolloutState
 
 log = logging.getLogger("sigmaflight.service")
 
@@ -56,6 +59,7 @@ class Service:
             batch_wait_s=settings.batch_wait_ms / 1000.0,
         )
         self.backend.on_result_lost(self._result_unavailable)
+        self.backend.on_unknown_ticket(self._ended_before)
         self.ready = False
         self._change_lock = threading.Lock()
         """One change of weights (or of tokens) at a time, registry and workers together (workers
@@ -68,6 +72,17 @@ class Service:
         """The backend lost a finished trajectory (its file truncated or corrupted): REST stops
         saying succeeded."""
         self.jobs.result_lost(rollout_id, reason)
+
+    def _ended_before(self, key: str) -> Gone | None:
+        """How the rollout a ticket or id names ended, when the store no longer knows it (it ended
+        before a restart, or the store forgot it): Flight then names the reason REST gives."""
+        view = self.jobs.get(key)
+        if view is None:
+            view = next(iter(self.jobs.list(ticket=key, limit=1)), None)
+        if view is None or view.status.active or view.status is RolloutState.SUCCEEDED:
+            return None
+        reason = f"{view.status}: {view.error.message}" if view.error is not None else str(view.status)
+        return Gone(view.status, reason)
 
     def _cancel_from_flight(self, rollout_id: str) -> bool:
         """Flight `cancel`: only stops a queued or running rollout (a finished one is kept)."""

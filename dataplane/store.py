@@ -32,6 +32,8 @@ from sigmaflight.dataplane.schema import trajectory_schema
 from sigmaflight.dataplane.shm import ShmDir
 from sigmaflight.dataplane.streams import EXTRA_STREAMS, StreamNotFound
 from sigmaflight.dataplane.tickets import (
+    UNKNOWN,
+    Gone,
     Resolved,
     TicketNotFound,
     TicketRegistry,
@@ -86,6 +88,10 @@ class ResultStore:
         corrupted; the entry has ended as failed with that reason. Settable later as the
         attribute of the same name (the jobs layer marks the rollout)."""
         self.on_unavailable = on_unavailable
+        self.on_unknown: Callable[[str], Gone | None] | None = None
+        """Asked (outside the store's lock) why a ticket or rollout id the store does not know
+        names nothing: the jobs layer still knows rollouts the store forgot or never held (ended
+        before a restart, or more ended ones than the store remembers); None: "unknown"."""
         self.data_dir = Path(data_dir) if data_dir is not None else None
         self.max_batch_bytes = int(max_batch_bytes)
         self._fsync = fsync
@@ -287,7 +293,16 @@ class ResultStore:
             found = self._tickets.resolve(key, self._entries.__contains__, self._stopping(should_stop))
             if isinstance(found, Resolved):
                 return self._entries[found.rollout_id], found.start, found.stride
-        raise TicketNotFound(f"ticket {shown}", found.reason, found.ended)
+        raise self._not_found(f"ticket {shown}", key, found)
+
+    def _not_found(self, what: str, key: str, gone: Gone) -> TicketNotFound:
+        """TicketNotFound for `key`, with how it ended from `on_unknown` when the store has no idea."""
+        if gone == UNKNOWN and self.on_unknown is not None:
+            try:
+                gone = self.on_unknown(key) or gone
+            except Exception:  # the hook's failure must not break the answer
+                log.exception("on_unknown hook failed for %r", key[:80])
+        return TicketNotFound(what, gone.reason, gone.ended)
 
     def stream_of(self, ticket: bytes | str) -> str | None:
         """The extra stream an extra stream's ticket names ("outputs", ...); None for any other ticket."""
@@ -310,20 +325,22 @@ class ResultStore:
         """The entry a rollout id or a (whole-rollout) ticket names; never waits."""
         with self._lock:
             e = self._entries.get(ticket_or_id)
+            rid = None
             if e is None:
                 rid = self._tickets.rollout_of(ticket_or_id)
                 e = self._entries.get(rid) if rid is not None else None
-        return e if e is not None else self.get(ticket_or_id)
+        # a queued rollout's ticket names its reservation: "queued", as its id does
+        return e if e is not None else self.get(rid if rid is not None else ticket_or_id)
 
     def get(self, rollout_id: str) -> Entry:
         with self._lock:
             e = self._entries.get(rollout_id)
-            if e is None:
-                if self._tickets.is_reserved(rollout_id):
-                    raise TicketNotFound(f"rollout {rollout_id!r}", "queued: not started yet; do_get on its ticket waits")
-                gone = self._tickets.gone(rollout_id)
-                raise TicketNotFound(f"rollout {rollout_id!r}", gone.reason, gone.ended)
-            return e
+            if e is not None:
+                return e
+            if self._tickets.is_reserved(rollout_id):
+                raise TicketNotFound(f"rollout {rollout_id!r}", "queued: not started yet; do_get on its ticket waits")
+            gone = self._tickets.gone(rollout_id)
+        raise self._not_found(f"rollout {rollout_id!r}", rollout_id, gone)
 
     def ids(self) -> list[str]:
         with self._lock:

@@ -28,6 +28,7 @@ from sigmaflight.dataplane.cobatch import CallWriters
 from sigmaflight.dataplane.record import StepBatch, TrajectoryHeader
 from sigmaflight.dataplane.store import ResultStore
 from sigmaflight.dataplane.streams import CONDITIONING, OUTPUTS, StreamNotFound, stream_table
+from sigmaflight.dataplane.tickets import Gone
 from sigmaflight.dataplane.writer import TrajectoryWriter
 from sigmaflight.pipeline.models import LoadedModel, ModelRegistry, Policy
 from sigmaflight.pipeline.rollout import CallStep, RolloutResult, Rows, parent_metadata, run_batch
@@ -163,6 +164,9 @@ class LocalBackend:
 
     def on_result_lost(self, callback: Callable[[str, str], None]) -> None:
         self.store.on_unavailable = callback
+
+    def on_unknown_ticket(self, callback: Callable[[str], Gone | None]) -> None:
+        self.store.on_unknown = callback
 
     def close(self) -> None:
         """Nothing to do: the node that built this backend stops its store and Flight server."""

@@ -36,6 +36,7 @@ from sigmaflight.control.jobs.backend import Outcome, ParentTrajectory, RunConte
 from sigmaflight.control.node import NodeConfig
 from sigmaflight.dataplane.schema import header_from_schema
 from sigmaflight.dataplane.streams import CONDITIONING, requested_streams
+from sigmaflight.dataplane.tickets import Gone
 from sigmaflight.pipeline.spec import RolloutInputError
 
 from sigmaflight.records import ResultInfo
@@ -240,6 +241,9 @@ class RayBackend(WeightsFanout):
 
     def on_result_lost(self, callback: Callable[[str, str], None]) -> None:
         self._lost_callback = callback
+
+    def on_unknown_ticket(self, callback: Callable[[str], Gone | None]) -> None:
+        """Not wired: each worker's Flight server answers for its own store, in its own process."""
 
     def _watch_lost(self) -> None:
         """Every second, the results each worker's store found lost (a file truncated or corrupted)."""

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import pyarrow as pa
 import torch
 from sigmaflight.dataplane.record import TrajectoryHeader
+from sigmaflight.dataplane.tickets import Gone
 from sigmaflight.pipeline.spec import RolloutCancelled, RolloutInputError, RolloutSpec
 
 from sigmaflight.records import ERROR_TYPES, ErrorInfo, ResultInfo, RolloutState, error_type
@@ -252,6 +253,11 @@ class Backend(Protocol):
     def on_result_lost(self, callback: Callable[[str, str], None]) -> None:
         """Call `callback(rollout_id, reason)` when a held trajectory is found lost (file truncated or
         corrupted), so REST stops saying succeeded."""
+        ...
+
+    def on_unknown_ticket(self, callback: Callable[[str], Gone | None]) -> None:
+        """Ask `callback(ticket_or_id)` how a rollout ended when the Flight plane no longer knows
+        its ticket (ended before a restart, or forgotten), so Flight names the reason REST gives."""
         ...
 
     def close(self) -> None:
