@@ -270,14 +270,16 @@ class Client:
         if isinstance(ticket, Ticket):
             return ticket.flight.locations[0], ticket.flight.ticket
         ticket = rest.ref(ticket, "ticket")
-        try:
-            st = self.status(ticket)
-        except NotFound:
-            owners = self.rollouts(limit=1, ticket=ticket)
-            if not owners:
-                raise rest.no_rollout(ticket, self.url) from None
-            return owners[0].flight.locations[0], ticket
-        return st.flight.locations[0], st.flight.ticket
+        st = self._status_by_id_or_ticket(ticket)
+        # a ticket string is kept as given: it may name one of the rollout's extra streams
+        return st.flight.locations[0], (ticket if ticket != st.id else st.flight.ticket)
+
+    def _status_by_id_or_ticket(self, ref: str) -> RolloutStatus:
+        """The status of the rollout `ref` names, as a rollout id or else as a Flight ticket."""
+        st = self._status_of(ref)
+        if st is None:
+            raise rest.no_rollout(ref, self.url)
+        return st
 
     def pull(self, ticket: str | Ticket) -> Trajectory:
         """The whole trajectory as torch tensors (waits for a running rollout; see sigmaflight.dataplane.client).
@@ -293,7 +295,10 @@ class Client:
     def stream_ticket(self, ticket: str | Ticket, stream: str) -> tuple[str, str]:
         """(Flight location, Flight ticket) of one named stream of a rollout ("trajectory",
         "outputs", "conditioning"); NotFound naming it when the rollout did not ask for it."""
-        flight_ticket = ticket.flight if isinstance(ticket, Ticket) else self.status(ticket).flight
+        if isinstance(ticket, Ticket):
+            flight_ticket = ticket.flight
+        else:  # a rollout id or a Flight ticket, as `pull` takes
+            flight_ticket = self._status_by_id_or_ticket(rest.ref(ticket, "ticket")).flight
         found = flight_ticket.streams.get(stream)
         if found is None:
             raise NotFound(None, "not_found", f"rollout {_id(ticket)} has no {stream!r} stream (streams: "

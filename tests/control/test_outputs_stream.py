@@ -119,6 +119,9 @@ def test_a_reward_from_the_outputs_stream(server):
                                seed=5, return_={"outputs": True, "steps": [0]})
         client.wait(ticket, timeout=60)
         images = client.pull_outputs(ticket)
+        # every handle `pull` takes: the rollout id, and the bare Flight ticket (it was a NotFound)
+        assert np.array_equal(client.pull_outputs(ticket.id), images)
+        assert np.array_equal(client.pull_outputs(ticket.flight.ticket), images)
 
     def jpeg_bytes(img: np.ndarray) -> int:
         buf = io.BytesIO()
