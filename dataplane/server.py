@@ -212,11 +212,15 @@ class FlightDataServer(flight.FlightServerBase):
 
     def _entry(self, rollout_id: str) -> Entry:
         """The entry a rollout id or ticket names, at once (a queued rollout: not found, saying
-        so; do_get on its id or ticket is what waits for it)."""
+        so; do_get on its id or ticket is what waits for it). A failed one is the error do_get
+        gives, not a FlightInfo whose -1 totals read as "still running"."""
         try:
-            return self.store.find(rollout_id)
+            entry = self.store.find(rollout_id)
         except TicketNotFound as e:
             raise not_found(e) from None
+        if entry.state not in (RolloutState.RUNNING, RolloutState.SUCCEEDED):
+            raise rollout_ended(RolloutEnded(entry.rollout_id, entry.state, entry.message or entry.state))
+        return entry
 
     def _flight_info(self, entry: Entry, partitions: int = 1) -> flight.FlightInfo:
         tickets = self.store.partition_tickets(entry.rollout_id, partitions)

@@ -1,7 +1,8 @@
 """Flight names how a rollout ended as REST does, also for rollouts the store no longer knows: after
 a restart on the same --data-dir a failed, cancelled or expired rollout's ticket and id answer
-not_found with `ended` and the reason (they answered "unknown"), and a queued rollout's own ticket
-says "queued" as its id does. Real server, in process, plain pyarrow.flight."""
+not_found with `ended` and the reason (they answered "unknown"), a queued rollout's own ticket
+says "queued" as its id does, and a failed rollout's FlightInfo and schema are its failure (they
+were a FlightInfo with -1 totals, as for a running one). Real server, in process, plain pyarrow.flight."""
 
 from __future__ import annotations
 
@@ -34,6 +35,14 @@ def test_ended_rollouts_tickets_name_how_they_ended_after_a_restart(tmp_path) ->
             server.client() as c:
         failed = c.post("/v1/rollouts", json={**SMALL, "sampler": {"type": "sde", "noise_level": 1e30}}).json()
         assert wait_for_status(c, failed["id"], {"succeeded", "failed"})["status"] == "failed"
+        with flight.FlightClient(server.flight_url) as fc:  # not a FlightInfo whose -1 totals read "running"
+            for path in [("rollouts", failed["id"]), ("rollouts", failed["id"], "partitions", "2")]:
+                with pytest.raises(flight.FlightError) as caught:
+                    fc.get_flight_info(flight.FlightDescriptor.for_path(*path))
+                assert json.loads(caught.value.extra_info)["type"] == "failed", caught.value
+                assert "non-finite" in str(caught.value)
+            with pytest.raises(Exception, match="non-finite"):  # get_schema's errors come as ArrowException
+                fc.get_schema(flight.FlightDescriptor.for_path("rollouts", failed["id"]))
         released = c.post("/v1/rollouts", json=SMALL).json()
         wait_for_status(c, released["id"], {"succeeded"})
         assert c.delete(f"/v1/rollouts/{released['id']}").json()["status"] == "expired"
