@@ -97,7 +97,7 @@ def add_list(sub: Any) -> None:
                    "({\"rollouts\": [...]}) when stdout is a pipe or a file, or as --json / --table say.")
     add_client_arguments(p)
     add_output_arguments(p)
-    p.add_argument("--status", choices=STATES, help="only rollouts with this status")
+    p.add_argument("--status", choices=[str(s) for s in STATES], help="only rollouts with this status")
     p.add_argument("--limit", type=int, default=100, help="at most this many [default %(default)s]")
     p.set_defaults(run=run_list)
 

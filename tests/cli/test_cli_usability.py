@@ -202,6 +202,14 @@ def test_an_unknown_flag_prints_the_usage_of_its_subcommand():
     assert done.stderr.splitlines()[-1] == "sigmaflight submit: error: unrecognized arguments: --bogus"
 
 
+def test_a_bad_choice_lists_the_words_to_type():
+    done = piped("list", "--status", "bogus")
+    assert done.returncode == 2 and done.stdout == ""
+    last = done.stderr.splitlines()[-1]  # the words quoted or not, as the Python version prints them
+    assert last.startswith("sigmaflight list: error: argument --status: invalid choice: 'bogus' (choose from ")
+    assert last.replace("'", "").endswith("queued, running, succeeded, failed, cancelled, expired)"), last
+
+
 def test_no_flag_takes_an_abbreviation():
     done = piped("submit", "-p", "a", "--step", "3", "--url", "http://127.0.0.1:9")
     assert done.returncode == 2 and "unrecognized arguments: --step 3" in done.stderr  # was: taken as --steps 3
