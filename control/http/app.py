@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import from_json
 from sigmaflight.control.backends.local import LocalBackend
 from sigmaflight.control.branches import Parent, StaleParent, branch_spec, check_inherited, find_parent
 from sigmaflight.control.http import metrics
@@ -166,9 +167,19 @@ def check_query(request: Request, route: str) -> None:
 
 
 def parse_request(body: bytes) -> RolloutRequest:
-    """The wire model of a POST body, else 422 naming every bad field under "body"."""
+    """The wire model of a POST body, else 422 naming every bad field under "body".
+
+    Strict, as /openapi.json describes the body: JSON's own types only (`true` is no integer,
+    "3" no number, "yes" no boolean) and the contract's names only (`return`, never the Python
+    field name `return_`). Parsed by pydantic-core's JSON parser first: pydantic's JSON mode would
+    silently drop a `return_` key instead of refusing it."""
     try:
-        return RolloutRequest.model_validate_json(body or b"{}")
+        data = from_json(body or b"{}")
+    except ValueError as exc:
+        msg = f"Invalid JSON: {exc}"
+        raise HttpError(422, "validation_error", f"body: {msg}", [{"loc": ["body"], "msg": msg, "type": "json_invalid"}]) from None
+    try:
+        return RolloutRequest.model_validate(data, strict=True, by_name=False)
     except ValidationError as exc:
         details = [
             {"loc": ["body", *e["loc"]], "msg": e["msg"], "type": e["type"]}
