@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -130,8 +131,12 @@ def parse_lora_config(raw: object) -> Any:
     if "r" not in kwargs or isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise RolloutInputError("lora_config.r", f"the rank must be an integer >= 1, got {r!r}")
     alpha = kwargs.get("lora_alpha", defaults.lora_alpha)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha == alpha or alpha == float("inf"):
-        raise RolloutInputError("lora_config.lora_alpha", f"must be a finite number, got {alpha!r}")
+    if not _finite_number(alpha):
+        raise RolloutInputError("lora_config.lora_alpha", f"must be a finite number, got {_shown(alpha)}")
+    for name, check, want in (("rank_pattern", _rank, "an integer >= 1"), ("alpha_pattern", _finite_number,
+                                                                           "a finite number")):
+        if name in kwargs:
+            kwargs[name] = _pattern(name, kwargs[name], check, want)
     targets = kwargs.get("target_modules")
     if isinstance(targets, str):
         if not targets:
@@ -145,9 +150,49 @@ def parse_lora_config(raw: object) -> Any:
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
         raise RolloutInputError("lora_config.lora_dropout", f"must be a number in [0, 1), got {dropout!r}")
     try:
-        return LoraConfig(**kwargs)
+        config = LoraConfig(**kwargs)
     except (TypeError, ValueError) as exc:
         raise RolloutInputError("lora_config", f"peft refuses it: {exc}") from None
+    try:  # what the answers and GET /v1/models show of it must be JSON: checked before anything changes
+        json.dumps(_jsonable({k: v for k, v in config.to_dict().items() if k not in _META_KEYS}), allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise RolloutInputError("lora_config", f"holds a value JSON cannot carry ({exc})") from None
+    return config
+
+
+def _finite_number(value: object) -> bool:
+    """An int or float (not a bool) that float() holds as a finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int past float's range
+        return False
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _rank(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _pattern(name: str, value: object, check: Any, want: str) -> dict[str, Any]:
+    """`rank_pattern` / `alpha_pattern`: {module name or regex: value}, each value `check`ed."""
+    where = f"lora_config.{name}"
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise RolloutInputError(where, f"must be a JSON object of module name (or regex) -> {want}, "
+                                       f"not {type(value).__name__}")
+    for key, v in value.items():
+        if not isinstance(key, str) or not key:
+            raise RolloutInputError(where, f"keys must be non-empty module names (or regexes), got {_shown(key)}")
+        if not check(v):
+            raise RolloutInputError(where, f"the value for {_shown(key)} must be {want}, got {_shown(v)}")
+    return dict(value)
 
 
 def config_json(config: Any) -> str:
