@@ -121,17 +121,21 @@ class ServiceWeightsSink:
             model.unhold(model.failed)
 
     def manifest(self, model_id: str) -> dict[str, Any]:
-        """{"id", "digest", "weights_version", "base_digest", "algorithm", "tensors": {key: crc}}."""
+        """{"id", "digest", "weights_version", "base_digest", "algorithm", "tensors": {key: crc},
+        "failed": why an in-place push failed the model closed, or None}: a client answers a push
+        where nothing differs without a stream only when the model is not failed closed."""
         model = self._service.registry.get(model_id)
         with model.push_lock:  # the base and its digest read together, no swap in between
             policy = model.policy()
             tensors = self.manifests.get(model_id, policy.base_digest, model.base_transformer())
+            failed = model.failed
         return {"id": model_id, "digest": policy.digest, "weights_version": policy.weights_version,
-                "base_digest": policy.base_digest, "algorithm": "crc32c", "tensors": tensors}
+                "base_digest": policy.base_digest, "algorithm": "crc32c", "tensors": tensors, "failed": failed}
 
     def commit(self, model_id: str, staged: dict[str, torch.Tensor], *, partial: bool, base_digest: str | None,
                stats: PushStats) -> dict[str, Any]:
         t0 = time.monotonic()
+        before = self._service.registry.get(model_id).policy()
         try:
             old, policy = self._service.push_tensors(model_id, staged, expected_base=base_digest,
                                                      known_crcs=self.manifests.peek(model_id))
@@ -140,6 +144,10 @@ class ServiceWeightsSink:
         except RolloutInputError as exc:
             raise PushRefused("commit_failed", f"{exc.field}: {exc.reason}", tensor=exc.field) from None
         self.manifests.update(model_id, old, policy.base_digest, staged)
+        # a commit serves a new base and drops any LoRA adapter (pipeline/swaps.py install): say so
+        # (as the model stood when the commit began: a LoRA put racing this push from another
+        # client, between that read and the swap, is not seen)
+        lora_dropped = before.lora is not None
         now = time.monotonic()
         seconds, commit_seconds = now - stats.started, now - t0
         self.skipped_bytes += stats.skipped_bytes
@@ -149,4 +157,4 @@ class ServiceWeightsSink:
             "seconds": round(seconds, 3), "commit_seconds": round(commit_seconds, 3)})
         return {"id": model_id, "digest": policy.digest, "weights_version": policy.weights_version,
                 "tensors": len(staged), "bytes_sent": stats.received_bytes, "bytes_skipped": stats.skipped_bytes,
-                "seconds": seconds, "commit_seconds": commit_seconds}
+                "seconds": seconds, "commit_seconds": commit_seconds, "lora_dropped": lora_dropped}

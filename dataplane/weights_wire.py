@@ -141,6 +141,8 @@ def parse_header(raw: bytes) -> dict[str, Any]:
         raise PushRefused("bad_header", "header field 'push_id' is longer than 200 characters")
     if header.get("base_digest") is not None and not isinstance(header["base_digest"], str):
         raise PushRefused("bad_header", "header field 'base_digest' must be a string or null")
+    if not isinstance(header.get("partial", False), bool):  # bool("no") would run a partial push
+        raise PushRefused("bad_header", "header field 'partial' must be true or false")
     return header
 
 

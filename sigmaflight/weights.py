@@ -60,7 +60,9 @@ class WeightsPushError(ApiError):
 
 class PushResult(str):
     """The server's new weights digest (a str, as push_weights always returned), with the rest of
-    its answer: weights_version, tensors and bytes sent, bytes skipped (unchanged), seconds."""
+    its answer: weights_version, tensors and bytes sent, bytes skipped (unchanged), seconds, and
+    lora_dropped (True when a LoRA adapter was on the replaced base: any push that changes the base
+    drops it; push it again on the new base)."""
 
     weights_version: int
     tensors: int
@@ -68,6 +70,7 @@ class PushResult(str):
     bytes_skipped: int
     seconds: float
     push_id: str | None
+    lora_dropped: bool
     answer: dict[str, Any]
 
     @classmethod
@@ -80,6 +83,7 @@ class PushResult(str):
         out.bytes_skipped = int(answer.get("bytes_skipped", 0))
         out.seconds = float(answer.get("seconds", 0.0))
         out.push_id = answer.get("push_id")
+        out.lora_dropped = bool(answer.get("lora_dropped", False))
         return out
 
 
@@ -134,36 +138,46 @@ def push_weights(
     """Stream `state_dict` (the transformer's, keyed as its `state_dict()`) to the server.
 
     only_changed (default): fetch the served per-tensor checksums and send only the tensors whose
-    CRC32C differs (a push where nothing changed answers the current digest at once, no stream).
-    partial: `state_dict` holds only some tensors; send those and keep the others as served.
-    Without either, every tensor is sent. progress: a tqdm bar (bytes, bytes/s); default when
+    CRC32C differs (a push where nothing changed answers the current digest and weights_version at
+    once, no stream); the push names the base those kept tensors come from (refused "stale_base"
+    when it changed meanwhile). partial: `state_dict` holds only some tensors; send those (with
+    only_changed, those of them that differ) and keep the others as served. Without either, every
+    tensor is sent. Any push that changes the weights drops a LoRA adapter that was on
+    (`PushResult.lora_dropped` says so). chunk_bytes: about how many bytes each chunk carries,
+    rounded down to whole elements of each tensor's dtype (at least one element), so any value
+    >= 1 works. progress: a tqdm bar (bytes, bytes/s); default when
     stderr is a terminal. A cut connection is resumed from what the server acknowledges, up to
     `retries` times; `push_id` resumes a push another process started (the same tensors and
     options), sending only what the server has not received. Returns the new digest as a PushResult (a str with weights_version, bytes).
     Raises WeightsPushError (an ApiError: 422 naming the tensor, 409 for a push under way) when
     the push is refused (nothing changed on the server), ValueError for a bad argument here."""
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
     manifest = weights_manifest(client, model_id)
     served: dict[str, str] = manifest["tensors"]
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-    if partial:
-        send = sorted(tensors)
-    else:
+    if not partial:
         missing = sorted(set(served) - set(tensors))
         if missing:  # refused here as the server refuses a full push without it
             raise WeightsPushError("bad_weights", "missing_tensor", f"tensor {missing[0]!r} is missing from a full "
                                    f"push ({len(missing)} in all); send every tensor, or partial=True to keep the "
                                    "others as served", tensor=missing[0])
-        send = sorted(k for k in tensors if not only_changed or served.get(k) != tensor_crc(tensors[k]))
+    send = sorted(k for k in tensors if not only_changed or served.get(k) != tensor_crc(tensors[k]))
+    # the served base the unsent tensors must still be: every full only_changed push names it; a
+    # partial one when it left out some of the given tensors as unchanged (their values are the base's)
+    skipped = only_changed and (not partial or len(send) < len(tensors))
     total = sum(t.nbytes for t in tensors.values())
     if not send:
+        if manifest.get("failed") is not None:  # what the served weights hold cannot vouch for a no-op
+            raise WeightsPushError("conflict", "model_failed", f"model {model_id!r} is failed closed (an in-place "
+                                   f"push failed: {manifest['failed']}); only a push of every tensor "
+                                   "(only_changed=False, not partial) reopens it")
         return PushResult.of({"digest": manifest["digest"], "weights_version": manifest["weights_version"],
                               "tensors": 0, "bytes_sent": 0, "bytes_skipped": total})
     resume = push_id is not None
     push_id = push_id or uuid.uuid4().hex
     header: dict[str, Any] = {"sigmaflight.weights": 1, "model": model_id, "push_id": push_id, "partial": partial,
-              "base_digest": manifest["base_digest"] if only_changed and not partial else None,
+              "base_digest": manifest["base_digest"] if skipped else None,
               "tensors": {k: {"dtype": str(tensors[k].dtype).removeprefix("torch."),
                               "shape": list(tensors[k].shape)} for k in send}}
     descriptor = flight.FlightDescriptor.for_command(json.dumps(header).encode())
@@ -236,8 +250,9 @@ def _stream(fc: flight.FlightClient, options: flight.FlightCallOptions, descript
         for name, t in tensors.items():
             flat = _flat(t)
             have = received.get(name, [])
-            for off in range(0, flat.size, chunk_bytes):
-                end = min(off + chunk_bytes, flat.size)
+            step = max(t.element_size(), chunk_bytes - chunk_bytes % t.element_size())  # whole elements
+            for off in range(0, flat.size, step):
+                end = min(off + step, flat.size)
                 if _covered(have, off, end):
                     continue
                 writer.write_batch(chunk_batch(name, off, flat[off:end]))

@@ -1,16 +1,16 @@
 """Changes of a model's weights over REST: a full push and a LoRA adapter.
 
 `PUT /v1/models/{model_id}/weights`: the body is a safetensors file
-(`safetensors.torch.save(transformer.state_dict())`), sent as `application/octet-stream`. With a
-Content-Length it is streamed (`_stream_weights`): the header is read and checked against the
+(`safetensors.torch.save(transformer.state_dict())`), sent as `application/octet-stream`, with a
+Content-Length or chunked. It is streamed (`_stream_weights`): the header is read and checked against the
 base transformer (same keys, shapes and dtypes), then each tensor's bytes go straight into a
 staging copy as they arrive, checked for finite values (the streamed push's staging,
-dataplane/weights.py), and the push commits with the same swap; no buffer holds the body. A
-chunked body (no Content-Length) is read into one buffer (`read_body`), parsed with
-`read_safetensors` and handed to `ModelRegistry.replace_weights`. Either way a bad tensor is a
-422 naming the key and nothing changes; a streamed PUT while a Flight push to the model is
-under way is a 409 `push_in_progress`. Rollouts already running finish on the old weights, the
-next ones run on the new.
+dataplane/weights.py), and the push commits with the same swap; no buffer holds the body. A bad
+tensor is a 422 naming the key and nothing changes; a PUT while a Flight push to the model is
+under way (or cut and waiting for its resume) is a 409 `push_in_progress`: every PUT is a push
+of the push registry (`WeightsPushes.begin`), whatever its framing. Rollouts already running
+finish on the old weights, the next ones run on the new. The answer's `lora_dropped` says a LoRA
+adapter that was on is gone (a new base drops it).
 
 `PUT /v1/models/{model_id}/lora`: the body is a safetensors file of the adapter, keyed as
 `peft.get_peft_model_state_dict` gives them (with or without `base_model.model.`), with the
@@ -73,16 +73,6 @@ def _known_model(service: Any, model_id: str) -> None:
 def _answer(model_id: str, policy: Any, **extra: Any) -> JSONResponse:
     return JSONResponse({"id": model_id, "digest": policy.digest, "weights_version": policy.weights_version,
                          **extra})
-
-
-def _load(service: Any, model_id: str, body: bytearray) -> JSONResponse:
-    _known_model(service, model_id)
-    try:
-        state, _ = read_safetensors(body)
-        new = service.push_weights(model_id, state)  # with --backend ray: every worker too
-    except RolloutInputError as exc:
-        raise _body_key(exc) from None
-    return _answer(model_id, new, tensors=len(state))
 
 
 def _load_lora(service: Any, model_id: str, body: bytearray) -> JSONResponse:
@@ -227,10 +217,16 @@ def _aborted_on_error(pushes: Any, staging: Any, reason: str) -> Iterator[None]:
         raise
 
 
-async def _stream_weights(request: Request, length: int) -> Response:
-    """PUT .../weights with a Content-Length: the header first (checked against the model), then
-    each tensor's bytes straight into a staging copy as they arrive (the streamed push's staging,
-    dataplane/weights.py), committed by the same swap; no buffer holds the body."""
+_UNKNOWN_LENGTH = 1 << 62
+"""The data section's size parse_header checks offsets against for a chunked body (no
+Content-Length): a body that ends before its tensors is refused at the end ("incomplete")."""
+
+
+async def _stream_weights(request: Request, length: int | None) -> Response:
+    """PUT .../weights: the header first (checked against the model), then each tensor's bytes
+    straight into a staging copy as they arrive (the streamed push's staging, dataplane/weights.py),
+    committed by the same swap; no buffer holds the body. `length`: the Content-Length, or None for
+    a chunked body (the same push, so the same checks and the same one-push-per-model registry)."""
     service, model_id = request.state.service, request.path_params["model_id"]
     await run_in_threadpool(_known_model, service, model_id)
     chunks = request.stream().__aiter__()
@@ -246,12 +242,13 @@ async def _stream_weights(request: Request, length: int) -> Response:
 
     await fill(8)
     n = int.from_bytes(buf[:8], "little")
-    if n > MAX_HEADER_BYTES or 8 + n > length:
+    if n > MAX_HEADER_BYTES or (length is not None and 8 + n > length):
         raise _body_key(RolloutInputError("body", f"not a safetensors file: header size {n} does not fit the body "
-                                          f"of {length} bytes"))
+                                          f"of {length if length is not None else 'at most --max-weights-bytes'} "
+                                          "bytes"))
     await fill(8 + n)
     try:
-        entries, _ = parse_header(bytes(buf[8:8 + n]), length - 8 - n)
+        entries, _ = parse_header(bytes(buf[8:8 + n]), (length if length is not None else _UNKNOWN_LENGTH) - 8 - n)
     except RolloutInputError as exc:
         raise _body_key(exc) from None
     header = _push_header(model_id, "put", entries, partial=False)
@@ -271,7 +268,7 @@ async def _stream_weights(request: Request, length: int) -> Response:
                 feeder.feed(chunk)
         answer = await run_in_threadpool(pushes.commit, staging)
     return JSONResponse({"id": model_id, "digest": answer["digest"], "weights_version": answer["weights_version"],
-                         "tensors": len(entries)})
+                         "tensors": len(entries), "lora_dropped": answer.get("lora_dropped", False)})
 
 
 _FILE_PIECE = 8 << 20
@@ -344,7 +341,8 @@ def _push_file(service: Any, model_id: str, path: object, partial: bool) -> JSON
     finally:
         os.close(fd)
     return JSONResponse({"id": model_id, "digest": answer["digest"], "weights_version": answer["weights_version"],
-                         "tensors": len(entries), "bytes_sent": answer["bytes_sent"]})
+                         "tensors": len(entries), "bytes_sent": answer["bytes_sent"],
+                         "lora_dropped": answer.get("lora_dropped", False)})
 
 
 async def post_weights_file(request: Request) -> Response:
@@ -369,13 +367,11 @@ async def post_weights_file(request: Request) -> Response:
 
 async def put_weights(request: Request) -> Response:
     length = request.headers.get("content-length", "")
-    if not length.isdigit():  # chunked (no Content-Length): one growing buffer, within --max-weights-bytes
-        return await _push(request, _load)
     slots: PushSlots = request.app.state.push_slots
     if not slots.try_take():
         raise too_many_pushes(slots)
-    try:
-        return await _stream_weights(request, int(length))
+    try:  # chunked (no Content-Length): streamed the same way, within --max-weights-bytes
+        return await _stream_weights(request, int(length) if length.isdigit() else None)
     finally:
         slots.give_back()
 

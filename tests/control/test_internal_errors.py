@@ -24,7 +24,7 @@ def test_an_unmapped_exception_is_a_500_and_the_connection_keeps_serving() -> No
     with InProcessServer() as server:
         server.app.router.routes.insert(0, Route("/boom", _boom))
         url = urlsplit(server.rest_url)
-        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+        conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=30)
         try:
             conn.request("GET", "/boom", headers={"x-request-id": "req-boom"})
             sock = conn.sock
