@@ -164,6 +164,8 @@ def check_query(request: Request, route: str) -> None:
         if name not in allowed:
             takes = f"takes only {', '.join(allowed)}" if allowed else "takes no query parameters"
             raise invalid(["query", name], f"unknown query parameter; this route {takes}", "extra_forbidden")
+        if len(request.query_params.getlist(name)) > 1:  # which one was meant is not ours to guess
+            raise invalid(["query", name], "given more than once; give it once", "extra_forbidden")
 
 
 def parse_request(body: bytes) -> RolloutRequest:
@@ -343,6 +345,8 @@ async def list_rollouts(request: Request) -> Response:
 
 async def delete_rollout(request: Request) -> Response:
     service = _service(request)
+    if request.query_params:
+        check_query(request, "delete_rollout")
     # off the event loop: releasing a result unlinks its file and trims the heap; the journal writes
     job = await run_in_threadpool(service.jobs.cancel, request.path_params["rollout_id"])
     if job is None:

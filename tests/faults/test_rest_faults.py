@@ -50,6 +50,25 @@ def test_plain_bad_query_parameters_are_422(server: InProcessServer, query: str,
     assert _details_name(r.json(), ["query", name]), r.text
 
 
+@pytest.mark.parametrize(("method", "query", "name"), [
+    ("GET", "limit=5&limit=abc", "limit"), ("GET", "status=queued&status=running", "status"),
+    ("DELETE", "force=1", "force"),
+])
+def test_repeated_and_unknown_parameters_of_other_routes_are_422(server: InProcessServer, method: str, query: str,
+                                                                name: str) -> None:
+    """A parameter given twice was taken as its last value (`?wait_s=abc&wait_s=1` held the read);
+    DELETE took any parameter. Nothing is cancelled by a refused DELETE."""
+    with server.client() as c:
+        rid = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 1}).json()["id"]
+        path = "/v1/rollouts" if method == "GET" else f"/v1/rollouts/{rid}"
+        r = c.request(method, f"{path}?{query}")
+        assert r.status_code == 422, r.text
+        assert _details_name(r.json(), ["query", name]), r.text
+        held = c.get(f"/v1/rollouts/{rid}?wait_s=abc&wait_s=1")
+        assert held.status_code == 422 and _details_name(held.json(), ["query", "wait_s"]), held.text
+        assert c.get(f"/v1/rollouts/{rid}").json()["status"] != "cancelled"
+
+
 def _http_500s(server: InProcessServer) -> float:
     """POST 500s so far, read with prometheus-client's own parser (whatever the label order)."""
     from prometheus_client.parser import text_string_to_metric_families
