@@ -11,6 +11,7 @@ Anything else is a "bad_request" Flight error whose message echoes the input, cl
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pyarrow.flight as flight
@@ -64,12 +65,9 @@ def path_partitions(descriptor: flight.FlightDescriptor) -> tuple[str | None, in
     parts = [bytes(p) for p in descriptor.path]
     if parts[0] != DESCRIPTOR_ROOT.encode() or parts[2] != b"partitions":
         return None, 1
-    try:
-        n = int(parts[3])
-        if not 1 <= n <= 64:
-            raise ValueError
-    except ValueError:
-        raise flight_error("bad_request", f"bad partition count {parts[3][:20]!r}: expected an integer in 1..64") from None
+    # plain decimal digits only: int() would also take "2_0" (20), " 3 ", "+4" and "05"
+    if re.fullmatch(rb"[1-9][0-9]?", parts[3]) is None or not 1 <= (n := int(parts[3])) <= 64:
+        raise flight_error("bad_request", f"bad partition count {parts[3][:20]!r}: expected an integer in 1..64")
     return parts[1].decode("utf-8", errors="replace"), n
 
 

@@ -34,6 +34,10 @@ BAD_DESCRIPTORS = [
     (flight.FlightDescriptor.for_path("rollouts", "missing"), "rollout 'missing' not found"),
     (flight.FlightDescriptor.for_path("rollouts", "ok", "partitions", "zero"), "bad partition count"),
     (flight.FlightDescriptor.for_path("rollouts", "ok", "partitions", "1000"), "bad partition count"),
+    (flight.FlightDescriptor.for_path("rollouts", "ok", "partitions", "2_0"), "bad partition count"),  # int(): 20
+    (flight.FlightDescriptor.for_path("rollouts", "ok", "partitions", "+4"), "bad partition count"),
+    (flight.FlightDescriptor.for_path("rollouts", "ok", "partitions", " 3 "), "bad partition count"),
+    (flight.FlightDescriptor.for_path("rollouts", "ok", "partitions", "05"), "bad partition count"),
 ]
 
 
