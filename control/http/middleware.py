@@ -87,6 +87,20 @@ class RequestIdMiddleware:
             )
 
 
+class _TrackedSend:
+    """An ASGI `send` that notes whether the response has started (after that, an error can only
+    close the connection)."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.started = False
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self.send(message)
+
+
 class InternalErrorMiddleware:
     """The catch-all: an exception nothing mapped to an answer is logged with its traceback and
     answered 500 `internal_error`, and the connection stays open. (Starlette's own catch-all answers
@@ -101,22 +115,15 @@ class InternalErrorMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
+        tracked = _TrackedSend(send)
         try:
-            await self.app(scope, receive, tracking_send)
+            await self.app(scope, receive, tracked)
         except ClientDisconnect:
             raise
         except Exception as exc:
             log.exception("unhandled error", extra={"method": scope["method"], "path": scope["path"],
                                                     "request_id": scope.get("state", {}).get("request_id")})
-            if started:  # half an answer is out: only closing the connection ends it
+            if tracked.started:  # half an answer is out: only closing the connection ends it
                 raise
             await send_error(send, 500, "internal_error", f"{type(exc).__name__}: {exc}")
 
@@ -197,7 +204,6 @@ class BodyLimitMiddleware:
                     await send_error(send, 413, "body_too_large", self._message(declared, max_bytes, flag))
                     return
         seen = 0
-        started = False
         complete = False
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s if self.timeout_s is not None else None
@@ -218,22 +224,17 @@ class BodyLimitMiddleware:
                     raise _TooLarge
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
+        tracked = _TrackedSend(send)
         try:
-            await self.app(scope, limited_receive, tracking_send)
+            await self.app(scope, limited_receive, tracked)
         except _TooLarge:
-            if not started:
+            if not tracked.started:
                 await send_error(send, 413, "body_too_large", self._message(seen, max_bytes, flag))
         except _TooSlow:
             log.info("request body too slow; answered 408",
                      extra={"method": scope["method"], "path": scope["path"], "bytes": seen,
                             "request_id": scope.get("state", {}).get("request_id")})
-            if not started:
+            if not tracked.started:
                 await send_error(send, 408, "request_timeout",
                                  f"the request body did not arrive within {self.timeout_s:g} s "
                                  f"({seen} bytes came); send it faster or raise --body-timeout-s",

@@ -14,8 +14,12 @@ BASE = {"prompts": ["a"], "num_inference_steps": 1}
 
 @pytest.fixture(scope="module")
 def client():
-    with InProcessServer() as server, server.client() as c:
-        yield c
+    server = InProcessServer()
+    try:
+        with server.client() as c:
+            yield c
+    finally:
+        server.terminate()
 
 
 @pytest.mark.parametrize(
