@@ -77,7 +77,7 @@ class RolloutRequest(_Wire):
     negative_prompt: str | None = Field(None, description="Negative prompt for classifier-free guidance; default: the model's.")
     num_outputs_per_prompt: int = Field(1, ge=1, description="Samples per prompt (a GRPO group); B = prompts x this.")
     num_inference_steps: int | None = Field(None, ge=1, description="T; default: the model's.")
-    guidance_scale: float | None = Field(None, description="CFG scale; default: the model's.")
+    guidance_scale: float | None = Field(None, ge=0, le=100, description="CFG scale, 0..100; default: the model's.")
     height: int | None = Field(None, ge=1, description="Image height in pixels; default: the model's.")
     width: int | None = Field(None, ge=1, description="Image width in pixels; default: the model's.")
     num_frames: int | None = Field(None, ge=1, description="Video models only.")

@@ -50,14 +50,17 @@ def _errors(*codes: int) -> dict[str, Any]:
         401: "Bearer token missing or wrong.",
         404: "Unknown rollout id (or model id).",
         408: "The request body did not arrive within --body-timeout-s.",
-        409: "Idempotency-Key reused with another body, expected_digest is not the model's digest (stale_policy), "
+        409: "Idempotency-Key reused with another body (idempotency_conflict), expected_digest is not the model's "
+             "digest (stale_policy), a branch's parent ran on other weights than the model's now (stale_parent), "
              "or a streamed weights push to the model is under way (push_in_progress).",
         413: "Request body, or the trajectory it asks for, is too large.",
         415: "The body is not sent as Content-Type: application/json.",
         422: "Validation error; details name each bad field and why.",
         429: "Queue full (rollouts), or --max-weights-pushes pushes already under way (too_many_pushes); see "
              "Retry-After.",
-        503: "Shutting down.",
+        503: "Not taken now: the server is shutting down (shutting_down), the model was failed closed by a "
+             "weights push (weights_failed), the job journal cannot be written (journal_unavailable) or no worker "
+             "can take it (no_workers); see Retry-After where given.",
     }
     return {str(c): _json("ErrorBody", text[c]) for c in codes}
 

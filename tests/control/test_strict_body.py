@@ -63,3 +63,20 @@ def test_bad_json_is_a_422_naming_the_body(client):
         r = client.post("/v1/rollouts", content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 422, r.text
         assert r.json()["error"]["details"][0]["loc"] == ["body"], r.text
+
+
+def test_the_published_schema_bounds_what_the_server_bounds(client):
+    """/openapi.json's RolloutRequest gives the bounds the server enforces (guidance_scale had none),
+    and the 503 and 409 answers name every error type they can carry."""
+    doc = client.get("/openapi.json").json()
+    props = doc["components"]["schemas"]["RolloutRequest"]["properties"]
+    scale = next(s for s in props["guidance_scale"]["anyOf"] if s.get("type") == "number")
+    seed = next(s for s in props["seeds"]["anyOf"] if s.get("type") == "array")["items"]
+    assert (scale["minimum"], scale["maximum"]) == (0, 100) and (seed["minimum"], seed["maximum"]) == (0, 2**63 - 1)
+    for value, code in [(100, 202), (100.5, 422), (-0.5, 422)]:
+        assert client.post("/v1/rollouts", json={**BASE, "guidance_scale": value}).status_code == code, value
+    post = doc["paths"]["/v1/rollouts"]["post"]["responses"]
+    for word in ("shutting_down", "weights_failed", "journal_unavailable", "no_workers"):
+        assert word in post["503"]["description"]
+    for word in ("idempotency_conflict", "stale_policy", "stale_parent"):
+        assert word in post["409"]["description"]
