@@ -35,7 +35,7 @@ import torch
 from sigmaflight.dataplane.auth import bearer_header
 from sigmaflight.dataplane.codec import StepTensors, batch_to_tensors
 from sigmaflight.dataplane.descriptors import DESCRIPTOR_ROOT
-from sigmaflight.dataplane.errors import server_words
+from sigmaflight.dataplane.errors import error_info, server_words
 from sigmaflight.dataplane.idle import flight_batches
 from sigmaflight.dataplane.samehost import (
     FileChanged,
@@ -266,13 +266,31 @@ class TrajectoryClient:
 
         Nothing starts before the first step is asked for. A consumer that stops early
         (``break``, ``close()``, or drops the iterator) cancels the streams, ends the pump
-        threads and closes the extra connections: no stream slot stays held."""
-        fi = self.flight_info(rollout_id, partitions=streams)
+        threads and closes the extra connections: no stream slot stays held. A rollout that has
+        not started streaming yet (queued, or its batch still encoding prompts) is waited for, as
+        ``iter_steps`` and do_get wait."""
+        try:
+            fi = self.flight_info(rollout_id, partitions=streams)
+        except flight.FlightError as exc:
+            if not str((error_info(exc) or {}).get("reason", "")).startswith("queued"):
+                raise
+            self._wait_started(rollout_id)
+            fi = self.flight_info(rollout_id, partitions=streams)
         ordered = self._parallel(fi, prefetch)
         if merge_steps:
             return iter_step_tensors(fi.schema, ordered, copy=copy)
         dtype = header_from_schema(fi.schema).latent_dtype
         return (batch_to_tensors(b, copy=copy, dtype=dtype) for b in ordered)
+
+    def _wait_started(self, rollout_id: str) -> None:
+        """Return once the rollout streams: a do_get waits while it is queued, and its schema comes
+        once it has started (or the error of one that ended without starting)."""
+        with server_words():
+            reader = self._client.do_get(flight.Ticket(rollout_id.encode()), self._options)
+            try:
+                _ = reader.schema
+            finally:
+                reader.cancel()
 
     def _parallel(self, fi: flight.FlightInfo, prefetch: int) -> Iterator[pa.RecordBatch]:
         """Every batch of ``fi``'s endpoints in stream order. A generator: nothing connects

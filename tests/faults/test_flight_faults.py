@@ -9,6 +9,7 @@ import threading
 
 import pyarrow.flight as flight
 import pytest
+import torch
 
 from tests.faults.conftest import LONG, LONG_FLAGS, SMALL, Pull, latent_bytes, options, pull, wait_running
 from tests.servers import InProcessServer, flight_streams, wait_for, wait_for_status
@@ -118,6 +119,27 @@ def test_pull_by_id_of_a_queued_rollout_waits_for_it(server: InProcessServer) ->
             trajectory = tc.pull(queued["id"])
         assert trajectory.rollout_id == queued["id"]
         assert wait_for_status(c, queued["id"], {"succeeded"})
+
+
+@pytest.mark.timeout(120)
+def test_iter_steps_parallel_of_a_queued_rollout_waits_for_it(server: InProcessServer) -> None:
+    """As pull and iter_steps do; it answered "not found (queued: not started yet)", also in the
+    moment after REST said running and before the rollout's first step was stored."""
+    from sigmaflight.dataplane.client import TrajectoryClient
+
+    mid = {"prompts": ["mid"], "num_inference_steps": 1500, "seed": 53, "return": {"steps": [0, 1500]}}
+    with server.client() as c:
+        blocker = c.post("/v1/rollouts", json=mid).json()
+        wait_running(c, blocker["id"], steps=1)
+        queued = c.post("/v1/rollouts", json=SMALL).json()
+        assert c.get(f"/v1/rollouts/{queued['id']}").json()["status"] == "queued"
+        with TrajectoryClient(server.flight_url) as tc:
+            steps = list(tc.iter_steps_parallel(queued["id"], streams=2))
+            alone = list(tc.iter_steps(queued["id"]))
+        assert [s.step for s in steps] == [s.step for s in alone] and steps
+        assert all(torch.equal(a.latent, b.latent) for a, b in zip(steps, alone, strict=True))
+        assert wait_for_status(c, queued["id"], {"succeeded"})
+        assert flight_streams(c) == 0  # the wait's own stream is closed
 
 
 @pytest.mark.timeout(120)
