@@ -114,7 +114,7 @@ def test_good_patterns_are_still_taken(client: Client, adapter: dict) -> None:
 @pytest.mark.timeout(120)
 def test_a_push_that_changes_the_base_says_the_adapter_was_dropped(server: InProcessServer, client: Client,
                                                                    adapter: dict) -> None:
-    """Finding 5: a partial push dropped the adapter and its answer did not say so. Any push
+    """A partial push dropped the adapter and its answer did not say so. Any push
     that changes the base drops it (docs/trainers.md); the answer's lora_dropped says so, and a
     push that changes nothing keeps it."""
     base = _base_state()

@@ -92,7 +92,7 @@ def _chunked(body: bytes) -> Iterator[bytes]:
 @pytest.mark.timeout(120)
 def test_a_chunked_put_is_409_while_a_streamed_push_is_cut_and_pending(server: InProcessServer,
                                                                        client: Client) -> None:
-    """Finding 4: a chunked PUT went around the push registry: it committed, and the pending push,
+    """A chunked PUT went around the push registry: it committed, and the pending push,
     resumed, committed over it."""
     base = _base()
     pending = _scaled(base, 1.02)
@@ -140,7 +140,7 @@ def test_a_chunked_put_alone_commits_and_a_bad_one_is_422_naming_the_key(server:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("chunk_bytes", [1, 3, 6, 4097])
 def test_any_chunk_bytes_pushes_whole_elements(client: Client, chunk_bytes: int) -> None:
-    """Finding 7: a chunk_bytes that is not a multiple of the element size cut float32 tensors
+    """A chunk_bytes that is not a multiple of the element size cut float32 tensors
     mid-element and every push was refused (422 reason "offset")."""
     base = _base()
     keys = ["proj_out.bias", "pos_embed.proj.bias"] if chunk_bytes < 8 else sorted(base)
@@ -155,7 +155,7 @@ def test_any_chunk_bytes_pushes_whole_elements(client: Client, chunk_bytes: int)
 
 @pytest.mark.timeout(120)
 def test_a_partial_only_changed_push_sends_only_what_differs(client: Client) -> None:
-    """Finding 6: partial=True sent every given tensor: an identical push bumped weights_version
+    """`partial=True` sent every given tensor: an identical push bumped weights_version
     (which max_staleness counts)."""
     base = _base()
     digest, version = _served(client)
@@ -174,7 +174,7 @@ def test_a_partial_only_changed_push_sends_only_what_differs(client: Client) -> 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("partial", ["no", "", 1, None, [True]])
 def test_the_push_header_partial_must_be_a_bool(server: InProcessServer, client: Client, partial: object) -> None:
-    """Finding 8: "partial": "no" ran as a partial push (bool("no"))."""
+    """A header with "partial": "no" ran as a partial push (bool("no"))."""
     base = _base()
     before = _served(client)
     key = "proj_out.bias"
