@@ -86,13 +86,18 @@ def _add_request_flag(p: argparse.ArgumentParser, path: tuple[str, ...], field: 
         kw["choices"] = list(typing.get_args(kind))
     elif kind is bool:
         kw["action"] = argparse.BooleanOptionalAction
-    elif typing.get_origin(kind) is list and typing.get_args(kind) == (int,):
+    elif typing.get_origin(kind) is list and _bare(typing.get_args(kind)[0]) is int:  # seeds' items carry bounds
         kw.update(type=_ints, metavar="I,J,...")
     elif typing.get_origin(kind) is list:  # list[str]: the flag repeats
         kw.update(action="append", metavar=path[-1].upper().rstrip("S"))
     else:
         kw.update(type=kind, metavar=METAVARS.get(path, path[-1].upper()))
     p.add_argument(*names, **kw)
+
+
+def _bare(kind: Any) -> Any:
+    """The type under `Annotated[type, ...]` (a field's bounds), else the type itself."""
+    return typing.get_args(kind)[0] if typing.get_origin(kind) is typing.Annotated else kind
 
 
 def _request_file(path: str) -> dict[str, Any]:
