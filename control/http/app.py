@@ -24,12 +24,7 @@ from sigmaflight.control.http import metrics
 from sigmaflight.control.http.docs_page import docs_routes
 from sigmaflight.control.http.errors import EXCEPTION_HANDLERS, HttpError, invalid
 from sigmaflight.control.http.holds import HeldReads
-from sigmaflight.control.http.middleware import (
-    BearerAuthMiddleware,
-    BodyLimitMiddleware,
-    InternalErrorMiddleware,
-    RequestIdMiddleware,
-)
+from sigmaflight.control.http.middleware import BearerAuthMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from sigmaflight.control.http.openapi import openapi_document
 from sigmaflight.control.http.status import StatusBodies, flight_ticket, status_of
 from sigmaflight.control.http.weights import (
@@ -439,7 +434,6 @@ def create_app(settings: Settings, service: Service | None = None) -> Starlette:
         routes=ROUTES,
         middleware=[
             Middleware(RequestIdMiddleware, responses=service_metrics.http_responses),
-            Middleware(InternalErrorMiddleware),
             Middleware(BearerAuthMiddleware, tokens=tokens),
             Middleware(
                 BodyLimitMiddleware,

@@ -40,11 +40,18 @@ async def send_error(
 
 
 class RequestIdMiddleware:
-    """Gives every request an id (or keeps the caller's X-Request-ID), echoes it, counts responses.
+    """Gives every request an id (or keeps the caller's X-Request-ID), echoes it, counts responses,
+    and is the catch-all of errors.
 
     A client that leaves before its body arrived (ClientDisconnect while a route reads it) is
     logged at info and answered with nothing: no one is left to read a response, and it is no
-    server error (nothing counted, nothing reaches the 500 handler)."""
+    server error (nothing counted, nothing reaches the 500 handler).
+
+    An exception nothing mapped to an answer is logged with its traceback and answered 500
+    `internal_error`, with the request id and counted, and the connection stays open. (Starlette's
+    own catch-all answers and then raises it again, and uvicorn then closes the connection: the
+    client's next request on it failed as if the server were gone.) Here, not in a middleware of
+    its own: this one already sees the response start, and every request pays for each layer."""
 
     def __init__(self, app: ASGIApp, responses: PromCounter | None = None) -> None:
         self.app = app
@@ -70,9 +77,12 @@ class RequestIdMiddleware:
                 rid = v.decode("latin-1")[:128]
         rid = rid or new_request_id()
         scope.setdefault("state", {})["request_id"] = rid
+        started = False
 
         async def send_with_id(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
                 if self.responses is not None:
                     self._counter(scope["method"], message["status"]).inc()
@@ -85,6 +95,11 @@ class RequestIdMiddleware:
                 "client disconnected before its request body arrived",
                 extra={"method": scope["method"], "path": scope["path"], "request_id": rid},
             )
+        except Exception as exc:
+            log.exception("unhandled error", extra={"method": scope["method"], "path": scope["path"], "request_id": rid})
+            if started:  # half an answer is out: only closing the connection ends it
+                raise
+            await send_error(send_with_id, 500, "internal_error", f"{type(exc).__name__}: {exc}")
 
 
 class _TrackedSend:
@@ -99,33 +114,6 @@ class _TrackedSend:
         if message["type"] == "http.response.start":
             self.started = True
         await self.send(message)
-
-
-class InternalErrorMiddleware:
-    """The catch-all: an exception nothing mapped to an answer is logged with its traceback and
-    answered 500 `internal_error`, and the connection stays open. (Starlette's own catch-all answers
-    and then raises it again, and uvicorn then closes the connection: the client's next request on
-    it failed as if the server were gone.) Inside `RequestIdMiddleware`, so the 500 carries the
-    request id and is counted; a client that left (ClientDisconnect) is that middleware's to log."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        tracked = _TrackedSend(send)
-        try:
-            await self.app(scope, receive, tracked)
-        except ClientDisconnect:
-            raise
-        except Exception as exc:
-            log.exception("unhandled error", extra={"method": scope["method"], "path": scope["path"],
-                                                    "request_id": scope.get("state", {}).get("request_id")})
-            if tracked.started:  # half an answer is out: only closing the connection ends it
-                raise
-            await send_error(send, 500, "internal_error", f"{type(exc).__name__}: {exc}")
 
 
 class BearerAuthMiddleware:
