@@ -7,6 +7,7 @@ import gc
 import json
 import threading
 
+import httpx
 import pyarrow.flight as flight
 import pytest
 import torch
@@ -105,16 +106,22 @@ def test_flight_release_of_a_running_rollout_is_refused(server: InProcessServer)
         assert pull(server.flight_url, running["flight"]["ticket"]).num_rows == 2
 
 
+def _queued_behind_a_blocker(c: httpx.Client) -> dict:
+    """A small rollout's ticket, queued behind a running one of 1500 steps (that ends by itself)."""
+    mid = {"prompts": ["mid"], "num_inference_steps": 1500, "seed": 53, "return": {"steps": [0, 1500]}}
+    blocker = c.post("/v1/rollouts", json=mid).json()
+    wait_running(c, blocker["id"], steps=1)
+    queued = c.post("/v1/rollouts", json=SMALL).json()
+    assert c.get(f"/v1/rollouts/{queued['id']}").json()["status"] == "queued"
+    return queued
+
+
 @pytest.mark.timeout(120)
 def test_pull_by_id_of_a_queued_rollout_waits_for_it(server: InProcessServer) -> None:
     from sigmaflight.dataplane.client import TrajectoryClient
 
-    mid = {"prompts": ["mid"], "num_inference_steps": 1500, "seed": 53, "return": {"steps": [0, 1500]}}
     with server.client() as c:
-        blocker = c.post("/v1/rollouts", json=mid).json()
-        wait_running(c, blocker["id"], steps=1)
-        queued = c.post("/v1/rollouts", json=SMALL).json()
-        assert c.get(f"/v1/rollouts/{queued['id']}").json()["status"] == "queued"
+        queued = _queued_behind_a_blocker(c)
         with TrajectoryClient(server.flight_url) as tc:
             trajectory = tc.pull(queued["id"])
         assert trajectory.rollout_id == queued["id"]
@@ -127,12 +134,8 @@ def test_iter_steps_parallel_of_a_queued_rollout_waits_for_it(server: InProcessS
     moment after REST said running and before the rollout's first step was stored."""
     from sigmaflight.dataplane.client import TrajectoryClient
 
-    mid = {"prompts": ["mid"], "num_inference_steps": 1500, "seed": 53, "return": {"steps": [0, 1500]}}
     with server.client() as c:
-        blocker = c.post("/v1/rollouts", json=mid).json()
-        wait_running(c, blocker["id"], steps=1)
-        queued = c.post("/v1/rollouts", json=SMALL).json()
-        assert c.get(f"/v1/rollouts/{queued['id']}").json()["status"] == "queued"
+        queued = _queued_behind_a_blocker(c)
         with TrajectoryClient(server.flight_url) as tc:
             steps = list(tc.iter_steps_parallel(queued["id"], streams=2))
             alone = list(tc.iter_steps(queued["id"]))
