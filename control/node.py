@@ -77,7 +77,7 @@ def _str_or_none(path: Path | None) -> str | None:
     return None if path is None else str(path)
 
 
-def quiet_library_progress_bars() -> None:
+def quiet_library_output() -> None:
     """Turn off diffusers' and transformers' own loading bars, and send their log records (e.g. a
     tokenizer's "input was truncated" warning, on every prompt longer than a text encoder keeps)
     to the root logger instead of their own stderr handlers: every log line stays one of ours
@@ -100,7 +100,7 @@ def load_registry(config: NodeConfig) -> ModelRegistry:
     model logs one "model loaded" line."""
     dtype = DTYPES[config.dtype]
     registry = ModelRegistry(device=config.device, dtype=dtype)
-    quiet_library_progress_bars()
+    quiet_library_output()
     for model_id in config.hub_models:
         model = registry.register_hub(model_id, device=config.device, dtype=dtype)
         log.info("model loaded", extra={"model": model.id, "source": "hub", "family": model.family,

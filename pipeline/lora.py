@@ -128,7 +128,7 @@ def parse_lora_config(raw: object) -> Any:
             continue
         kwargs[key] = value
     r = kwargs.get("r", None)
-    if "r" not in kwargs or isinstance(r, bool) or not isinstance(r, int) or r < 1:
+    if "r" not in kwargs or not _rank(r):
         raise RolloutInputError("lora_config.r", f"the rank must be an integer >= 1, got {r!r}")
     alpha = kwargs.get("lora_alpha", defaults.lora_alpha)
     if not _finite_number(alpha):
@@ -176,6 +176,7 @@ def _shown(value: object) -> str:
 
 
 def _rank(value: object) -> bool:
+    """An int (not a bool) >= 1: `r`, and each value of `rank_pattern`."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 

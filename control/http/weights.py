@@ -75,6 +75,12 @@ def _answer(model_id: str, policy: Any, **extra: Any) -> JSONResponse:
                          **extra})
 
 
+def _committed(model_id: str, answer: dict[str, Any], **extra: Any) -> JSONResponse:
+    """The answer of a push that committed (`WeightsPushes.commit`'s dict), as a REST body."""
+    return JSONResponse({"id": model_id, "digest": answer["digest"], "weights_version": answer["weights_version"],
+                         **extra, "lora_dropped": answer.get("lora_dropped", False)})
+
+
 def _load_lora(service: Any, model_id: str, body: bytearray) -> JSONResponse:
     _known_model(service, model_id)
     try:
@@ -267,8 +273,7 @@ async def _stream_weights(request: Request, length: int | None) -> Response:
             else:
                 feeder.feed(chunk)
         answer = await run_in_threadpool(pushes.commit, staging)
-    return JSONResponse({"id": model_id, "digest": answer["digest"], "weights_version": answer["weights_version"],
-                         "tensors": len(entries), "lora_dropped": answer.get("lora_dropped", False)})
+    return _committed(model_id, answer, tensors=len(entries))
 
 
 _FILE_PIECE = 8 << 20
@@ -340,9 +345,7 @@ def _push_file(service: Any, model_id: str, path: object, partial: bool) -> JSON
                 mm.close()
     finally:
         os.close(fd)
-    return JSONResponse({"id": model_id, "digest": answer["digest"], "weights_version": answer["weights_version"],
-                         "tensors": len(entries), "bytes_sent": answer["bytes_sent"],
-                         "lora_dropped": answer.get("lora_dropped", False)})
+    return _committed(model_id, answer, tensors=len(entries), bytes_sent=answer["bytes_sent"])
 
 
 async def post_weights_file(request: Request) -> Response:
