@@ -98,3 +98,17 @@ def test_help_and_the_rest_commands_load_no_model_stack(server):
         rc, mods = _cli_modules(*argv, "--url", url)
         assert rc in (0, 1) and "sigmaflight.commands" in mods, argv
         assert _model_stack(mods) == [], argv
+
+
+# ---- every module fits in one head ---------------------------------------------------
+
+PACKAGES = ("control", "dataplane", "pipeline", "sigmaflight")
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_is_longer_than_450_lines():
+    """A module past this does several things; split it by what each part does."""
+    modules = [p for package in PACKAGES for p in (ROOT / package).rglob("*.py")]
+    assert len(modules) > 50  # the walk found the tree
+    long = {str(p.relative_to(ROOT)): n for p in modules if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}
