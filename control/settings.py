@@ -75,7 +75,10 @@ class Settings(BaseSettings):
         "smaller than --max-batch-samples; each that joins keeps it open half as long past its arrival, "
         "at most 8x in all (0: a lone rollout starts at once).",
     )
-    ttl_s: float = Field(3600.0, gt=0, description="Seconds a finished result is kept before it expires.")
+    ttl_s: float = Field(
+        3600.0, gt=0, description="Seconds a finished result is kept; then a succeeded rollout expires, a failed or "
+        "cancelled one keeps its status and error.",
+    )
     max_records: int = Field(
         10_000, ge=1, description="Records of ended rollouts kept (their status, error, idempotency key); past it "
         "the oldest are dropped and what they hold is released, before their --ttl-s if need be.",

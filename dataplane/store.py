@@ -367,7 +367,10 @@ class ResultStore:
             if e is None or e.state is RolloutState.RUNNING:
                 return False
             del self._entries[rollout_id]
-            self._tickets.forget(rollout_id, e.ticket, RolloutState.RELEASED)
+            if e.state is RolloutState.SUCCEEDED:
+                self._tickets.forget(rollout_id, e.ticket, RolloutState.RELEASED)
+            else:  # a failed or cancelled one still says how it ended, as REST does
+                self._tickets.forget(rollout_id, e.ticket, e.state, e.message)
             freed = (e.num_bytes if e.in_memory else 0) + e.extra_bytes
             self.budget.add(-freed)
         stream_files = list(e.stream_paths.values())

@@ -162,11 +162,11 @@ class TicketRegistry:
     def gone(self, key: str) -> Gone:
         return self._gone.get(key, UNKNOWN)
 
-    def forget(self, rollout_id: str, ticket: str, ended: RolloutState) -> None:
+    def forget(self, rollout_id: str, ticket: str, ended: RolloutState, message: str | None = None) -> None:
         self._tickets.pop(ticket, None)
         for t in [t for t, p in self._partitions.items() if p.rollout_id == rollout_id]:
             del self._partitions[t]
-        self._gone[ticket] = self._gone[rollout_id] = Gone(ended, str(ended))
+        self._gone[ticket] = self._gone[rollout_id] = Gone(ended, f"{ended}: {message}" if message else str(ended))
         while len(self._gone) > _MAX_GONE:
             self._gone.pop(next(iter(self._gone)))
 

@@ -113,6 +113,9 @@ class Job(RunContext):
     """What it must share with the rollouts it runs with (pipeline/batch.py); None: it runs alone."""
     unjournaled: bool = False
     """Its latest state could not be written to the journal; retried until it is."""
+    released: bool = False
+    """What it held was freed (DELETE, Flight release or the TTL). A succeeded job is then expired;
+    a failed or cancelled one keeps its status and error, and the reaper does not free it again."""
 
     def __post_init__(self) -> None:
         self._init_run()

@@ -150,6 +150,7 @@ class Lifecycle:
             raise NotFinished(job.id, job.state)
         if job.state.finished:
             self.backend.release(job.id)
+            job.released = True
         if job.state is RolloutState.SUCCEEDED:
             self.change(job, RolloutState.EXPIRED, keep_time=True)
 

@@ -1,4 +1,4 @@
-"""The reaper: expires finished results past their TTL, forgets the oldest records beyond the
+"""The reaper: frees finished results past their TTL, forgets the oldest records beyond the
 cap, and retries journal rows that could not be written, twice a second."""
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ import time
 
 from sigmaflight.control.jobs.lifecycle import Lifecycle
 from sigmaflight.control.jobs.table import JobTable
-
-from sigmaflight.records import RolloutState
 
 log = logging.getLogger("sigmaflight.jobs")
 
@@ -36,15 +34,17 @@ class Reaper:
                 log.exception("reaper error")
 
     def reap(self, now: float | None = None) -> None:
-        """Expire finished results past their TTL and forget the oldest records beyond the cap."""
+        """Free finished results past their TTL and forget the oldest records beyond the cap."""
         now = time.time() if now is None else now
         table = self.table
         with table.lock:
             for job in list(table.jobs.values()):
-                if job.state.finished and job.finished_at is not None and now - job.finished_at > self.ttl_s:
-                    self.lifecycle.backend.release(job.id)
-                    self.lifecycle.change(job, RolloutState.EXPIRED, keep_time=True)
-                    log.info("rollout expired", extra={"rollout": job.id})
+                if (job.state.finished and not job.released and job.finished_at is not None
+                        and now - job.finished_at > self.ttl_s):
+                    # as a DELETE does: a succeeded one becomes expired, a failed or cancelled one
+                    # keeps its status and error (the only word a trainer gets of why)
+                    self.lifecycle.release(job)
+                    log.info("rollout result freed (--ttl-s)", extra={"rollout": job.id, "status": job.state})
             done = [j for j in table.jobs.values() if not j.state.active]
             if len(done) > self.keep_records:
                 done.sort(key=lambda j: j.created_at)

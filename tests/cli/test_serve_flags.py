@@ -39,7 +39,8 @@ BEFORE = {
     "[env SIGMAFLIGHT_RAY_NUM_CPUS; default 1.0]",
     "--queue-size QUEUE_SIZE": "Rollouts that may wait; beyond it POST answers 429. [env SIGMAFLIGHT_QUEUE_SIZE; "
     "default 64]",
-    "--ttl-s TTL_S": "Seconds a finished result is kept before it expires. [env SIGMAFLIGHT_TTL_S; default 3600.0]",
+    "--ttl-s TTL_S": "Seconds a finished result is kept; then a succeeded rollout expires, a failed or cancelled "
+    "one keeps its status and error. [env SIGMAFLIGHT_TTL_S; default 3600.0]",
     "--max-records MAX_RECORDS": "Records of ended rollouts kept (their status, error, idempotency key); past it "
     "the oldest are dropped and what they hold is released, before their --ttl-s if need be. "
     "[env SIGMAFLIGHT_MAX_RECORDS; default 10000]",

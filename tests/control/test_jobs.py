@@ -87,6 +87,32 @@ def test_ttl_expires_results_and_releases_the_store(registry):
         jobs.stop()
 
 
+def test_ttl_frees_a_failed_or_cancelled_rollout_and_keeps_its_status_and_error(registry):
+    """Past the TTL only a succeeded rollout becomes expired, as with DELETE: a failed one keeps
+    its error (all a trainer has to go on), a cancelled one stays cancelled; what they held goes."""
+    jobs, store = manager(registry, ttl_s=60)
+    jobs.start()
+    try:
+        bad, _ = jobs.submit(spec(return_steps=(0, 99)))  # bypasses request validation on purpose
+        assert wait(jobs, bad.id, {"failed", "succeeded"}) == "failed"
+        cancelled, _ = jobs.submit(spec())
+        jobs.cancel(cancelled.id)
+        assert wait(jobs, cancelled.id, {"cancelled", "succeeded"}) == "cancelled"
+        error = known(jobs.get(bad.id)).error
+        assert error is not None and error.type == "validation_error"
+        for later in (61, 62):  # a second pass of the reaper changes nothing more
+            jobs.reap(now=time.time() + later)
+            failed = known(jobs.get(bad.id))
+            assert (failed.status, failed.error) == ("failed", error)
+            assert known(jobs.get(cancelled.id)).status == "cancelled"
+        with pytest.raises(KeyError):
+            store.get(bad.id)
+        assert jobs.release(bad.id) is True  # a DELETE after it still answers as before
+        assert known(jobs.get(bad.id)).status == "failed"
+    finally:
+        jobs.stop()
+
+
 def test_queue_bound_and_idempotency(registry):
     jobs, _ = manager(registry, queue_size=2)  # not started: everything stays queued
     a, created = jobs.submit(spec(), idempotency_key="k", body_digest="d1")

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import pyarrow.flight as flight
 import pytest
 
 from tests.faults.conftest import LONG, LONG_FLAGS, SMALL, wait_running
@@ -117,7 +118,7 @@ def test_client_disconnect_mid_body_is_not_a_server_error(server: InProcessServe
 @pytest.mark.timeout(120)
 def test_delete_of_a_cancelled_rollout_keeps_it_cancelled(server: InProcessServer) -> None:
     """docs/operations.md: DELETE of a failed or cancelled rollout keeps its status; a repeated
-    DELETE answers 200 with the same status."""
+    DELETE answers 200 with the same status, and Flight still names how it ended."""
     with server.client() as c:
         blocker = c.post("/v1/rollouts", json=LONG).json()
         wait_running(c, blocker["id"], steps=1)
@@ -128,7 +129,12 @@ def test_delete_of_a_cancelled_rollout_keeps_it_cancelled(server: InProcessServe
         assert again.json()["status"] == "cancelled", again.text
         assert c.get(f"/v1/rollouts/{queued['id']}").json()["status"] == "cancelled"
         c.delete(f"/v1/rollouts/{blocker['id']}")
-        wait_for_status(c, blocker["id"], {"cancelled", "failed", "succeeded"})
+        assert wait_for_status(c, blocker["id"], {"cancelled", "failed", "succeeded"})["status"] == "cancelled"
+        assert c.delete(f"/v1/rollouts/{blocker['id']}").json()["status"] == "cancelled"  # frees its steps
+        for rollout in (queued, blocker):  # cancelled while queued, and while running
+            with flight.FlightClient(server.flight_url) as fc, pytest.raises(flight.FlightError) as gone:
+                fc.do_get(flight.Ticket(rollout["flight"]["ticket"].encode())).read_all()
+            assert "not found (cancelled: " in str(gone.value)  # Flight agrees with REST, not "released"
 
 
 @pytest.fixture(scope="module")
