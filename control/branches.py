@@ -85,9 +85,9 @@ def check_inherited(body: Mapping[str, Any], parent: Parent, defaults: Any) -> N
             had = getattr(defaults, name, None)
         same = list(given) == list(had or ()) if name == "prompts" else given == had
         if not same:
-            raise RolloutInputError(
-                name, f"a branch inherits {name} from its parent ({had!r}); omit it or give the same value, got {given!r}"
-            )
+            inherits = ("from its parent, which had none; omit it" if had is None
+                        else f"from its parent ({had!r}); omit it or give the same value")
+            raise RolloutInputError(name, f"a branch inherits {name} {inherits}, got {given!r}")
 
 
 def _step_rows(parent: Parent, step: int) -> tuple[torch.Tensor, tuple[int, ...]]:

@@ -221,6 +221,12 @@ def test_bad_values_are_422_naming_the_field(server):
             assert r.status_code == 422, (body, r.text)
             err = r.json()["error"]
             assert err["type"] == "validation_error" and err["details"][0]["loc"] == loc, (body, err)
+        # a parent without a negative prompt: the refusal says so in words, not as Python's None
+        plain = client.submit(model="tiny-sd3", prompts=["a cat"], num_inference_steps=T, seed=2, sampler={"type": "ode"})
+        client.wait(plain, timeout=120)
+        r = c.post("/v1/rollouts", json={"branch_from": {"rollout": plain.id, "step": 1}, "negative_prompt": "sharp"})
+        assert r.status_code == 422 and r.json()["error"]["details"][0]["loc"] == ["body", "negative_prompt"], r.text
+        assert "from its parent, which had none; omit it, got 'sharp'" in r.json()["error"]["message"], r.text
         # the same inherited value is accepted; the server keeps serving
         ok = client.branch(parent.id, 1, [0], guidance_scale=CASE["guidance_scale"], prompts=CASE["prompts"], seed=1)
         assert client.wait(ok, timeout=60).status == "succeeded"
