@@ -40,7 +40,8 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_url(url: str) -> str:
     """`url` if it can be the REST URL (http:// or https://); UsageError naming what it is instead:
-    a URL without a scheme, or the Flight location (grpc+tcp://, the other port)."""
+    a URL without a scheme, the Flight location (grpc+tcp://, the other port), or one with a query
+    string or fragment."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         raise UsageError(f"--url {url}: no scheme; the REST URL is http://HOST:PORT (e.g. http://{url})")
@@ -49,6 +50,8 @@ def check_url(url: str) -> str:
                          "(`sigmaflight serve --port`, default 8000; Flight listens on --flight-port)")
     if scheme.lower() not in ("http", "https"):
         raise UsageError(f"--url {url}: {scheme}:// is not a REST URL; use http://HOST:PORT or https://HOST:PORT")
+    if "?" in rest or "#" in rest:  # the client appends /v1/...: a query or fragment would swallow it
+        raise UsageError(f"--url {url}: a REST URL takes no query string or fragment; give http://HOST:PORT")
     return url
 
 

@@ -184,7 +184,7 @@ def test_models_lists_the_servers_models(server):
     assert default["digest"][:12] in rows[default["id"]]
 
 
-def test_a_url_without_scheme_or_at_the_flight_plane_says_so(server, capsys):
+def test_a_url_without_scheme_at_the_flight_plane_or_with_a_query_says_so(server, capsys):
     host_port = server.rest_url.removeprefix("http://")
     rc, _, err = cli(capsys, "status", "x", "--url", host_port)
     assert rc == 2 and err == (f"sigmaflight status: --url {host_port}: no scheme; the REST URL is http://HOST:PORT "
@@ -193,6 +193,10 @@ def test_a_url_without_scheme_or_at_the_flight_plane_says_so(server, capsys):
     assert rc == 2 and len(err.splitlines()) == 1
     assert err.startswith(f"sigmaflight list: --url {server.flight_url}: that is the Flight location; --url takes "
                           "the REST URL")
+    for extra in ("/?x=1", "/#top"):  # the client adds its own paths: a query or fragment cannot be kept
+        rc, _, err = cli(capsys, "list", "--url", server.rest_url + extra)
+        assert rc == 2 and err == (f"sigmaflight list: --url {server.rest_url + extra}: a REST URL takes no query "
+                                   "string or fragment; give http://HOST:PORT\n"), err
 
 
 def test_an_unknown_flag_prints_the_usage_of_its_subcommand():
