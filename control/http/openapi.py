@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic.json_schema import models_json_schema
+from sigmaflight.control.http.timeouts import MAX_HEADER_BYTES
 
 from sigmaflight.wire import (
     MAX_STATUS_WAIT_S,
@@ -239,6 +240,11 @@ def openapi_document(*, auth: bool = False) -> dict[str, Any]:
         "paths": paths,
         "components": {"schemas": components},
     }
+    for operations in paths.values():  # the header bound refuses before any route runs (timeouts.py)
+        for operation in operations.values():
+            operation["responses"]["431"] = _json(
+                "ErrorBody", f"The request line and headers are over {MAX_HEADER_BYTES // 1024} KiB; details name the header "
+                "(or url).")
     if auth:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         doc["security"] = [{"bearer": []}]

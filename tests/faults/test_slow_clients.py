@@ -172,7 +172,7 @@ def test_trickled_body_is_408_with_the_error_body(server: InProcessServer) -> No
 def test_request_headers_over_16_kib_are_refused_with_431_naming_the_header_and_the_connection_closed(server):
     """The request line and headers are bounded (16 KiB, h11's default bound; httptools has none):
     a client cannot hold the server's memory with endless headers inside the header timeout, and
-    the refusal is the contract's error body naming the header."""
+    the refusal is the contract's error body naming the header, as /openapi.json says of every route."""
     with contextlib.closing(_connect(server)) as sock:
         sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: test\r\n" + b"X-Padding: " + b"p" * (20 * 1024) + b"\r\n\r\n")
         reply = b""
@@ -192,6 +192,12 @@ def test_request_headers_over_16_kib_are_refused_with_431_naming_the_header_and_
     assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["details"][0]["loc"] == ["url"]
     with httpx.Client(base_url=server.rest_url, timeout=10) as c:  # others are served
         assert c.get("/healthz").status_code == 200
+        operations = [(path, method, op) for path, ops in c.get("/openapi.json").json()["paths"].items()
+                      for method, op in ops.items()]
+    assert len(operations) > 10
+    for path, method, op in operations:  # any request may be refused so: the document says it
+        assert op["responses"]["431"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorBody"}, (method, path)
 
 
 @pytest.mark.timeout(120)
