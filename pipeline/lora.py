@@ -252,6 +252,24 @@ def _check(name: str, key: str, got: torch.Tensor, expected: Mapping[str, torch.
         raise RolloutInputError(key, f"dtype {str(got.dtype).removeprefix('torch.')} is not a floating-point type")
 
 
+def _check_patterns(config: Any, base: torch.nn.Module) -> None:
+    """Each key of `rank_pattern` / `alpha_pattern` matches one of the modules the adapter goes on,
+    as peft matches them: peft ignores one that matches none (a warning), so the rank or alpha
+    meant is never used. With no module targeted at all, peft's own refusal follows."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from peft.utils.other import get_pattern_key
+
+    targets = [name for name, _ in base.named_modules() if name and check_target_module_exists(config, name)]
+    if not targets:
+        return
+    for field in ("rank_pattern", "alpha_pattern"):
+        for key in getattr(config, field) or {}:
+            if not any(get_pattern_key([key], module) == key for module in targets):
+                raise RolloutInputError(
+                    f"lora_config.{field}", f"key {key!r} matches none of the modules the adapter is on "
+                    f"(lora_config.target_modules; e.g. {targets[0]!r}): a module name, or a regex of its end")
+
+
 def _check_finite(key: str, got: torch.Tensor, value: torch.Tensor) -> None:
     """`value` is `got` in the model's dtype, as the adapter will hold it: a float64 1e300 is finite
     as sent and infinite in float32, so the check is on the converted values."""
@@ -277,6 +295,7 @@ def attach_adapter(
     transformer = share_tensors_copy(base)
     # The factors are overwritten below; plain init keeps peft off the base weights (PiSSA, OLoRA, ... rewrite them).
     inject_config = dataclasses.replace(config, init_lora_weights=True)
+    _check_patterns(config, base)
     try:
         with torch.random.fork_rng(devices=[]):
             # low_cpu_mem_usage: the factors start on the meta device (no init) and the values are assigned below

@@ -96,6 +96,9 @@ def test_a_non_finite_lora_alpha_is_422_naming_it_and_changes_nothing(client: Cl
     ("alpha_pattern", {"attn.to_q": float("-inf")}, ["'attn.to_q'"]),
     ("alpha_pattern", {"": 2}, ["non-empty"]),
     ("alpha_pattern", 3, ["int"]),
+    # a key that matches none of the adapter's modules: peft only warns, and the rank or alpha meant is never used
+    ("rank_pattern", {"attn.to_qq": 2}, ["'attn.to_qq'", "matches none", "attn.to_q"]),
+    ("alpha_pattern", {"to_k": 2.0}, ["'to_k'", "matches none"]),
 ])
 def test_a_bad_rank_or_alpha_pattern_is_422_naming_it_and_changes_nothing(
         client: Client, adapter: dict, field: str, value: Any, words: list[str]) -> None:
