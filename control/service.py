@@ -78,7 +78,7 @@ class Service:
         before a restart, or the store forgot it): Flight then names the reason REST gives."""
         view = self.jobs.get(key)
         if view is None:
-            view = next(iter(self.jobs.list(ticket=key, limit=1)), None)
+            view = next(iter(self.jobs.list(ticket=key, limit=1)[0]), None)
         if view is None or view.status.active or view.status is RolloutState.SUCCEEDED:
             return None
         reason = f"{view.status}: {view.error.message}" if view.error is not None else str(view.status)

@@ -27,7 +27,7 @@ from sigmaflight import rest
 from sigmaflight.client import Client
 from sigmaflight.dataplane.auth import bearer_header
 from sigmaflight.dataplane.transport import Transport
-from sigmaflight.wire import RolloutStatus, Ticket
+from sigmaflight.wire import RolloutList, RolloutStatus, Ticket
 
 if TYPE_CHECKING:
     import numpy as np
@@ -92,10 +92,14 @@ class AsyncClient:
         return await self._call(rest.status(rollout_id, wait_s, self.timeout))
 
     async def rollouts(self, status: str | None = None, limit: int = 100, *,
-                       ticket: str | None = None) -> list[RolloutStatus]:
+                       ticket: str | None = None, after: str | None = None) -> list[RolloutStatus]:
+        return (await self.rollout_page(status, limit, ticket=ticket, after=after)).rollouts
+
+    async def rollout_page(self, status: str | None = None, limit: int = 100, *,
+                           ticket: str | None = None, after: str | None = None) -> RolloutList:
         if ticket is not None and not rest.could_be_ticket(ticket):
-            return []
-        return await self._call(rest.rollouts(status, limit, ticket))
+            return RolloutList(rollouts=[])
+        return await self._call(rest.rollout_page(status, limit, ticket, after))
 
     async def wait(self, ticket: str | Ticket, timeout: float = 300.0, *, poll_s: float = 0.05,
                    max_poll_s: float = 1.0, raise_on_failure: bool = True) -> RolloutStatus:

@@ -40,7 +40,7 @@ from sigmaflight.errors import (
     WeightsMismatch,
 )
 from sigmaflight.replay import replay_log_probs, rollout_spec
-from sigmaflight.wire import TERMINAL, RolloutStatus, Ticket
+from sigmaflight.wire import TERMINAL, RolloutList, RolloutStatus, Ticket
 
 if TYPE_CHECKING:  # torch and the data plane's torch side load on first use: `sigmaflight status` needs neither
     import numpy as np
@@ -150,12 +150,20 @@ class Client:
         that many seconds, whichever is first (an older server answers at once)."""
         return self._call(rest.status(rollout_id, wait_s, self.timeout))
 
-    def rollouts(self, status: str | None = None, limit: int = 100, *, ticket: str | None = None) -> list[RolloutStatus]:
+    def rollouts(self, status: str | None = None, limit: int = 100, *, ticket: str | None = None,
+                 after: str | None = None) -> list[RolloutStatus]:
         """GET /v1/rollouts, newest first (optionally only one status, or only the rollout that a
-        Flight ticket belongs to)."""
+        Flight ticket belongs to). At most `limit` (1..1000); `after`: the page after that rollout
+        (the last id of the page before)."""
+        return self.rollout_page(status, limit, ticket=ticket, after=after).rollouts
+
+    def rollout_page(self, status: str | None = None, limit: int = 100, *, ticket: str | None = None,
+                     after: str | None = None) -> RolloutList:
+        """As `rollouts`, with the answer's `next`: the id to pass as `after` for the next page, None
+        on the last page."""
         if ticket is not None and not rest.could_be_ticket(ticket):
-            return []  # no rollout holds a ticket the server would not even look up
-        return self._call(rest.rollouts(status, limit, ticket))
+            return RolloutList(rollouts=[])  # no rollout holds a ticket the server would not even look up
+        return self._call(rest.rollout_page(status, limit, ticket, after))
 
     def wait(
         self, ticket: str | Ticket, timeout: float = 300.0, *, poll_s: float = 0.05, max_poll_s: float = 1.0,

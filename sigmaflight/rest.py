@@ -25,7 +25,7 @@ from urllib.parse import quote
 import httpx
 
 from sigmaflight.errors import ApiError, NotFound, RolloutFailed, ServerUnreachable, Unauthorized
-from sigmaflight.wire import MAX_STATUS_WAIT_S, TERMINAL, RolloutStatus, Ticket
+from sigmaflight.wire import MAX_STATUS_WAIT_S, TERMINAL, RolloutList, RolloutStatus, Ticket
 
 T = TypeVar("T")
 
@@ -167,11 +167,11 @@ def cancel(rollout_id: object) -> Call[RolloutStatus]:
     return Call("DELETE", rollout_path(rollout_id), lambda r: RolloutStatus.model_validate(r.json()))
 
 
-def rollouts(status: str | None = None, limit: int = 100, ticket: str | None = None) -> Call[list[RolloutStatus]]:
+def rollout_page(status: str | None = None, limit: int = 100, ticket: str | None = None,
+                 after: str | None = None) -> Call[RolloutList]:
     params: dict[str, Any] = {"limit": limit, **({"status": status} if status else {}),
-                              **({"ticket": ticket} if ticket else {})}
-    return Call("GET", "/v1/rollouts",
-                lambda r: [RolloutStatus.model_validate(s) for s in r.json()["rollouts"]], {"params": params})
+                              **({"ticket": ticket} if ticket else {}), **({"after": after} if after else {})}
+    return Call("GET", "/v1/rollouts", lambda r: RolloutList.model_validate(r.json()), {"params": params})
 
 
 def models() -> Call[list[dict[str, Any]]]:

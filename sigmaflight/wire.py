@@ -191,6 +191,9 @@ class RolloutStatus(_Wire):
 
 class RolloutList(_Wire):
     rollouts: list[RolloutStatus]
+    next: str | None = Field(
+        None, description="More follow: the id to pass as `after` for the next page (the last one here); null on the "
+        "last page.")
 
 
 class ValidationDetail(_Wire):

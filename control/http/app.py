@@ -180,8 +180,13 @@ async def list_rollouts(request: Request) -> Response:
     if ticket is not None and not 0 < len(ticket) <= 1024:
         raise invalid(["query", "ticket"], "must be a Flight ticket of 1 to 1024 characters",
                       "string_too_short" if not ticket else "string_too_long")
-    jobs = await run_in_threadpool(service.jobs.list, status, limit, ticket)
-    return _model(RolloutList(rollouts=[status_of(service, j) for j in jobs]))
+    after = request.query_params.get("after")
+    try:
+        jobs, more = await run_in_threadpool(service.jobs.list, status, limit, ticket, after)
+    except KeyError:
+        raise invalid(["query", "after"], f"no rollout {after!r} on this server to list after (never made, or its "
+                      "record dropped past --max-records)", "value_error") from None
+    return _model(RolloutList(rollouts=[status_of(service, j) for j in jobs], next=jobs[-1].id if more else None))
 
 
 async def delete_rollout(request: Request) -> Response:

@@ -22,7 +22,7 @@ from sigmaflight.wire import RolloutRequest
 MAX_IDEMPOTENCY_KEY = 255
 """Longest accepted Idempotency-Key, in characters (printable ASCII)."""
 
-QUERY_PARAMETERS = {"list_rollouts": ("status", "limit", "ticket"), "get_rollout": ("wait_s",)}
+QUERY_PARAMETERS = {"list_rollouts": ("status", "limit", "ticket", "after"), "get_rollout": ("wait_s",)}
 
 
 def limit_flag(setting: str) -> str:

@@ -111,6 +111,10 @@ def openapi_document(*, auth: bool = False) -> dict[str, Any]:
                     {"name": "ticket", "in": "query", "required": False,
                      "description": "Only the rollout this Flight ticket (or one of its streams' tickets) belongs to.",
                      "schema": {"type": "string", "minLength": 1, "maxLength": 1024}},
+                    {"name": "after", "in": "query", "required": False,
+                     "description": "The next page: the rollouts listed after this rollout id (the `next` of the "
+                                    "page before); an id the server does not know is a 422.",
+                     "schema": {"type": "string"}},
                 ],
                 "responses": {"200": _json("RolloutList", "Rollouts."), **_errors(*secured, 422)},
             },

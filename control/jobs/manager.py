@@ -102,9 +102,10 @@ class JobManager:
     def unwatch(self, job_id: str, callback: Callable[[], None]) -> None:
         self._table.unwatch(job_id, callback)
 
-    def list(self, status: str | None = None, limit: int = 100, ticket: str | None = None) -> list[JobView]:
-        """Newest first (table.py `JobTable.list`)."""
-        return self._table.list(status, limit, ticket)
+    def list(self, status: str | None = None, limit: int = 100, ticket: str | None = None,
+             after: str | None = None) -> tuple[list[JobView], bool]:
+        """A page, newest first, and whether more follow (table.py `JobTable.list`)."""
+        return self._table.list(status, limit, ticket, after)
 
     def cancel(self, job_id: str) -> JobView | None:
         """REST DELETE: cancel a queued/running rollout, or release a finished one's result.

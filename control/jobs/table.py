@@ -119,14 +119,19 @@ class JobTable:
     def get(self, job_id: str) -> JobView | None:
         return self.views.get(job_id)
 
-    def list(self, status: str | None = None, limit: int = 100, ticket: str | None = None) -> list[JobView]:
-        """Newest first, optionally of one status, optionally the one job whose Flight ticket is
-        `ticket` or the ticket of one of the extra streams it publishes (`stream_ticket`), exactly:
-        `<ticket>:<anything else>` is no ticket of it."""
-        views = [v for v in list(self.views.values()) if (status is None or v.status == status)
-                 and (ticket is None or (v.ticket != "" and ticket in _tickets(v)))]
-        views.sort(key=lambda v: v.created_at, reverse=True)
-        return views[:limit]
+    def list(self, status: str | None = None, limit: int = 100, ticket: str | None = None,
+             after: str | None = None) -> tuple[list[JobView], bool]:
+        """(a page, whether more follow): newest first, optionally of one status, optionally the one
+        job whose Flight ticket is `ticket` or the ticket of one of the extra streams it publishes
+        (`stream_ticket`), exactly: `<ticket>:<anything else>` is no ticket of it. `after`: only the
+        jobs that come after that one in this order; KeyError if there is no such job (any more)."""
+        views = list(self.views.values())
+        start = None if after is None else self.views[after]
+        views = [v for v in views if (status is None or v.status == status)
+                 and (ticket is None or (v.ticket != "" and ticket in _tickets(v)))
+                 and (start is None or (v.created_at, v.id) < (start.created_at, start.id))]
+        views.sort(key=lambda v: (v.created_at, v.id), reverse=True)
+        return views[:limit], len(views) > limit
 
     def queue_depth(self) -> int:
         return len(self.pending) + sum(len(f.jobs) for f in list(self.forming))

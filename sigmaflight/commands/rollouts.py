@@ -33,10 +33,11 @@ def run_status(args: argparse.Namespace) -> int:
 
 def run_list(args: argparse.Namespace) -> int:
     with connect(args) as client:
-        listed = client.rollouts(status=args.status, limit=args.limit)
+        page = client.rollout_page(status=args.status, limit=args.limit, after=args.after)
     if not wants_table(args):
-        print_json({"rollouts": [st.model_dump(mode="json", by_alias=True) for st in listed]})
+        print_json(page.model_dump(mode="json", by_alias=True))
         return 0
+    listed = page.rollouts
     rows = [[st.id, st.status, st.model, f"{st.progress.steps_done}/{st.progress.steps_total}", st.created_at,
              clip(f"{st.error.type}: {st.error.message}", 60) if st.error else ""] for st in listed]
     print_table(["ID", "STATUS", "MODEL", "STEPS", "CREATED", "ERROR"], rows)
@@ -98,7 +99,9 @@ def add_list(sub: Any) -> None:
     add_client_arguments(p)
     add_output_arguments(p)
     p.add_argument("--status", choices=[str(s) for s in STATES], help="only rollouts with this status")
-    p.add_argument("--limit", type=int, default=100, help="at most this many [default %(default)s]")
+    p.add_argument("--limit", type=int, default=100, help="at most this many, 1..1000 [default %(default)s]")
+    p.add_argument("--after", metavar="ID", help="the next page: the rollouts listed after this one (the last ID "
+                   "of the page before)")
     p.set_defaults(run=run_list)
 
 

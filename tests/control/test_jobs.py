@@ -223,7 +223,7 @@ def test_a_reader_never_sees_a_failed_rollout_without_its_error(registry):
 
     def read() -> None:
         while not stop.is_set():
-            for view in jobs.list(limit=1000):
+            for view in jobs.list(limit=1000)[0]:
                 status = view.status
                 iso(view.created_at)  # the REST status formats times between its reads
                 error, result, finished = view.error, view.result, view.finished_at
