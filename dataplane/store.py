@@ -296,12 +296,17 @@ class ResultStore:
         raise self._not_found(f"ticket {shown}", key, found)
 
     def _not_found(self, what: str, key: str, gone: Gone) -> TicketNotFound:
-        """TicketNotFound for `key`, with how it ended from `on_unknown` when the store has no idea."""
-        if gone == UNKNOWN and self.on_unknown is not None:
+        """TicketNotFound for `key`, with how it ended from `on_unknown` when the store has no idea,
+        or knows only that it released it: the jobs layer knows whether it had failed or was
+        cancelled (a file served again after a restart, then released, was one the store held as done)."""
+        if (gone == UNKNOWN or gone.ended is RolloutState.RELEASED) and self.on_unknown is not None:
             try:
-                gone = self.on_unknown(key) or gone
+                known = self.on_unknown(key)
             except Exception:  # the hook's failure must not break the answer
                 log.exception("on_unknown hook failed for %r", key[:80])
+                known = None
+            if known is not None and (gone == UNKNOWN or known.ended in (RolloutState.FAILED, RolloutState.CANCELLED)):
+                gone = known
         return TicketNotFound(what, gone.reason, gone.ended)
 
     def stream_of(self, ticket: bytes | str) -> str | None:

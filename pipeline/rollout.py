@@ -224,7 +224,7 @@ class _Driver(Generic[R]):
         for r in self.running():
             if self.keep:
                 r.captures += report.captures(r, own=True)
-            if i + 1 < self.T and r.rollout.should_stop():
+            if r.rollout.should_stop() if i + 1 < self.T else r.rollout.last_stop_check():
                 self.close(r, RolloutCancelled(f"cancelled after step {i + 1} of {self.T}"))
         if not self.running():
             raise _BatchOver

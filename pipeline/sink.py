@@ -49,6 +49,11 @@ class Rollout(Protocol):
 
     def should_stop(self) -> bool: ...
 
+    def last_stop_check(self) -> bool:
+        """`should_stop` once the last step is done, the engine's last check: False means the
+        rollout finishes, and a stop asked from then on must be refused (its answer would be wrong)."""
+        ...
+
 
 R = TypeVar("R", bound=Rollout)
 
@@ -62,6 +67,9 @@ class BatchMember:
 
     def should_stop(self) -> bool:
         return self.stop is not None and self.stop()
+
+    def last_stop_check(self) -> bool:
+        return self.should_stop()
 
 
 @dataclass(eq=False)

@@ -128,6 +128,8 @@ class RunContext:
         self._stop_reason: str | None = None
         self._lock = threading.Lock()
         self._outcome: Outcome | None = None
+        self._finishing = False
+        """Past the engine's last stop check (or settled): a stop can no longer take effect."""
 
     @property
     def job_id(self) -> str:
@@ -145,15 +147,27 @@ class RunContext:
         if self.on_progress is not None:
             self.on_progress([self], done, total)
 
-    def stop(self, reason: str | None = None) -> None:
-        """Ask the rollout to stop at its next step: cancelled (no reason) or failed with `reason`."""
+    def stop(self, reason: str | None = None) -> bool:
+        """Ask the rollout to stop at its next step: cancelled (no reason) or failed with `reason`.
+        False (nothing asked) once it is past the engine's last stop check or has ended: it ends as
+        it was going to, so an answer of "cancelled" would be wrong."""
         with self._lock:
+            if self._finishing or self._outcome is not None:
+                return False
             if reason is not None or not self._stop.is_set():
                 self._stop_reason = reason
             self._stop.set()
+            return True
 
     def should_stop(self) -> bool:
         return self._stop.is_set()
+
+    def last_stop_check(self) -> bool:
+        """The engine's check after the last step: True stops it; False, and from now on `stop`
+        refuses (the rollout finishes)."""
+        with self._lock:
+            self._finishing = not self._stop.is_set()
+            return not self._finishing
 
     @property
     def stop_reason(self) -> str | None:

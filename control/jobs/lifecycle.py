@@ -140,8 +140,7 @@ class Lifecycle:
             self.end_queued(job, RolloutState.CANCELLED)
             return True
         if job.state is RolloutState.RUNNING:
-            job.stop()
-            return True
+            return job.stop()  # False once it is past its last step: it will succeed
         return False
 
     def release(self, job: Job) -> None:
@@ -171,7 +170,8 @@ class Lifecycle:
         backend holds its finished, valid trajectory: the process died between the file's rename
         into place and the journal's "succeeded" row (or that row could not be written), so it is a
         succeeded rollout. A queued one is failed too. A succeeded one whose trajectory the backend
-        no longer holds is expired. A row that cannot be written back now is retried later."""
+        no longer holds is expired; any other ended one whose trajectory it still holds has it
+        released. A row that cannot be written back now is retried later."""
         if self.journal is None:
             return
         for rec in self.journal.load():
@@ -193,4 +193,12 @@ class Lifecycle:
                 job.move(RolloutState.EXPIRED, keep_time=True)
                 self._persist(job)
                 log.warning("finished rollout has no stored trajectory; marked expired", extra={"rollout": job.id})
+            elif was is not RolloutState.SUCCEEDED and self.backend.result_info(job.id) is not None:
+                # failed (its served copy was found changed), cancelled or expired, yet a trajectory
+                # file was left behind (the intact durable copy, or the process died before the
+                # delete): Flight must not serve what REST calls failed or gone
+                self.backend.release(job.id)
+                job.released = True
+                log.warning("trajectory of an ended rollout found after restart; released",
+                            extra={"rollout": job.id, "status": was})
             self.table.add(job)

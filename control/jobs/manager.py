@@ -116,7 +116,9 @@ class JobManager:
             job = self._table.jobs.get(job_id)
             if job is None:
                 return None
-            if not self._lifecycle.cancel_active(job):
+            if job.state.active:  # a running one past its last step is not stopped: it succeeds
+                self._lifecycle.cancel_active(job)
+            else:
                 self._lifecycle.release(job)
             return job.view()
 

@@ -10,9 +10,12 @@ import time
 import pytest
 from sigmaflight.control.backends.local import LocalBackend
 from sigmaflight.control.jobs import IdempotencyConflict, JobManager, JobView, NotFinished, QueueFull
+from sigmaflight.control.jobs.backend import RunContext
 from sigmaflight.dataplane.store import ResultStore
 from sigmaflight.pipeline.models import ModelRegistry
 from sigmaflight.pipeline.spec import RolloutSpec
+
+from sigmaflight.records import RolloutState
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +114,30 @@ def test_ttl_frees_a_failed_or_cancelled_rollout_and_keeps_its_status_and_error(
         assert known(jobs.get(bad.id)).status == "failed"
     finally:
         jobs.stop()
+
+
+def test_a_stop_during_the_last_step_is_either_taken_or_refused(registry):
+    """Flight's cancel answered `cancelled: true` while the last step ran, and the rollout then
+    succeeded: the engine made no stop check after it. A stop asked before the engine's last
+    check now ends the rollout cancelled; one asked after it is refused (False), and it succeeds."""
+    store = ResultStore(memory_budget_bytes=1 << 30)
+    backend = LocalBackend(registry, store, locations=lambda: ["grpc+tcp://127.0.0.1:1"])
+    answers: list[bool] = []
+
+    def stop_at_the_last_step(contexts, done, total):  # reported before the engine checks for a stop
+        if done == total:
+            answers.extend(c.stop() for c in contexts)
+
+    late = RunContext("late", spec(), on_progress=stop_at_the_last_step)
+    backend.reserve(late.job_id)
+    backend.run([late])
+    assert answers == [True] and late.outcome is not None and late.outcome.state is RolloutState.CANCELLED
+    done = RunContext("done", spec())
+    backend.reserve(done.job_id)
+    backend.run([done])
+    assert done.outcome is not None and done.outcome.state is RolloutState.SUCCEEDED
+    assert done.stop() is False  # refused: it has ended as it was
+    assert done.outcome.state is RolloutState.SUCCEEDED
 
 
 def test_queue_bound_and_idempotency(registry):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import numpy as np
 import pyarrow as pa
@@ -180,6 +181,36 @@ def test_corrupted_file_is_not_restored_after_restart(tmp_path) -> None:
         assert not isinstance(info.value, flight.FlightTimedOutError) and time.monotonic() - t0 < 3, info.value
         assert "not found" in str(info.value), str(info.value)
         assert big["id"] not in _listed(again.flight_url)
+
+
+@pytest.mark.timeout(180)
+def test_a_rollout_failed_for_its_changed_shm_file_stays_failed_on_flight_after_a_restart(tmp_path) -> None:
+    """The shared-memory copy changed: REST says failed (result_unavailable). Its intact durable copy
+    was served again after a restart, listed and streamed, while REST still said failed. A restart
+    now frees what a failed rollout still holds, and Flight names the failure as REST does."""
+    data, shm = tmp_path / "data", tmp_path / "shm"
+    flags = ("--data-dir", str(data), "--shm-dir", str(shm))
+    with InProcessServer(*flags) as server, server.client() as c:
+        t = c.post("/v1/rollouts", json=SMALL).json()
+        assert wait_for_status(c, t["id"], {"succeeded"}, timeout=60)
+        with flight.FlightClient(server.flight_url) as fc:
+            info = fc.get_flight_info(flight.FlightDescriptor.for_path("rollouts", t["id"]))
+        (shm_file,) = [urlsplit(loc.uri.decode()).path for loc in info.endpoints[0].locations
+                       if loc.uri.startswith(b"file:")]
+        _corrupt_latents(Path(unquote(shm_file)), n=64)
+        with pytest.raises(flight.FlightInternalError):
+            pull(server.flight_url, t["flight"]["ticket"])
+        wait_for(lambda: c.get(f"/v1/rollouts/{t['id']}").json()["status"] == "failed" or None, "REST says failed")
+    durable = data / "trajectories" / f"{t['id']}.arrow"
+    assert durable.exists()  # intact: only the shared-memory copy was changed
+    with InProcessServer(*flags) as again, again.client() as c:
+        status = c.get(f"/v1/rollouts/{t['id']}").json()
+        assert (status["status"], status["error"]["type"]) == ("failed", "result_unavailable"), status
+        with pytest.raises(flight.FlightError) as info_after:
+            pull(again.flight_url, t["flight"]["ticket"], timeout=5)
+        assert "failed: " in str(info_after.value), str(info_after.value)  # the reason REST gives, not served
+        assert t["id"] not in _listed(again.flight_url)
+        assert not durable.exists()
 
 
 @pytest.mark.e2e
