@@ -10,12 +10,13 @@ request as soon as one finishes (a 429 is backed off, never raised). Pull thread
 LIVE_PULLS) each follow the oldest submitted rollout's Flight stream while it runs, so a rollout
 is known finished the moment its stream ends (no polling) and its trajectory is already here; its
 outputs are pulled after it when asked. Rollouts keep running while the trainer works on what it
-has; at most `in_flight` finished rollouts wait for the trainer, beyond that nothing more is
-submitted until the trainer takes one.
+has; at most `in_flight` finished rollouts wait for the trainer (the unfinished ones count, as
+they will land on top), beyond that nothing more is submitted until the trainer takes one. With
+`max_staleness`, a rollout is checked when it finishes and again when the trainer takes it.
 
 A rollout that failed, a request the server refused (a 422, a 409 stale_policy) or a pull that
-failed comes out as that item's `error` (the typed error, sigmaflight/errors.py), and the iteration
-goes on. What stops it is raised from the iteration: a refused token (Unauthorized), a server
+failed (its idle timeout: the rollout is cancelled) comes out as that item's `error` (the typed
+error, sigmaflight/errors.py), and the iteration goes on. What stops it is raised from the iteration: a refused token (Unauthorized), a server
 that is gone (ServerUnreachable), an exception from the requests iterable itself.
 
 Closing the stream (`close()`, leaving its `with` block, breaking out of a `for` over it, Ctrl-C
@@ -156,20 +157,37 @@ class _Driver:
             self.out.put(_END)
 
     def can_submit(self, exhausted: bool) -> bool:
-        room = len(self.unfinished) < self.in_flight and self.held < self.in_flight
+        # the unfinished ones land on top of those waiting: together at most in_flight
+        room = len(self.unfinished) + self.held < self.in_flight
         return room and (bool(self.retry) or not exhausted)
 
     def idle(self) -> bool:
-        return not self.unfinished and not self.retry
+        """Nothing left to run, and the trainer has taken every item: one it takes may be found
+        stale then and run again, so the submitter lives until then."""
+        return not self.unfinished and not self.retry and self.held == 0
 
     def submit(self, request: Mapping[str, Any], resubmits: int) -> None:
-        try:
-            ticket = self.client._call(rest.submit(request, retry=True))
-        except FATAL:
-            raise
-        except (ApiError, ValueError) as exc:  # the server refused this request: its item's error
-            self.emit(Rollout(request, None, error=exc, resubmits=resubmits))
-            return
+        body = dict(request)
+        key = body.pop("idempotency_key", None)  # submit's keyword: the header, not a body field
+        attempt = 0
+        while True:
+            try:
+                ticket = self.client._call(rest.submit(body, key))
+                break
+            except FATAL:
+                raise
+            except ApiError as exc:
+                if exc.status in rest.RETRY_STATUSES and not self.stop.is_set():  # not now: back off,
+                    self.stop.wait(rest.backoff(attempt))  # but a close ends the wait at once
+                    attempt += 1
+                    if not self.stop.is_set():
+                        continue
+                    return
+                self.emit(Rollout(request, None, error=exc, resubmits=resubmits))  # refused: its item's error
+                return
+            except ValueError as exc:
+                self.emit(Rollout(request, None, error=exc, resubmits=resubmits))
+                return
         entry = _Entry(request, ticket, resubmits)
         self.client.flight(ticket.flight.locations[0])  # made here, once: Client's cache is not for threads
         with self.cond:
@@ -226,6 +244,12 @@ class _Driver:
             raise
         except ApiError as exc:
             item.error = exc
+        except (TimeoutError, ValueError) as exc:  # the pull gave up (pull_idle_timeout), not the rollout:
+            item.error = exc  # its item's error, and the rollout is not left running or held
+            try:
+                self.client.cancel(entry.ticket)
+            except ApiError:
+                pass
         return item
 
     def retrying(self, pull: Any, ticket: Ticket) -> Any:
@@ -246,6 +270,17 @@ class _Driver:
         latest = self.client.pushed_versions.get(model_id)
         return latest is not None and latest - version > self.max_staleness
 
+    def stale_when_taken(self, item: Rollout) -> bool:
+        """A finished rollout that waited for the trainer while it pushed: stale now, it is released
+        and its request run again (the submitter lives until every item is taken, `idle`)."""
+        if item.trajectory is None or item.ticket is None:
+            return False
+        made = item.trajectory.metadata.get("model") or {}
+        if not self.stale(str(made.get("id", "")), item.weights_version):
+            return False
+        self.resubmit(_Entry(item.request, item.ticket, item.resubmits))
+        return True
+
     def resubmit(self, entry: _Entry) -> None:
         """A rollout too far behind the latest push: release its result and run the request again."""
         try:
@@ -255,6 +290,7 @@ class _Driver:
         with self.cond:
             self.resubmitted += 1
             self.retry.append((entry.request, entry.resubmits + 1))
+            self.cond.notify_all()
 
     # -- the consumer's side -------------------------------------------------------------------
     def taken(self) -> None:
@@ -325,21 +361,25 @@ class Stream(Iterator[Rollout]):
         return self
 
     def __next__(self) -> Rollout:
-        if self._done:
-            raise StopIteration
-        try:
-            item = self._driver.out.get()
-        except BaseException:  # Ctrl-C while waiting: cancel what runs, then let it through
-            self.close()
-            raise
-        if item is _END:
-            self._done = True
-            error = self._driver.error
-            self.close()
-            if error is not None:
-                raise error
-            raise StopIteration
-        self._driver.taken()
+        while True:
+            if self._done:
+                raise StopIteration
+            try:
+                item = self._driver.out.get()
+            except BaseException:  # Ctrl-C while waiting: cancel what runs, then let it through
+                self.close()
+                raise
+            if item is _END:
+                self._done = True
+                error = self._driver.error
+                self.close()
+                if error is not None:
+                    raise error
+                raise StopIteration
+            stale = self._driver.stale_when_taken(item)  # before `taken`: the submitter is still there
+            self._driver.taken()
+            if not stale:
+                break
         if self._bar is not None:
             self._failed += item.error is not None
             self._bar.set_postfix(failed=self._failed, refresh=False)

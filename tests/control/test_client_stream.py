@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -169,7 +170,7 @@ def test_a_failed_request_is_that_items_error_and_the_rest_go_on(server):
         block = blockers(c)
         reqs = requests(3, "fail")
         reqs.insert(1, {"prompts": ["bad"], "num_inference_steps": 0})
-        stream = c.stream(reqs, in_flight=3, progress=False)
+        stream = c.stream(reqs, in_flight=4, progress=False)  # the refused one's item waits: 3 slots left
         ids = wait_for(lambda: (lambda s: s if len(s) == 3 else None)(stream_ids(c, before | set(block))),
                        "three queued", timeout=60)
         victim = sorted(ids, key=lambda i: c.status(i).created_at)[0]
@@ -321,6 +322,80 @@ def test_max_staleness_resubmits_a_rollout_behind_the_last_push(server):
         assert item.weights_version == pushed and _ticket(item).id != first
         assert c.status(first).status == "expired"  # the stale result was released
         c.push_weights("tiny-sd3", base)  # the base weights again for what follows
+
+
+def test_max_staleness_holds_for_a_rollout_that_waited_while_the_trainer_pushed(server):
+    """Staleness was checked when a rollout finished, not when the trainer took it: two finished
+    rollouts waiting in the stream while the trainer pushed came out a version behind. Each item
+    taken is now checked again: a stale one is released and run again on the new weights."""
+    base = ModelRegistry().get("tiny-sd3").pipeline.transformer.state_dict()
+    with Client(server.rest_url) as c:
+        before = {s.id for s in c.rollouts(limit=1000)}
+        stream = c.stream(requests(2, "waits"), in_flight=2, max_staleness=0, progress=False)
+        wait_for(lambda: len([s for s in c.rollouts(limit=1000) if s.id not in before and s.status == "succeeded"])
+                 == 2 or None, "both finished, waiting to be taken", timeout=60)
+        c.push_weights("tiny-sd3", _nudged(base, 2))
+        pushed = c.pushed_versions["tiny-sd3"]
+        got = list(stream)
+        assert [r.weights_version for r in got] == [pushed, pushed] and stream.resubmitted == 2
+        assert all(r.error is None and r.resubmits == 1 for r in got)
+        c.push_weights("tiny-sd3", base)
+
+
+def test_at_most_in_flight_finished_rollouts_wait_for_the_trainer(server):
+    """The stream submitted while fewer than in_flight finished ones waited, not counting the
+    running ones that would land on top: up to 2 x in_flight - 1 could wait."""
+    with Client(server.rest_url) as c:
+        before = {s.id for s in c.rollouts(limit=1000)}
+        stream = c.stream(requests(6, "held"), in_flight=2, progress=False)
+        wait_for(lambda: len([s for s in c.rollouts(limit=1000) if s.id not in before and s.status == "succeeded"])
+                 >= 2 or None, "two finished", timeout=60)
+        time.sleep(1.0)  # the trainer is busy: before, a third rollout was submitted meanwhile
+        assert stream.submitted == 2
+        assert len(list(stream)) == 6 and stream.submitted == 6
+
+
+def test_a_failed_pull_is_its_items_error_and_the_others_come_out(server):
+    """A pull's idle timeout (a rollout silent for longer than pull_idle_timeout) raised out of the
+    iteration and cancelled every other rollout; it is that item's error now, its rollout cancelled."""
+    with Client(server.rest_url, pull_idle_timeout=0.3) as c:
+        silent = {"prompts": ["silent"], "num_outputs_per_prompt": 32, "num_inference_steps": 40, "seed": 5,
+                  "return": {"steps": [40]}}  # nothing streamed until its last step
+        got = list(c.stream([silent, *requests(3, "quick")], in_flight=4, progress=False))
+        errors = [r for r in got if r.error is not None]
+        assert len(got) == 4 and [r.request for r in errors] == [silent], [r.error for r in got]
+        assert isinstance(errors[0].error, TimeoutError)
+        assert wait_for(lambda: c.status(_ticket(errors[0])).status in ("cancelled", "expired") or None,
+                        "the silent rollout is cancelled, not left running")
+
+
+def test_closing_while_a_full_queue_is_backed_off_is_prompt_and_submits_nothing(server):
+    """close() waited out the client's timeout plus 5 s for a submit that was backing off 429s,
+    and the request was submitted once the queue drained: a rollout nobody would take or cancel."""
+    with Client(server.rest_url, timeout=5) as c:
+        before = {s.id for s in c.rollouts(limit=1000)}
+        block = blockers(c)
+        fill = [c.submit(prompts=["fill"], num_inference_steps=2, seed=k).id for k in range(QUEUE)]
+        refused = _responses_429(c)
+        stream = c.stream(requests(1, "after close"), in_flight=1, progress=False)
+        wait_for(lambda: _responses_429(c) > refused or None, "the stream's submit is refused 429", timeout=30)
+        t0 = time.monotonic()
+        stream.close()
+        assert time.monotonic() - t0 < 2
+        for rollout_id in block + fill:
+            c.cancel(rollout_id)
+        time.sleep(1.0)  # before: the submit went on backing off, and got in once the queue had room
+        assert stream_ids(c, before | set(block) | set(fill)) == set() and stream.submitted == 0
+
+
+def test_an_idempotency_key_in_a_request_is_sent_as_the_header(server):
+    """It went into the body: a 422 "idempotency_key: Extra inputs are not permitted"."""
+    with Client(server.rest_url) as c:
+        key = f"stream-{time.time_ns()}"
+        (first,) = list(c.stream([{**requests(1, "idem")[0], "idempotency_key": key}], progress=False))
+        (again,) = list(c.stream([{**requests(1, "idem")[0], "idempotency_key": key}], progress=False))
+        assert first.error is None and again.error is None, (first.error, again.error)
+        assert _ticket(first).id == _ticket(again).id  # the same key and body: the first rollout
 
 
 def test_async_client_same_surface_same_errors(server):
