@@ -36,14 +36,17 @@ if TYPE_CHECKING:
 
     from sigmaflight.dataplane.client import Trajectory
     from sigmaflight.stream import Rollout, Stream
+    from sigmaflight.weights import PushResult
 
 __all__ = ["AsyncClient", "AsyncStream"]
 
 
 class AsyncClient:
-    """`Client`'s surface as coroutines: submit, branch, status, rollouts, wait, cancel, models,
-    pull, pull_outputs, pull_conditioning, pull_stream, push_weights, push_lora, delete_lora, and
-    `stream` as an async iterator. Same arguments, same answers, same typed errors."""
+    """`Client`'s surface as coroutines: submit, branch, status, rollouts, rollout_page, wait,
+    cancel, models, pull, pull_outputs, pull_conditioning, pull_stream, locate, stream_ticket,
+    push_weights, push_weights_file, weights_manifest, push_lora, delete_lora, and `stream` as an
+    async iterator. Same arguments, same answers, same typed errors (tests/control/test_async_surface.py
+    compares the two signatures)."""
 
     def __init__(
         self,
@@ -53,10 +56,14 @@ class AsyncClient:
         timeout: float = 30.0,
         transport: Transport = "auto",
         host: str | None = None,
+        pull_idle_timeout: float | None = 3600.0,
     ) -> None:
-        self.sync = Client(url, token, timeout=timeout, transport=transport, host=host)
+        """As `Client`'s: ``timeout`` is REST's, ``pull_idle_timeout`` the pulls' (None: no limit)."""
+        self.sync = Client(url, token, timeout=timeout, transport=transport, host=host,
+                           pull_idle_timeout=pull_idle_timeout)
         """The blocking Client that pulls, pushes and streams run on (in a thread)."""
         self.url, self.token, self.timeout = self.sync.url, token, timeout
+        self.pull_idle_timeout = pull_idle_timeout
         self._http = httpx.AsyncClient(base_url=self.url, headers=bearer_header(token), timeout=timeout)
 
     @property
@@ -97,11 +104,12 @@ class AsyncClient:
 
     async def rollout_page(self, status: str | None = None, limit: int = 100, *,
                            ticket: str | None = None, after: str | None = None) -> RolloutList:
+        call = rest.rollout_page(status, limit, ticket, after)  # status and after checked here
         if ticket is not None and not rest.could_be_ticket(ticket):
             return RolloutList(rollouts=[])
-        return await self._call(rest.rollout_page(status, limit, ticket, after))
+        return await self._call(call)
 
-    async def wait(self, ticket: str | Ticket, timeout: float = 300.0, *, poll_s: float = 0.05,
+    async def wait(self, ticket: str | Ticket, timeout: float | None = 300.0, *, poll_s: float = 0.05,
                    max_poll_s: float = 1.0, raise_on_failure: bool = True) -> RolloutStatus:
         waiting = rest.Waiting(timeout, poll_s, max_poll_s, raise_on_failure)
         while True:
@@ -121,8 +129,18 @@ class AsyncClient:
         return await self._call(rest.delete_lora(model_id))
 
     # -- in a thread: Flight pulls, tensor pushes -----------------------------------------
-    async def push_weights(self, model_id: str, state_dict: Mapping[str, torch.Tensor]) -> str:
-        return await asyncio.to_thread(self.sync.push_weights, model_id, state_dict)
+    async def push_weights(self, model_id: str, state_dict: Mapping[str, torch.Tensor], *, only_changed: bool = True,
+                           partial: bool = False, chunk_bytes: int = 8 << 20, progress: bool | None = None,
+                           retries: int = 3, push_id: str | None = None) -> PushResult:
+        return await asyncio.to_thread(self.sync.push_weights, model_id, state_dict, only_changed=only_changed,
+                                       partial=partial, chunk_bytes=chunk_bytes, progress=progress, retries=retries,
+                                       push_id=push_id)
+
+    async def push_weights_file(self, model_id: str, path: str, *, partial: bool = False) -> PushResult:
+        return await asyncio.to_thread(self.sync.push_weights_file, model_id, path, partial=partial)
+
+    async def weights_manifest(self, model_id: str) -> dict[str, str]:
+        return await asyncio.to_thread(self.sync.weights_manifest, model_id)
 
     async def push_lora(self, model_id: str, adapter: Mapping[str, torch.Tensor], lora_config: Any) -> dict[str, Any]:
         return await asyncio.to_thread(self.sync.push_lora, model_id, adapter, lora_config)
@@ -141,6 +159,9 @@ class AsyncClient:
 
     async def locate(self, ticket: str | Ticket) -> tuple[str, str]:
         return await asyncio.to_thread(self.sync.locate, ticket)
+
+    async def stream_ticket(self, ticket: str | Ticket, stream: str) -> tuple[str, str]:
+        return await asyncio.to_thread(self.sync.stream_ticket, ticket, stream)
 
     def stream(self, requests: Iterable[Mapping[str, Any]], *, in_flight: int = 8, outputs: bool = False,
                max_staleness: int | None = None, progress: bool | None = None) -> AsyncStream:

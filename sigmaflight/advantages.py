@@ -24,7 +24,7 @@ def group_advantages(
     groups: Iterable[Hashable] | Any,
     *,
     std: Literal["group", "global", "none"] = "group",
-    eps: float = 1e-4,
+    eps: float | np.floating[Any] | np.integer[Any] = 1e-4,
 ) -> R:
     """The advantage of each sample against the other samples of its group (a GRPO group: the
     outputs of one prompt), as `(r - mean) / (std + eps)`.
@@ -37,21 +37,28 @@ def group_advantages(
     std: "group": the group's mean and population standard deviation (ddof=0), as Flow-GRPO's
     per-prompt stat tracker; "global": the group's mean and the standard deviation of the whole
     batch (Flow-GRPO's `global_std`); "none": `r - mean`, no division (Dr. GRPO).
-    eps: added to the standard deviation (ignored by "none").
+    eps: added to the standard deviation (ignored by "none"); a Python or numpy number >= 0.
+    Rewards of another dtype (strings, complex, objects) are a TypeError naming `rewards`.
 
     A group of one sample gets 0, as in Flow-GRPO (its reward is its own mean). Each call stands
     alone: nothing is remembered across calls. Arithmetic is in float64, cast back at the end.
     """
     if std not in _STDS:
         raise ValueError(f"std must be one of {', '.join(map(repr, _STDS))}, got {std!r}")
-    if isinstance(eps, bool) or not isinstance(eps, int | float) or not np.isfinite(eps) or eps < 0:
+    if (isinstance(eps, bool | np.bool_) or not isinstance(eps, int | float | np.integer | np.floating)
+            or not np.isfinite(eps) or eps < 0):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    eps = float(eps)
     torch = sys.modules.get("torch")
     is_torch = torch is not None and isinstance(rewards, torch.Tensor)
     if is_torch:
         assert torch is not None
+        if rewards.is_complex():  # type: ignore[attr-defined]
+            raise TypeError(f"rewards must be real numbers (bool, integer or float), got {rewards.dtype}")  # type: ignore[attr-defined]
         values = rewards.detach().to("cpu", torch.float64).numpy()  # type: ignore[attr-defined]
     elif isinstance(rewards, np.ndarray):
+        if rewards.dtype.kind not in "biuf":  # strings would be parsed, complex numbers lose their imaginary part
+            raise TypeError(f"rewards must be real numbers (bool, integer or float), got dtype {rewards.dtype}")
         values = rewards.astype(np.float64)
     else:
         raise TypeError(f"rewards must be a numpy array or a torch tensor, got {type(rewards).__name__}")

@@ -154,22 +154,25 @@ class Client:
                  after: str | None = None) -> list[RolloutStatus]:
         """GET /v1/rollouts, newest first (optionally only one status, or only the rollout that a
         Flight ticket belongs to). At most `limit` (1..1000); `after`: the page after that rollout
-        (the last id of the page before)."""
+        (the last id of the page before). ValueError naming `status` or `after` when it cannot be
+        one (not one of the six states; not a rollout id), before any request."""
         return self.rollout_page(status, limit, ticket=ticket, after=after).rollouts
 
     def rollout_page(self, status: str | None = None, limit: int = 100, *, ticket: str | None = None,
                      after: str | None = None) -> RolloutList:
         """As `rollouts`, with the answer's `next`: the id to pass as `after` for the next page, None
         on the last page."""
+        call = rest.rollout_page(status, limit, ticket, after)  # status and after checked here
         if ticket is not None and not rest.could_be_ticket(ticket):
             return RolloutList(rollouts=[])  # no rollout holds a ticket the server would not even look up
-        return self._call(rest.rollout_page(status, limit, ticket, after))
+        return self._call(call)
 
     def wait(
-        self, ticket: str | Ticket, timeout: float = 300.0, *, poll_s: float = 0.05, max_poll_s: float = 1.0,
+        self, ticket: str | Ticket, timeout: float | None = 300.0, *, poll_s: float = 0.05, max_poll_s: float = 1.0,
         raise_on_failure: bool = True,
     ) -> RolloutStatus:
-        """Wait until the rollout is finished; TimeoutError after `timeout` seconds.
+        """Wait until the rollout is finished; TimeoutError after `timeout` seconds (None: no
+        limit; a NaN or negative timeout is a ValueError naming it, one of another type a TypeError).
 
         Each status read is held by the server until the rollout ends (`status(wait_s=20)`): a
         wait costs the server a read every 20 s and returns as the rollout ends. A server that
@@ -194,14 +197,17 @@ class Client:
         return self._call(rest.models())
 
     def push_weights(self, model_id: str, state_dict: Mapping[str, torch.Tensor], *, only_changed: bool = True,
-                     partial: bool = False, **options: Any) -> PushResult:
+                     partial: bool = False, chunk_bytes: int = 8 << 20, progress: bool | None = None,
+                     retries: int = 3, push_id: str | None = None) -> PushResult:
         """Stream the transformer's state dict to the server (Flight do_put, checked, atomic,
         resumed after a cut); by default only the tensors whose checksum differs from the served
         ones. Returns the new digest (a str) with weights_version and bytes sent/skipped;
-        WeightsPushError when the server refuses it. See sigmaflight.weights.push_weights."""
+        WeightsPushError when the server refuses it. `chunk_bytes` (weights.DEFAULT_CHUNK_BYTES),
+        `progress`, `retries`, `push_id`: see sigmaflight.weights.push_weights."""
         from sigmaflight.weights import push_weights
 
-        result = push_weights(self, model_id, state_dict, only_changed=only_changed, partial=partial, **options)
+        result = push_weights(self, model_id, state_dict, only_changed=only_changed, partial=partial,
+                              chunk_bytes=chunk_bytes, progress=progress, retries=retries, push_id=push_id)
         self.pushed_versions[model_id] = result.weights_version  # a Flight commit: rest.check_answer never sees it
         return result
 
@@ -372,7 +378,8 @@ class Client:
     def _status_of(self, ticket: str | Ticket) -> RolloutStatus | None:
         """The REST status of the rollout `ticket` names (a Ticket, a rollout id or a bare Flight
         ticket, as `locate` takes them), None when REST does not know it: a pull answers the
-        same whichever handle the trainer holds."""
+        same whichever handle the trainer holds. A server that is gone is ServerUnreachable: the
+        Flight error was the same server going away (a stream then ends with it, not item by item)."""
         try:
             return self.status(ticket)
         except NotFound:
@@ -380,9 +387,13 @@ class Client:
                 return None
             try:
                 owners = self.rollouts(limit=1, ticket=ticket)
+            except ServerUnreachable:
+                raise
             except ApiError:
                 return None
             return owners[0] if owners else None
+        except ServerUnreachable:
+            raise
         except ApiError:
             return None
 

@@ -15,6 +15,8 @@ percent-encoded, so no string a caller gives can change which route a request re
 from __future__ import annotations
 
 import asyncio
+import math
+import numbers
 import re
 import time
 from collections.abc import Callable, Mapping, MutableMapping
@@ -25,7 +27,7 @@ from urllib.parse import quote
 import httpx
 
 from sigmaflight.errors import ApiError, NotFound, RolloutFailed, ServerUnreachable, Unauthorized
-from sigmaflight.wire import MAX_STATUS_WAIT_S, TERMINAL, RolloutList, RolloutStatus, Ticket
+from sigmaflight.wire import MAX_STATUS_WAIT_S, STATES, TERMINAL, RolloutList, RolloutStatus, Ticket
 
 T = TypeVar("T")
 
@@ -168,7 +170,19 @@ def cancel(rollout_id: object) -> Call[RolloutStatus]:
 
 
 def rollout_page(status: str | None = None, limit: int = 100, ticket: str | None = None,
-                 after: str | None = None) -> Call[RolloutList]:
+                 after: object = None) -> Call[RolloutList]:
+    """GET /v1/rollouts. `status` must be one of the six states and `after` (a rollout id or a
+    Ticket) one a server can give: anything else (the empty string too) is a ValueError naming the
+    argument, before any request; a well-formed `after` the server does not know is its 422."""
+    if status is not None:
+        if not isinstance(status, str):
+            raise TypeError(f"status must be a str or None, not {type(status).__name__}")
+        if status not in STATES:
+            raise ValueError(f"status must be one of {', '.join(STATES)}, got {shown(status)}")
+    if after is not None:
+        after = ref(after, "after")
+        if not is_rollout_id(after):
+            raise ValueError(f"after must be a rollout id (the `next` of the page before), got {shown(after)}")
     params: dict[str, Any] = {"limit": limit, **({"status": status} if status else {}),
                               **({"ticket": ticket} if ticket else {}), **({"after": after} if after else {})}
     return Call("GET", "/v1/rollouts", lambda r: RolloutList.model_validate(r.json()), {"params": params})
@@ -180,6 +194,11 @@ def models() -> Call[list[dict[str, Any]]]:
 
 def delete_lora(model_id: object) -> Call[dict[str, Any]]:
     return Call("DELETE", model_path(model_id, "lora"), lambda r: dict(r.json()))
+
+
+def _real(value: object) -> bool:
+    """Whether `value` is a real number (numpy's too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 HOLD_S = 20.0
@@ -194,9 +213,20 @@ class Waiting:
     to `max_poll_s` after one it answered early (a server that holds no reads: an older one, or one
     past its --max-held-reads), or None when the rollout is finished; RolloutFailed
     (RolloutCancelled) when it ended other than succeeded unless `raise_on_failure=False`,
-    TimeoutError after `timeout` seconds."""
+    TimeoutError after `timeout` seconds (None or inf: no limit). A timeout that is not a number
+    is a TypeError naming it, a NaN or negative one a ValueError, as is a poll that is not a
+    finite number of seconds > 0."""
 
-    def __init__(self, timeout: float, poll_s: float, max_poll_s: float, raise_on_failure: bool) -> None:
+    def __init__(self, timeout: float | None, poll_s: float, max_poll_s: float, raise_on_failure: bool) -> None:
+        if timeout is None:
+            timeout = math.inf
+        if not _real(timeout):
+            raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__}")
+        if not timeout >= 0:  # NaN too: nothing is <= NaN, so it would never time out
+            raise ValueError(f"timeout must be a number of seconds >= 0 or None, got {timeout!r}")
+        for name, value in (("poll_s", poll_s), ("max_poll_s", max_poll_s)):
+            if not _real(value) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
         self.timeout, self.deadline = timeout, time.monotonic() + timeout
         self.pause, self.max_pause = poll_s, max(max_poll_s, poll_s)
         self.raise_on_failure = raise_on_failure

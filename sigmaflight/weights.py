@@ -25,7 +25,7 @@ from pyarrow import flight
 
 from sigmaflight import rest
 from sigmaflight.dataplane.auth import bearer_header
-from sigmaflight.errors import ApiError
+from sigmaflight.errors import ApiError, NotFound
 
 if TYPE_CHECKING:
     import numpy as np
@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 
     from sigmaflight.client import Client
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "PushResult", "WeightsPushError", "push_weights", "push_weights_file", "tensor_crc",
-           "weights_manifest"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "PushResult", "WeightsPushError", "WeightsPushNotFound", "push_weights",
+           "push_weights_file", "tensor_crc", "weights_manifest"]
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 """Bytes per chunk (one record batch) of a push."""
@@ -56,6 +56,12 @@ class WeightsPushError(ApiError):
         loc = ["body", tensor] if tensor is not None else ["body"]
         super().__init__(_STATUS.get(type_, 400), type_, message, [{"loc": loc, "msg": message, "type": reason}])
         self.reason, self.tensor, self.push_id = reason, tensor, push_id
+
+
+class WeightsPushNotFound(WeightsPushError, NotFound):
+    """A push to a model the server does not serve (or another "not_found" refusal): a
+    WeightsPushError of type "not_found" (status 404, reason "unknown_model" when the model is
+    unknown) and a NotFound, as the manifest read that finds no model raises."""
 
 
 class PushResult(str):
@@ -119,7 +125,8 @@ def _error(exc: flight.FlightError, push_id: str) -> WeightsPushError | None:
     for prefix in ("Flight returned internal error, with message: ", "with message: "):
         if prefix in message:
             message = message.split(prefix, 1)[1]
-    return WeightsPushError(info["type"], str(info.get("reason") or info["type"]), message,
+    kind = WeightsPushNotFound if info["type"] == "not_found" else WeightsPushError
+    return kind(info["type"], str(info.get("reason") or info["type"]), message,
                             tensor=info.get("tensor"), push_id=push_id)
 
 
@@ -150,12 +157,15 @@ def push_weights(
     `retries` times; `push_id` resumes a push another process started (the same tensors and
     options), sending only what the server has not received. Returns the new digest as a PushResult (a str with weights_version, bytes).
     Raises WeightsPushError (an ApiError: 422 naming the tensor, 409 for a push under way) when
-    the push is refused (nothing changed on the server), ValueError for a bad argument here."""
-    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be an integer >= 1, got {chunk_bytes!r}")
-    manifest = weights_manifest(client, model_id)
+    the push is refused (nothing changed on the server; WeightsPushNotFound, also a NotFound, for
+    a model the server does not serve), ValueError for a bad argument here (chunk_bytes, retries,
+    push_id), TypeError naming the key of a state_dict value that is not a torch.Tensor."""
+    tensors = _checked(state_dict, chunk_bytes=chunk_bytes, retries=retries, push_id=push_id)
+    try:
+        manifest = weights_manifest(client, model_id)
+    except NotFound as exc:
+        raise WeightsPushNotFound("not_found", "unknown_model", exc.message) from None
     served: dict[str, str] = manifest["tensors"]
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
     if not partial:
         missing = sorted(set(served) - set(tensors))
         if missing:  # refused here as the server refuses a full push without it
@@ -211,6 +221,29 @@ def push_weights(
     finally:
         bar.close()
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _checked(state_dict: Mapping[str, torch.Tensor], *, chunk_bytes: int, retries: int,
+             push_id: str | None) -> dict[str, torch.Tensor]:
+    """The push's arguments checked (ValueError naming a bad one), and its tensors on the CPU,
+    contiguous (TypeError naming a key that is not a str or a value that is not a tensor)."""
+    import torch
+
+    for name, value, least in (("chunk_bytes", chunk_bytes, 1), ("retries", retries, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    if push_id is not None and (not isinstance(push_id, str) or not 0 < len(push_id) <= 200
+                                or not push_id.isprintable() or not rest._utf8(push_id)):
+        raise ValueError(f"push_id must be a str of 1 to 200 printable characters, got {push_id!r:.80}")
+    tensors: dict[str, torch.Tensor] = {}
+    for k, v in state_dict.items():
+        if not isinstance(k, str):
+            raise TypeError(f"state_dict keys must be str (the transformer's state_dict() keys), got {k!r:.80}")
+        if not isinstance(v, torch.Tensor):
+            kind = type(v).__name__ if type(v).__module__ == "builtins" else f"{type(v).__module__}.{type(v).__name__}"
+            raise TypeError(f"state_dict[{k!r}] must be a torch.Tensor, not {kind}")
+        tensors[k] = v.detach().to("cpu").contiguous()
+    return tensors
 
 
 def push_weights_file(client: Client, model_id: str, path: str, *, partial: bool = False) -> PushResult:

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from sigmaflight.commands.common import (
+    UsageError,
     add_client_arguments,
     add_output_arguments,
     add_parser,
@@ -32,6 +33,11 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def run_list(args: argparse.Namespace) -> int:
+    from sigmaflight import rest  # here: `sigmaflight --help` loads no httpx
+
+    if args.after is not None and not rest.is_rollout_id(args.after):
+        raise UsageError(f"--after {rest.shown(args.after)}: not a rollout id; give the last ID of the page "
+                         "before (its JSON's \"next\")")
     with connect(args) as client:
         page = client.rollout_page(status=args.status, limit=args.limit, after=args.after)
     if not wants_table(args):

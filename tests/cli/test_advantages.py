@@ -161,3 +161,21 @@ def test_group_advantages_loads_no_torch():
     mods = json.loads(out.stdout.strip().splitlines()[-1])
     assert "torch" not in mods and "sigmaflight.advantages" in mods
     assert "group_advantages" in sigmaflight.__all__
+
+
+def test_numpy_scalar_eps_is_a_number_and_rewards_must_be_real_numbers():
+    """eps=np.float32(1e-4) was refused ("must be a finite number"); string rewards were parsed as
+    numbers and complex ones lost their imaginary part with only a ComplexWarning."""
+    rewards, groups = np.array([1.0, 2.0, 4.0, 8.0]), [0, 0, 1, 1]
+    want = group_advantages(rewards, groups, eps=1e-4)
+    np.testing.assert_allclose(group_advantages(rewards, groups, eps=np.float32(1e-4)), want, rtol=1e-6)
+    np.testing.assert_array_equal(group_advantages(rewards, groups, eps=np.float64(1e-4)), want)
+    np.testing.assert_array_equal(group_advantages(rewards, groups, eps=np.int64(0)),
+                                  group_advantages(rewards, groups, eps=0))
+    for eps in (np.float32("nan"), np.float64(-1.0), np.bool_(True), "1e-4"):
+        with pytest.raises(ValueError, match="eps"):
+            group_advantages(rewards, groups, eps=eps)  # type: ignore[arg-type]
+    for bad in (np.array(["1", "2"]), np.array([1 + 0j, 2 + 0j]), np.array([1.0, 2.0], dtype=object),
+                np.array([b"1", b"2"]), torch.tensor([1 + 0j, 2 + 0j])):
+        with pytest.raises(TypeError, match="rewards"):
+            group_advantages(bad, [0, 0])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -285,3 +286,27 @@ def test_a_released_rollout_pulled_by_any_handle_is_rollout_failed(server):
                 client.pull(handle)
             assert type(e.value) is RolloutFailed and e.value.rollout is not None
             assert e.value.rollout.id == ticket.id and e.value.rollout.status == "expired"
+
+
+def test_wait_refuses_a_timeout_that_is_no_number_of_seconds_and_takes_none_as_no_limit(server):
+    """`wait(timeout=nan)` never timed out (nothing is <= NaN), `timeout=None` was a bare TypeError from
+    `monotonic() + None`; a negative one or a bad poll was taken. Named before any request, both clients."""
+    bad: list[tuple[dict[str, Any], type[Exception]]] = [({"timeout": float("nan")}, ValueError), ({"timeout": -1.0}, ValueError), ({"timeout": "60"}, TypeError),
+           ({"timeout": True}, TypeError), ({"poll_s": 0.0}, ValueError), ({"poll_s": float("nan")}, ValueError),
+           ({"max_poll_s": -1.0}, ValueError), ({"max_poll_s": float("inf")}, ValueError)]
+    with Client(server.rest_url) as c:
+        ticket = c.submit(prompts=["a"], num_inference_steps=2, seed=11)
+        for kwargs, kind in bad:
+            with pytest.raises(kind, match=f"^{next(iter(kwargs))} must be"):
+                c.wait(ticket, **kwargs)
+        assert c.wait(ticket, timeout=None).status == "succeeded"
+        assert c.wait(ticket, timeout=float("inf")).status == "succeeded"
+
+    async def main() -> str:
+        async with AsyncClient(server.rest_url) as ac:
+            for kwargs, kind in bad:
+                with pytest.raises(kind, match=f"^{next(iter(kwargs))} must be"):
+                    await ac.wait(ticket, **kwargs)
+            return (await ac.wait(ticket, timeout=None)).status
+
+    assert asyncio.run(main()) == "succeeded"

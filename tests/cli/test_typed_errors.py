@@ -155,6 +155,23 @@ def test_connection_refused_names_the_url(capsys):
     assert rc == 1 and url in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.timeout(120)
+def test_a_pull_from_a_server_that_is_gone_is_server_unreachable():
+    """A server gone mid-stream: the pull's Flight error came out as a plain ApiError "flight_error"
+    (the REST status it looked for was unreachable too, and that was swallowed), so Client.stream
+    ended normally with items in error instead of raising ServerUnreachable."""
+    from sigmaflight.errors import ServerUnreachable
+
+    server = InProcessServer()
+    with Client(server.rest_url, timeout=5) as c:
+        ticket = c.submit(prompts=["gone"], num_inference_steps=2, seed=1)
+        c.wait(ticket, timeout=60)
+        server.terminate()
+        with pytest.raises(ServerUnreachable) as gone:
+            c.pull(ticket)
+        assert server.rest_url in str(gone.value)
+
+
 def test_submit_help_has_text_for_every_flag():
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

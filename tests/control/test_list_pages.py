@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from sigmaflight import AsyncClient, Client
+from sigmaflight import ApiError, AsyncClient, Client
 from sigmaflight.cli import main
 from tests.servers import InProcessServer, wait_for_status
 
@@ -80,3 +80,51 @@ def test_the_client_and_the_cli_take_after(server: InProcessServer, capsys: pyte
     assert main(["list", "--json", "--url", server.rest_url, "--limit", "2", "--after", ids[3]]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert ([r["id"] for r in printed["rollouts"]], printed["next"]) == (ids[4:], None)
+
+
+NOT_IDS = ["", "x" * 100_000, "a\ud800b", "a\x00b", "a\nb", "../x", "?limit=1", "x" * 129]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("value", NOT_IDS, ids=lambda v: repr(v[:12]) + (f"..{len(v)}" if len(v) > 12 else ""))
+def test_an_after_or_status_that_cannot_be_one_is_a_value_error_naming_it(server: InProcessServer,
+                                                                          value: str) -> None:
+    """Once httpx's InvalidURL (a 100 000-character string), UnicodeEncodeError (a lone surrogate), or
+    the first page unfiltered (the empty string, silently dropped from the query)."""
+    with Client(server.rest_url) as client:
+        for kw in ("after", "status"):
+            with pytest.raises(ValueError, match=f"^{kw} must be"):
+                client.rollout_page(limit=1, **{kw: value})
+            with pytest.raises(ValueError, match=f"^{kw} must be"):
+                client.rollouts(limit=1, **{kw: value})
+        with pytest.raises(TypeError, match="after"):
+            client.rollouts(after=5)  # type: ignore[arg-type]
+
+    async def both() -> None:
+        async with AsyncClient(server.rest_url) as client:
+            for kw in ("after", "status"):
+                with pytest.raises(ValueError, match=f"^{kw} must be"):
+                    await client.rollout_page(limit=1, **{kw: value})
+
+    asyncio.run(both())
+
+
+@pytest.mark.timeout(120)
+def test_a_well_formed_after_or_status_still_reaches_the_server(server: InProcessServer) -> None:
+    with Client(server.rest_url) as client:
+        with pytest.raises(ApiError) as info:  # never made: the server's 422 naming it
+            client.rollouts(after="nope")
+        assert info.value.status == 422 and info.value.details[0]["loc"] == ["query", "after"]
+        ids = [r.id for r in client.rollouts(limit=1000)]
+        assert [r.id for r in client.rollouts(status="succeeded", limit=2, after=ids[0])] == ids[1:3]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("value", ["", "x" * 100_000, "../x"], ids=["empty", "100k", "dots"])
+def test_list_after_a_string_that_is_no_rollout_id_is_a_usage_error(
+        server: InProcessServer, capsys: pytest.CaptureFixture[str], value: str) -> None:
+    assert main(["list", "--json", "--url", server.rest_url, "--after", value]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()  # one line, no traceback
+    assert line.startswith("sigmaflight list: --after") and "rollout id" in line and len(line) < 300

@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from sigmaflight import Client
+from sigmaflight import Client, NotFound
+from sigmaflight.weights import WeightsPushError
 from tests.servers import InProcessServer
 
 MODEL = "tiny-sd3"
@@ -197,3 +198,28 @@ def test_the_push_header_partial_as_a_bool_still_works(server: InProcessServer, 
     with pytest.raises(flight.FlightError):  # false: a full push needs every tensor
         _do_put(server, {"partial": False, "tensors": spec}, [(key, _bytes(base[key]))])
 
+
+
+@pytest.mark.timeout(120)
+def test_bad_push_arguments_are_named_and_an_unknown_model_is_a_weights_push_error(client: Client) -> None:
+    """retries=-1 raised AssertionError("unreachable") (the retry loop never ran), a numpy array
+    AttributeError: 'numpy.ndarray' object has no attribute 'detach', and a push to an unknown
+    model the manifest GET's NotFound, which `except WeightsPushError` missed."""
+    before = _served(client)
+    base = _base()
+    new = _scaled(base, 0.5)
+    for kwargs in ({"retries": -1}, {"retries": 1.5}, {"retries": True}, {"chunk_bytes": 0}, {"chunk_bytes": 2.0},
+                   {"push_id": ""}, {"push_id": "x" * 201}, {"push_id": "a\ud800"}, {"push_id": 7}):
+        with pytest.raises(ValueError, match=f"^{next(iter(kwargs))} must be"):
+            client.push_weights(MODEL, new, **kwargs)
+    key = sorted(base)[3]
+    with pytest.raises(TypeError, match=f"state_dict\\[{key!r}\\] must be a torch.Tensor, not numpy.ndarray"):
+        client.push_weights(MODEL, {**new, key: new[key].numpy()})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="state_dict keys must be str"):
+        client.push_weights(MODEL, {**new, 3: new[key]}, partial=True)  # type: ignore[dict-item]
+    assert _served(client) == before
+    for model in ("no-such-model", "../rollouts"):
+        with pytest.raises(WeightsPushError) as info:
+            client.push_weights(model, new)
+        assert (info.value.status, info.value.type, info.value.reason) == (404, "not_found", "unknown_model")
+        assert isinstance(info.value, NotFound) and model in info.value.message
