@@ -299,8 +299,9 @@ class Client:
         """The whole trajectory as torch tensors (waits for a running rollout; see sigmaflight.dataplane.client).
 
         A rollout that ended failed raises RolloutFailed, a cancelled one RolloutCancelled, an
-        unknown ticket NotFound, a refused token Unauthorized: each with the server's message."""
-        location, flight_ticket = self.locate(ticket)
+        unknown ticket NotFound, a refused token Unauthorized: each with the server's message.
+        Any of the rollout's tickets will do (its "outputs" or "conditioning" stream's too)."""
+        location, flight_ticket = self.stream_ticket(ticket, "trajectory")
         try:
             return self.flight(location).pull(flight_ticket)
         except flight.FlightError as exc:

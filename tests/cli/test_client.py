@@ -274,6 +274,21 @@ def test_a_bare_flight_ticket_is_found_through_the_rollout_it_belongs_to():
         assert r.status_code == 422 and r.json()["error"]["details"][0]["loc"] == ["query", "ticket"]
 
 
+def test_pull_by_the_ticket_of_one_of_its_other_streams_gives_the_trajectory(server):
+    """pull_outputs takes any of the rollout's tickets; pull of the "outputs" or "conditioning"
+    stream's ticket raised "ValueError: not a trajectory/v1 schema". It gives the trajectory now."""
+    with Client(server.rest_url) as client:
+        ticket = client.submit(prompts=["a red cube"], num_inference_steps=2, seed=4,
+                               return_={"outputs": True, "conditioning": True})
+        client.wait(ticket, timeout=60)
+        whole = client.pull(ticket)
+        for stream in ("outputs", "conditioning"):
+            other = ticket.flight.streams[stream].ticket
+            assert other != ticket.flight.ticket
+            got = client.pull(other)
+            assert got.rollout_id == ticket.id and torch.equal(got.latents, whole.latents), stream
+
+
 def test_a_released_rollout_pulled_by_any_handle_is_rollout_failed(server):
     """One rollout, one answer: after a release (it becomes expired), a pull by its Ticket, its id
     or its bare Flight ticket raises RolloutFailed carrying its last status, never NotFound."""
