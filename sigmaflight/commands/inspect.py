@@ -38,7 +38,7 @@ def _load(args: argparse.Namespace) -> tuple[str, Any, list[Any]]:
         return src, schema, batches
     with connect(args) as client:
         try:
-            location, ticket = client.locate(src)
+            location, ticket = client.stream_ticket(src, "trajectory")  # any of the rollout's tickets
             try:
                 table = client.flight(location).reader(ticket).read_all()
             except flight.FlightError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -274,9 +275,12 @@ def test_a_bare_flight_ticket_is_found_through_the_rollout_it_belongs_to():
         assert r.status_code == 422 and r.json()["error"]["details"][0]["loc"] == ["query", "ticket"]
 
 
-def test_pull_by_the_ticket_of_one_of_its_other_streams_gives_the_trajectory(server):
+def test_pull_by_the_ticket_of_one_of_its_other_streams_gives_the_trajectory(server, capsys):
     """pull_outputs takes any of the rollout's tickets; pull of the "outputs" or "conditioning"
-    stream's ticket raised "ValueError: not a trajectory/v1 schema". It gives the trajectory now."""
+    stream's ticket raised "ValueError: not a trajectory/v1 schema", and `sigmaflight inspect` of
+    it 'Field "step" does not exist in schema'. Both read the trajectory now."""
+    from sigmaflight.cli import main
+
     with Client(server.rest_url) as client:
         ticket = client.submit(prompts=["a red cube"], num_inference_steps=2, seed=4,
                                return_={"outputs": True, "conditioning": True})
@@ -287,6 +291,9 @@ def test_pull_by_the_ticket_of_one_of_its_other_streams_gives_the_trajectory(ser
             assert other != ticket.flight.ticket
             got = client.pull(other)
             assert got.rollout_id == ticket.id and torch.equal(got.latents, whole.latents), stream
+            assert main(["inspect", other, "--url", server.rest_url, "--json"]) == 0, capsys.readouterr().err
+            report = json.loads(capsys.readouterr().out)
+            assert [r["i"] for r in report["schedule"]] == [0, 1, 2], stream
 
 
 def test_a_released_rollout_pulled_by_any_handle_is_rollout_failed(server):
