@@ -16,8 +16,9 @@ they will land on top), beyond that nothing more is submitted until the trainer 
 
 A rollout that failed, a request the server refused (a 422, a 409 stale_policy) or a pull that
 failed (its idle timeout: the rollout is cancelled) comes out as that item's `error` (the typed
-error, sigmaflight/errors.py), and the iteration goes on. What stops it is raised from the iteration: a refused token (Unauthorized), a server
-that is gone (ServerUnreachable), an exception from the requests iterable itself.
+error, sigmaflight/errors.py), and the iteration goes on. What stops it is raised from the
+iteration: a refused token (Unauthorized), a server that is gone (ServerUnreachable), an exception
+from the requests iterable itself.
 
 Closing the stream (`close()`, leaving its `with` block, breaking out of a `for` over it, Ctrl-C
 while it waits, or the stream being garbage collected) cancels the rollouts still queued or running.
