@@ -42,7 +42,7 @@ def test_a_log_format_other_than_json_is_refused_at_once(flags: tuple[str, ...])
     t0 = time.monotonic()
     with pytest.raises(ValueError, match="--log-format.*JSON ready line"):
         ServerProcess("--torch-threads", "1", *flags, timeout=20)
-    assert time.monotonic() - t0 < 1
+    assert time.monotonic() - t0 < 10  # before: the whole 20 s timeout
 
 
 @pytest.mark.timeout(180)
