@@ -170,8 +170,9 @@ class Lifecycle:
         backend holds its finished, valid trajectory: the process died between the file's rename
         into place and the journal's "succeeded" row (or that row could not be written), so it is a
         succeeded rollout. A queued one is failed too. A succeeded one whose trajectory the backend
-        no longer holds is expired; any other ended one whose trajectory it still holds has it
-        released. A row that cannot be written back now is retried later."""
+        no longer holds is expired; a failed one whose served copy was found changed
+        (result_unavailable) has what the backend still holds of it released. A row that cannot be
+        written back now is retried later."""
         if self.journal is None:
             return
         for rec in self.journal.load():
@@ -193,10 +194,12 @@ class Lifecycle:
                 job.move(RolloutState.EXPIRED, keep_time=True)
                 self._persist(job)
                 log.warning("finished rollout has no stored trajectory; marked expired", extra={"rollout": job.id})
-            elif was is not RolloutState.SUCCEEDED and self.backend.result_info(job.id) is not None:
-                # failed (its served copy was found changed), cancelled or expired, yet a trajectory
-                # file was left behind (the intact durable copy, or the process died before the
-                # delete): Flight must not serve what REST calls failed or gone
+            elif (job.error is not None and job.error.type == "result_unavailable"
+                  and self.backend.result_info(job.id) is not None):
+                # the one ended, not-succeeded rollout that can leave a whole trajectory file behind:
+                # its served copy was found changed, its durable copy stayed intact. Flight must not
+                # serve what REST calls failed (asked of these alone: under Ray each ask is a call
+                # to every worker, and the journal holds thousands of ended rollouts)
                 self.backend.release(job.id)
                 job.released = True
                 log.warning("trajectory of an ended rollout found after restart; released",
