@@ -230,7 +230,8 @@ def invalid_setting_lines(exc: ValidationError) -> list[str]:
         name = str(err["loc"][0]) if err["loc"] else ""
         flag = f"--{name.replace('_', '-')} (SIGMAFLIGHT_{name.upper()})" if name else "settings"
         value = "" if name == "token" or "input" not in err else f" {err['input']!r}"
-        lines.append(f"{flag}{value}: {err['msg']}")
+        why = err["msg"].removeprefix("Value error, ")  # a validator's own reason, without pydantic's prefix
+        lines.append(f"{flag}{value}: {why}")
     return lines
 
 

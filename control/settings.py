@@ -161,11 +161,19 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
     log_format: Literal["json", "text"] = Field("json", description="Log line format.")
 
-    @field_validator("model_dir", "data_dir", "shm_dir", "token_file", "tls_cert", "tls_key", "weights_file_dir",
-                     mode="before")
+    @field_validator("model_dir", "data_dir", "shm_dir", "weights_file_dir", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value
+
+    @field_validator("token_file", "tls_cert", "tls_key", mode="before")
+    @classmethod
+    def _empty_names_no_file(cls, value: object) -> object:
+        # `--token-file "$TOKENS"` with TOKENS unset asked for auth (or TLS): refused, never read as
+        # "not set", which would serve without auth (or over plain http)
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("is empty: it names no file (to serve without it, leave it unset)")
+        return value
 
     def tls_certificates(self) -> tuple[tuple[bytes, bytes], ...]:
         """The (certificate, key) PEM pair read from --tls-cert/--tls-key, or () without TLS.

@@ -261,3 +261,18 @@ def test_half_a_tls_pair_from_the_environment_is_refused(certificate):
 def test_a_token_setting_that_holds_no_token_fails_closed(flags, env):
     line = serve_refused(*flags, "--port", "0", "--flight-port", "0", env=env)
     assert "--token (SIGMAFLIGHT_TOKEN): holds no token" in line and "refusing to start without auth" in line
+
+
+@pytest.mark.parametrize("flags, env, flag", [
+    (("--token-file", ""), {}, "--token-file"),
+    ((), {"SIGMAFLIGHT_TOKEN_FILE": ""}, "--token-file"),
+    (("--tls-cert", ""), {"SIGMAFLIGHT_TLS_KEY": ""}, "--tls-"),
+], ids=["empty-token-file-flag", "empty-token-file-variable", "empty-tls-pair"])
+def test_a_file_setting_given_empty_fails_closed(flags, env, flag):
+    """`--token-file "$TOKENS"` with TOKENS unset names no file: it asked for auth (or TLS), so the
+    server refuses to start instead of serving open (or plain http)."""
+    done = subprocess.run([*SERVE, *flags, "--port", "0", "--flight-port", "0"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=180, env={**os.environ, **env})
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines and all(flag in line and "is empty: it names no file" in line for line in lines), lines
