@@ -141,6 +141,12 @@ class ReplayItem:
     conditioning: Mapping[str, torch.Tensor] | None = None
 
 
+def _branch_rows(spec: RolloutSpec) -> torch.Tensor:
+    """A branch's x_k per sample [B, *latent_shape]: its `branch_from.latents` repeated per branch, parent-major."""
+    assert spec.branch_from is not None
+    return spec.branch_from.latents.repeat_interleave(spec.num_outputs_per_prompt, dim=0)
+
+
 class Replayer:
     """Re-runs `model` on captured trajectories; thread-safe like `run_rollout`."""
 
@@ -185,8 +191,9 @@ class Replayer:
         seeds: the per-sample seeds of the rollout (`RolloutResult.seeds` / the `seed` column).
         conditioning: the rollout's `RolloutResult.conditioning` (B rows): the prompts are not
         encoded, so the model needs no text encoders (they may be None).
-        A branch rollout replays with its own spec (`branch_from` set; its `latents` may be
-        any placeholder of the right shape: x_k comes from `latents`).
+        A branch rollout replays with its own spec (`branch_from` set) from x_k: the captured
+        one when `steps` holds k, else the spec's `branch_from.latents` (the parent's x_k rows,
+        which must then be the real ones: `sigmaflight.rollout_spec(traj, parent=...)`).
         Pass `per_sample_model_calls` as the rollout did.
         grad: run with autograd on (the pipeline's own `torch.no_grad` is bypassed), so the
         result carries a graph back to every model parameter with `requires_grad` (a trainer's
@@ -247,8 +254,11 @@ class Replayer:
         have = [start in m.latents for m in members]
         if all(have):
             kwargs["latents"] = torch.cat([m.latents[start] for m in members], dim=0).to(self.model.dtype)
-        elif start > 0:
-            raise ValueError(f"a branch replay needs its first latent x_{start} among `steps`")
+        elif start > 0:  # a branch that did not capture x_k starts from its spec's, as the rollout did
+            kwargs["latents"] = torch.cat([
+                m.latents[start].to(self.model.dtype) if start in m.latents
+                else _branch_rows(item.spec).to(device=self.model.device, dtype=self.model.dtype)
+                for m, item in zip(members, items, strict=True)], dim=0)
         elif any(have):
             raise ValueError("replay_batch needs x_0 captured in every trajectory, or in none (drawn from the seeds)")
         if grad:

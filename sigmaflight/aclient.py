@@ -18,6 +18,7 @@ rollouts over as an async iterator. The errors are the same typed errors (sigmaf
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -57,14 +58,17 @@ class AsyncClient:
         transport: Transport = "auto",
         host: str | None = None,
         pull_idle_timeout: float | None = 3600.0,
+        ca_file: str | os.PathLike[str] | None = None,
     ) -> None:
-        """As `Client`'s: ``timeout`` is REST's, ``pull_idle_timeout`` the pulls' (None: no limit)."""
+        """As `Client`'s: ``timeout`` is REST's, ``pull_idle_timeout`` the pulls' (None: no limit),
+        ``ca_file`` the PEM certificate(s) an https:// server is trusted by (REST and Flight)."""
         self.sync = Client(url, token, timeout=timeout, transport=transport, host=host,
-                           pull_idle_timeout=pull_idle_timeout)
+                           pull_idle_timeout=pull_idle_timeout, ca_file=ca_file)
         """The blocking Client that pulls, pushes and streams run on (in a thread)."""
         self.url, self.token, self.timeout = self.sync.url, token, timeout
-        self.pull_idle_timeout = pull_idle_timeout
-        self._http = httpx.AsyncClient(base_url=self.url, headers=bearer_header(token), timeout=timeout)
+        self.pull_idle_timeout, self.ca_file = pull_idle_timeout, self.sync.ca_file
+        self._http = httpx.AsyncClient(base_url=self.url, headers=bearer_header(token), timeout=timeout,
+                                       verify=self.sync.trust.verify)
 
     @property
     def pushed_versions(self) -> dict[str, int]:

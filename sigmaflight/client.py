@@ -19,6 +19,7 @@ has the typed errors. docs/trainers.md has the whole tour. `replay_log_probs` an
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -76,8 +77,15 @@ class Client:
         transport: Transport = "auto",
         host: str | None = None,
         pull_idle_timeout: float | None = 3600.0,
+        ca_file: str | os.PathLike[str] | None = None,
     ) -> None:
-        """``transport`` and ``host`` go to each TrajectoryClient: ``"auto"`` reads a finished
+        """``ca_file``: a PEM file of the certificate(s) to trust for an ``https://`` server (one
+        started with ``--tls-cert``/``--tls-key``; a self-signed one's own cert.pem), on REST and on
+        its ``grpc+tls://`` Flight plane (pulls, weights pushes) alike; None trusts the system's CAs.
+        A file that cannot be read or holds no PEM certificate is ``rest.CAFileError`` (a
+        ValueError) naming it, before any request.
+
+        ``transport`` and ``host`` go to each TrajectoryClient: ``"auto"`` reads a finished
         rollout's shared-memory file (a server with --shm-dir on this host) instead of a
         stream; ``"flight"`` always streams. ``host``: this host's id (default: computed).
 
@@ -90,12 +98,16 @@ class Client:
         if pull_idle_timeout is not None and not pull_idle_timeout > 0:
             raise ValueError(f"pull_idle_timeout must be a positive number of seconds or None, got {pull_idle_timeout!r}")
         self.pull_idle_timeout = pull_idle_timeout
+        self.ca_file = None if ca_file is None else os.fspath(ca_file)
+        self.trust = rest.trust(ca_file)
+        """Whom REST (httpx `verify`) and Flight (`tls_root_certs`) trust: ``ca_file``'s certificates."""
         self.url = url.rstrip("/")
         self.token = token
         self.transport: Transport = check_transport(transport)
         self.host = host
         self.timeout = timeout
-        self._http = httpx.Client(base_url=self.url, headers=bearer_header(token), timeout=timeout)
+        self._http = httpx.Client(base_url=self.url, headers=bearer_header(token), timeout=timeout,
+                                  verify=self.trust.verify)
         self._flight: dict[str, TrajectoryClient] = {}
         self.pushed_versions: dict[str, int] = {}
         """model id -> the weights_version of the latest weights or LoRA change this client made."""
@@ -271,7 +283,7 @@ class Client:
         if location not in self._flight:
             self._flight[location] = TrajectoryClient(
                 location, token=self.token, transport=self.transport, host=self.host,
-                idle_timeout=self.pull_idle_timeout,
+                idle_timeout=self.pull_idle_timeout, tls_root_certs=self.trust.root_certs,
             )
         return self._flight[location]
 

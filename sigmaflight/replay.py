@@ -26,34 +26,59 @@ if TYPE_CHECKING:  # torch and diffusers load on first use
 __all__ = ["replay_log_probs", "rollout_spec"]
 
 
-def rollout_spec(traj: Trajectory) -> RolloutSpec:
+def rollout_spec(traj: Trajectory, *, parent: Trajectory | None = None) -> RolloutSpec:
     """The RolloutSpec the server ran, from the trajectory's `sigmaflight.rollout.request`
     (`RolloutSpec.from_json`); for a branch rollout with `branch_from` rebuilt from the trajectory
-    (its x_k, schedule, prompt indices)."""
-    import torch
+    (its x_k, schedule, prompt indices).
 
+    A branch starts from its parent's x_k: taken from the branch's own stream when its
+    `return.steps` kept step k, else from `parent`, the parent rollout's pulled trajectory
+    (`client.pull(parent_id)`, whose rows `branch_from.samples` at step k the server started the
+    branch from). Neither: ValueError naming both ways."""
     from sigmaflight.pipeline.spec import BranchStart, RolloutSpec
 
     req = traj.metadata["request"]
-    parent = req.get("branch_from")
-    if parent is None:
+    branch_from = req.get("branch_from")
+    if branch_from is None:
         return RolloutSpec.from_json(req)
     # A branch rollout: it replays from its own x_k (the parent's, repeated per branch) on the
     # recorded schedule; one BranchStart row per parent sample.
-    n, k = int(req.get("num_outputs_per_prompt", 1)), int(parent["step"])
-    rows = traj.latent(k)[::n].clone() if traj.has_step(k) else torch.zeros(
-        (len(parent["samples"]), *traj.header.latent_shape), dtype=traj.latents.dtype)
+    n, k = int(req.get("num_outputs_per_prompt", 1)), int(branch_from["step"])
+    chosen = branch_from.get("samples")
+    if chosen is None and traj.parent_sample is not None:  # None: all of the parent's samples, parent-major
+        chosen = traj.parent_sample[::n].tolist()
+    samples = tuple(int(j) for j in chosen or ())
     branch = BranchStart(
         step=k,
-        latents=rows,
+        latents=_branch_start(traj, k, n, samples, str(branch_from.get("rollout", "")), parent),
         sigmas=traj.sigmas,
         timesteps=traj.timesteps,
         set_timesteps_kwargs=dict((traj.metadata.get("scheduler") or {}).get("set_timesteps") or {}),
-        samples=tuple(int(j) for j in parent["samples"]),
+        samples=samples,
         prompt_index=tuple(int(p) for p in traj.prompt_index[::n]),
-        rollout=str(parent.get("rollout", "")),
+        rollout=str(branch_from.get("rollout", "")),
     )
     return RolloutSpec.from_json(req, branch_from=branch)
+
+
+def _branch_start(traj: Trajectory, k: int, n: int, samples: tuple[int, ...], parent_id: str,
+                  parent: Trajectory | None) -> torch.Tensor:
+    """A branch's x_k rows, one per parent sample [P, *latent_shape]: its own stream's, else `parent`'s."""
+    if traj.has_step(k):
+        return traj.latent(k)[::n].clone()
+    where = (f"branch {traj.rollout_id} did not stream its start step {k} (its return.steps: "
+             f"{list(traj.header.steps)}), so its x_{k} must come from its parent {parent_id}")
+    if parent is None:
+        raise ValueError(f"{where}: pass the parent's trajectory as parent= (client.pull({parent_id!r})), or "
+                         f"post the branch with {k} among return.steps (branch_from.step)")
+    if parent.rollout_id != parent_id:
+        raise ValueError(f"{where}, but parent= is rollout {parent.rollout_id}")
+    if not parent.has_step(k):
+        raise ValueError(f"{where}, but parent= holds no step {k} (its steps: {list(parent.header.steps)}): pull "
+                         "the parent's whole trajectory")
+    if not parent.sigmas.equal(traj.sigmas):
+        raise ValueError(f"{where}, but parent= {parent.rollout_id} has another schedule (sigmas)")
+    return parent.latent(k)[list(samples)].clone()
 
 
 def replay_log_probs(
@@ -67,6 +92,7 @@ def replay_log_probs(
     conditioning: Mapping[str, torch.Tensor] | None = None,
     with_means: bool = False,
     scheduler: Any = None,
+    parent: Trajectory | None = None,
 ) -> Any:
     """log p(x_{i+1} | x_i) [B, T] recomputed with `pipeline` on `traj`.
 
@@ -100,6 +126,10 @@ def replay_log_probs(
     kernel p(x_{i+1} | x_i), as dicts keyed by i: what a KL term against a reference policy needs
     (`((means[i] - ref_means[i]) ** 2 / (2 * stds[i] ** 2))`, the two kernels sharing the std).
 
+    `parent`: a branch rollout's parent trajectory (`client.pull(parent_id)`), needed when the branch
+    did not stream its start step k (`return.steps` without k): its x_k rows are the branch's start
+    (`rollout_spec`). A branch that streamed k, or a rollout from x_0, needs none.
+
     It runs a diffusers model: diffusers must be installed (the trainer's own, or the `train`
     extra). Scoring transitions from velocities you computed needs only torch: `step_log_prob`."""
     try:
@@ -119,7 +149,7 @@ def replay_log_probs(
     if check_weights:
         _check_weights(model, traj, strict=strict)
     result = Replayer(model).replay(
-        rollout_spec(traj),
+        rollout_spec(traj, parent=parent),
         latents=traj.latents,
         steps=[int(s) for s in traj.steps],
         sigmas=traj.sigmas,

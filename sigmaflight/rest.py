@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import math
 import numbers
+import os
 import re
+import ssl
 import time
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
@@ -112,6 +114,45 @@ def check_idempotency_key(key: str | None) -> dict[str, str]:
     if not isinstance(key, str) or not 0 < len(key) <= 255 or not all(" " < c <= "~" for c in key):
         raise ValueError("idempotency_key: must be 1..255 printable ASCII characters without spaces")
     return {"idempotency-key": key}
+
+
+class CAFileError(ValueError):
+    """A `ca_file` that cannot be trusted: unreadable, or no PEM certificate in it. `.path` and
+    `.reason` (the `sigmaflight` command names its --ca-file flag with them)."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"ca_file {path}: {reason}")
+        self.path, self.reason = path, reason
+
+
+@dataclass(frozen=True)
+class Trust:
+    """Whom a client trusts on TLS: `verify` for httpx (True: the system's CAs), `root_certs` (the
+    PEM bytes) for Flight's `tls_root_certs` (None: gRPC's default roots)."""
+
+    verify: ssl.SSLContext | bool = True
+    root_certs: bytes | None = None
+
+
+def trust(ca_file: str | os.PathLike[str] | None) -> Trust:
+    """The Trust of `ca_file`: the PEM certificate(s) a self-signed or private-CA server's
+    certificate is checked against, on REST (https) and Flight (grpc+tls) alike; None: the
+    system's. CAFileError naming the file when it cannot be read or holds no certificate."""
+    if ca_file is None:
+        return Trust()
+    path = os.fspath(ca_file)
+    try:
+        with open(path, "rb") as f:
+            pem = f.read()
+    except OSError as exc:
+        raise CAFileError(path, f"cannot read it ({exc.strerror or exc})") from None
+    try:
+        if b"-----BEGIN CERTIFICATE-----" not in pem:
+            raise ValueError("no -----BEGIN CERTIFICATE----- in it")
+        context = ssl.create_default_context(cadata=pem.decode("ascii"))
+    except (UnicodeDecodeError, ssl.SSLError, ValueError) as exc:
+        raise CAFileError(path, f"not a PEM certificate ({exc})") from None
+    return Trust(context, pem)
 
 
 # ---- calls --------------------------------------------------------------------------------
@@ -299,6 +340,9 @@ def unreachable_reason(exc: httpx.TransportError, timeout: float) -> str:
     """Why a REST call got no HTTP answer, in words that say what to check."""
     if isinstance(exc, httpx.TimeoutException):
         return f"no answer within {timeout:g} s ({type(exc).__name__})"
+    if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+        return (f"{exc} (the server's certificate is not trusted: pass the CA that signed it, or a self-signed "
+                "server's own cert.pem, as ca_file= / --ca-file / SIGMAFLIGHT_CA_FILE)")
     if isinstance(exc, httpx.RemoteProtocolError):
         return (f"what answers there does not speak HTTP/1.1 ({exc}); is this the Flight port? The REST port is "
                 "`sigmaflight serve --port` (default 8000), Flight's is --flight-port (default 8815)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -27,6 +28,34 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
                    help="REST URL of the server [env SIGMAFLIGHT_URL; default %(default)s]")
     p.add_argument("--token", default=os.environ.get("SIGMAFLIGHT_TOKEN"),
                    help="bearer token [env SIGMAFLIGHT_TOKEN; default none]")
+    p.add_argument("--ca-file", metavar="PEM",
+                   help="CA certificate(s) to trust for an https:// server and its grpc+tls:// Flight plane (a "
+                   "self-signed `serve --tls-cert`: that cert.pem) [env SIGMAFLIGHT_CA_FILE; default: the system's]")
+
+
+def seconds(text: str) -> float:
+    """An argparse type: a number of seconds >= 0 (inf: no limit); NaN and negatives are bad usage."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if math.isnan(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0 (inf: no limit), got {text!r}")
+    return value
+
+
+def int_in(low: int, high: int) -> Any:
+    """An argparse type: an integer in low..high."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer in {low}..{high}, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer in {low}..{high}, got {value}")
+        return value
+
+    return parse
 
 
 def add_output_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,10 +85,19 @@ def check_url(url: str) -> str:
 
 
 def connect(args: argparse.Namespace) -> Any:
-    """A Client for --url and --token (imported here: `sigmaflight --help` needs no httpx)."""
+    """A Client for --url, --token and --ca-file (imported here: `sigmaflight --help` needs no
+    httpx); a CA file that cannot be read or holds no certificate is bad usage, named."""
     from sigmaflight.client import Client
+    from sigmaflight.rest import CAFileError
 
-    return Client(check_url(args.url), token=args.token)
+    url = check_url(args.url)
+    ca_file, given_as = args.ca_file, "--ca-file"
+    if ca_file is None:
+        ca_file, given_as = os.environ.get("SIGMAFLIGHT_CA_FILE") or None, "SIGMAFLIGHT_CA_FILE"
+    try:
+        return Client(url, token=args.token, ca_file=ca_file)
+    except CAFileError as exc:
+        raise UsageError(f"{given_as} {exc.path}: {exc.reason}") from None
 
 
 def rollout_ref(text: str) -> str:

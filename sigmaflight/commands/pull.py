@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sigmaflight.commands.common import add_client_arguments, add_parser, connect, rollout_ref
+from sigmaflight.commands.common import UsageError, add_client_arguments, add_parser, connect, rollout_ref
 
 
 def _human(n: float) -> str:
@@ -30,6 +30,8 @@ def run_pull(args: argparse.Namespace) -> int:
     from sigmaflight.dataplane.schema import KEY_ROLLOUT, schema_metadata
 
     ref = rollout_ref(args.ticket)
+    if args.output is not None:
+        check_output(args.output)
     with connect(args) as client:
         location, ticket = client.locate(ref)
         try:
@@ -61,6 +63,21 @@ def run_pull(args: argparse.Namespace) -> int:
     size = out.stat().st_size
     print(f"wrote {out}: rollout {rollout_id}, {steps} steps, {size} bytes", file=sys.stderr)
     return 0
+
+
+def check_output(text: str) -> Path:
+    """-o as a file to write, else UsageError before anything is pulled: a directory (never
+    "incomplete or corrupt"), or a folder that does not exist (a typo makes no directories)."""
+    out = Path(text)
+    if not text:
+        raise UsageError("-o '': give the file to write, e.g. -o out.arrow")
+    if out.is_dir():
+        raise UsageError(f"-o {text}: is a directory; give the file to write (e.g. -o {out / 'out.arrow'})")
+    folder = out.parent
+    if not folder.is_dir():
+        what = "is not a directory" if folder.exists() else "does not exist"
+        raise UsageError(f"-o {text}: the folder {folder} {what}; create it first (pull makes no directories)")
+    return out
 
 
 def _stream_to_file(reader: Any, out: Path, meta: dict[str, Any], desc: str) -> int:
@@ -106,5 +123,6 @@ def add_pull(sub: Any) -> None:
     p.add_argument("ticket", metavar="TICKET_OR_ID",
                    help="rollout id, Flight ticket, or the ticket file `sigmaflight submit > FILE` wrote")
     p.add_argument("-o", "--output", metavar="OUT.arrow",
-                   help="file to write [default: ROLLOUT_ID.arrow in the current folder, named on stderr]")
+                   help="file to write, in a folder that exists [default: ROLLOUT_ID.arrow in the current folder, "
+                   "named on stderr]")
     p.set_defaults(run=run_pull)

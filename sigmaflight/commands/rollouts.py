@@ -14,14 +14,19 @@ from sigmaflight.commands.common import (
     clip,
     connect,
     exit_status,
+    int_in,
     print_json,
     print_table,
     rollout_ref,
+    seconds,
     wants_table,
 )
 from sigmaflight.wire import STATES, TERMINAL
 
 _ID_HELP = "rollout id, Flight ticket, or the ticket file `submit > FILE` wrote"
+
+MAX_LIMIT = 1000
+"""The most rollouts one page lists (`GET /v1/rollouts?limit=`, the server's bound)."""
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -94,7 +99,8 @@ def add_status(sub: Any) -> None:
     add_client_arguments(p)
     p.add_argument("id", metavar="ID", help=_ID_HELP)
     p.add_argument("--wait", action="store_true", help="wait until the rollout has finished")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits [default %(default)s]")
+    p.add_argument("--timeout", type=seconds, default=600.0,
+                   help="seconds --wait waits, >= 0 (inf: no limit) [default %(default)s]")
     p.set_defaults(run=run_status)
 
 
@@ -105,7 +111,8 @@ def add_list(sub: Any) -> None:
     add_client_arguments(p)
     add_output_arguments(p)
     p.add_argument("--status", choices=[str(s) for s in STATES], help="only rollouts with this status")
-    p.add_argument("--limit", type=int, default=100, help="at most this many, 1..1000 [default %(default)s]")
+    p.add_argument("--limit", type=int_in(1, MAX_LIMIT), default=100,
+                   help=f"at most this many, 1..{MAX_LIMIT} [default %(default)s]")
     p.add_argument("--after", metavar="ID", help="the next page: the rollouts listed after this one (the last ID "
                    "of the page before)")
     p.set_defaults(run=run_list)

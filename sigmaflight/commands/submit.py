@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import operator
 import sys
 import types
 import typing
@@ -22,6 +24,7 @@ from sigmaflight.commands.common import (
     connect,
     exit_status,
     print_rollout,
+    seconds,
 )
 
 FLAG_NAMES: dict[tuple[str, ...], tuple[str, ...]] = {
@@ -44,11 +47,50 @@ DEST = "request:"
 """argparse dest prefix of a request flag: "request:sampler.noise_level"."""
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+_TESTS: dict[str, tuple[str, Any]] = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le),
+                                      "lt": ("<", operator.lt)}
+"""annotated_types' bound attributes: how a message writes each, and its test."""
+
+
+def _bounds(metadata: typing.Iterable[Any]) -> list[tuple[str, Any, Any]]:
+    """(">=", test, 1), ... of a field's constraints (also inside `Annotated[int, Field(ge=0)]`'s FieldInfo)."""
+    out = []
+    for m in metadata:
+        out += _bounds(m.metadata) if isinstance(getattr(m, "metadata", None), list) else []
+        out += [(op, test, getattr(m, name)) for name, (op, test) in _TESTS.items() if getattr(m, name, None) is not None]
+    return out
+
+
+def _number(kind: type, metadata: typing.Iterable[Any]) -> Any:
+    """An argparse type for an int or float wire field: the number within the field's own bounds, else bad
+    usage naming them before any request (a NaN or inf, which JSON cannot carry, included)."""
+    bounds = _bounds(metadata)
+    what = "an integer" if kind is int else "a finite number"
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        if not all(test(value, bound) for _, test, bound in bounds):
+            rule = " and ".join(f"{op} {bound}" for op, _, bound in bounds)
+            raise argparse.ArgumentTypeError(f"must be {what} {rule}, got {text}")
+        return value
+
+    return parse
+
+
+def _ints(item: Any) -> Any:
+    """An argparse type for a list of integers, comma-separated, each one `item` (`_number(int, ...)`)."""
+    def parse(text: str) -> list[int]:
+        words = [x.strip() for x in text.split(",") if x.strip()]
+        if not all(w.lstrip("+-").isdigit() for w in words):
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        return [item(w) for w in words]
+
+    return parse
 
 
 def _optional(annotation: Any) -> Any:
@@ -87,9 +129,11 @@ def _add_request_flag(p: argparse.ArgumentParser, path: tuple[str, ...], field: 
     elif kind is bool:
         kw["action"] = argparse.BooleanOptionalAction
     elif typing.get_origin(kind) is list and _bare(typing.get_args(kind)[0]) is int:  # seeds' items carry bounds
-        kw.update(type=_ints, metavar="I,J,...")
+        kw.update(type=_ints(_number(int, typing.get_args(typing.get_args(kind)[0])[1:])), metavar="I,J,...")
     elif typing.get_origin(kind) is list:  # list[str]: the flag repeats
         kw.update(action="append", metavar=path[-1].upper().rstrip("S"))
+    elif kind in (int, float):
+        kw.update(type=_number(kind, field.metadata), metavar=METAVARS.get(path, path[-1].upper()))
     else:
         kw.update(type=kind, metavar=METAVARS.get(path, path[-1].upper()))
     p.add_argument(*names, **kw)
@@ -157,7 +201,8 @@ def add_submit(sub: Any) -> None:
     p.add_argument("--idempotency-key", help="Idempotency-Key header")
     p.add_argument("--wait", action="store_true",
                    help="wait until the rollout has finished, print its final status and exit like `status --wait`")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds --wait waits [default %(default)s]")
+    p.add_argument("--timeout", type=seconds, default=600.0,
+                   help="seconds --wait waits, >= 0 (inf: no limit) [default %(default)s]")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="print only the rollout id (e.g. `id=$(sigmaflight submit -q -p ...)`)")
     p.set_defaults(run=run_submit)

@@ -1,0 +1,120 @@
+"""A bad value on the command line is bad usage (exit 2, one line naming the flag and why), said
+before anything is sent: a negative or NaN `--timeout` submits no rollout, a number outside a
+RolloutRequest field's bounds never reaches the server, and `pull -o` refuses a directory or a
+folder that does not exist before it pulls a byte. Through the real `sigmaflight` command line
+(`sigmaflight.cli.main`) on a real server in process."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from sigmaflight import Client
+from sigmaflight.cli import main
+from tests.servers import InProcessServer, metric
+
+
+@pytest.fixture(scope="module")
+def server():
+    with InProcessServer() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def finished(server) -> str:
+    with Client(server.rest_url) as c:
+        ticket = c.submit(prompts=["a red cube"], num_inference_steps=2, seed=1)
+        c.wait(ticket)
+    return ticket.id
+
+
+def cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """`sigmaflight ARGV`: its exit status (argparse's own exit included), stdout, stderr."""
+    try:
+        rc = main(list(argv))
+    except SystemExit as exc:
+        rc = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def rollouts(server) -> list[str]:
+    with httpx.Client(base_url=server.rest_url) as http:
+        return [r["id"] for r in http.get("/v1/rollouts", params={"limit": 1000}).json()["rollouts"]]
+
+
+def served_bytes(server) -> float:
+    with httpx.Client(base_url=server.rest_url) as http:
+        return metric(http.get("/metrics").text, "sigmaflight_flight_bytes_served_total")
+
+
+TIMEOUTS = [
+    (("submit", "-p", "a red cube", "--steps", "2", "--wait"), "-1"),
+    (("submit", "-p", "a red cube", "--steps", "2", "--wait"), "nan"),
+    (("status", "some-id", "--wait"), "-5"),
+    (("status", "some-id", "--wait"), "NaN"),
+]
+
+
+@pytest.mark.parametrize(("argv", "value"), TIMEOUTS)
+def test_a_negative_or_nan_timeout_is_bad_usage_naming_the_flag_before_anything_is_sent(server, capsys, argv, value):
+    before = rollouts(server)
+    rc, out, err = cli(capsys, *argv, "--timeout", value, "--url", server.rest_url)
+    assert rc == 2 and out == ""
+    assert err.splitlines()[-1] == (f"sigmaflight {argv[0]}: error: argument --timeout: must be a number of seconds "
+                                    f">= 0 (inf: no limit), got '{value}'")
+    assert rollouts(server) == before  # was: the rollout submitted, then the refusal (exit 1)
+
+
+def test_zero_and_inf_are_timeouts_a_wait_takes(server, finished, capsys):
+    for value in ("0", "inf"):
+        rc, out, err = cli(capsys, "status", finished, "--wait", "--timeout", value, "--url", server.rest_url)
+        assert rc == 0 and '"succeeded"' in out, err
+
+
+NUMBERS = [
+    (("submit", "-p", "a", "--steps", "-1"), "--steps/--num-inference-steps", "must be an integer >= 1, got -1"),
+    (("submit", "-p", "a", "--noise-level", "nan"), "--noise-level", "expected a finite number, got 'nan'"),
+    (("submit", "-p", "a", "--noise-level", "-0.5"), "--noise-level", "must be a finite number >= 0.0, got -0.5"),
+    (("submit", "-p", "a", "--guidance-scale", "inf"), "--guidance-scale", "expected a finite number, got 'inf'"),
+    (("submit", "-p", "a", "--seed", "-5"), "--seed", "must be an integer >= 0 and <= 9223372036854775807, got -5"),
+    (("submit", "-p", "a", "--seeds", "1,-2"), "--seeds", "must be an integer >= 0 and <= 9223372036854775807, "
+     "got -2"),
+    (("list", "--limit", "0"), "--limit", "must be an integer in 1..1000, got 0"),
+    (("list", "--limit", "5000"), "--limit", "must be an integer in 1..1000, got 5000"),
+]
+
+
+@pytest.mark.parametrize(("argv", "flag", "why"), NUMBERS)
+def test_a_number_outside_its_fields_bounds_is_bad_usage_naming_the_flag(server, capsys, argv, flag, why):
+    before = rollouts(server)
+    rc, out, err = cli(capsys, *argv, "--url", server.rest_url)
+    assert rc == 2 and out == ""
+    assert err.splitlines()[-1] == f"sigmaflight {argv[0]}: error: argument {flag}: {why}"  # was: exit 1, unnamed
+    assert rollouts(server) == before
+
+
+def test_pull_into_a_directory_is_refused_before_pulling(server, finished, tmp_path, capsys):
+    before = served_bytes(server)
+    rc, out, err = cli(capsys, "pull", finished, "-o", str(tmp_path), "--url", server.rest_url)
+    assert rc == 2 and out == ""
+    assert err == (f"sigmaflight pull: -o {tmp_path}: is a directory; give the file to write "
+                   f"(e.g. -o {tmp_path / 'out.arrow'})\n")  # was: "incomplete or corrupt", a pull, IsADirectoryError
+    assert served_bytes(server) == before and list(tmp_path.iterdir()) == []
+
+
+def test_pull_into_a_folder_that_does_not_exist_makes_no_directories(server, finished, tmp_path, capsys):
+    out_path = tmp_path / "typo" / "sub" / "x.arrow"
+    before = served_bytes(server)
+    rc, out, err = cli(capsys, "pull", finished, "-o", str(out_path), "--url", server.rest_url)
+    assert rc == 2 and out == ""
+    assert err == (f"sigmaflight pull: -o {out_path}: the folder {out_path.parent} does not exist; create it first "
+                   "(pull makes no directories)\n")
+    assert not (tmp_path / "typo").exists() and served_bytes(server) == before  # was: made typo/sub/, exit 0
+    (tmp_path / "typo").mkdir(parents=True)
+    (tmp_path / "typo" / "sub").write_text("a file, not a folder")
+    rc, _, err = cli(capsys, "pull", finished, "-o", str(out_path), "--url", server.rest_url)
+    assert rc == 2 and err.endswith(f"the folder {out_path.parent} is not a directory; create it first "
+                                    "(pull makes no directories)\n")
+    rc, _, err = cli(capsys, "pull", finished, "-o", str(tmp_path / "typo" / "x.arrow"), "--url", server.rest_url)
+    assert rc == 0 and (tmp_path / "typo" / "x.arrow").is_file(), err
