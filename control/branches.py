@@ -148,6 +148,7 @@ def branch_spec(parent: Parent, base: RolloutSpec, *, step: int,
         samples=tuple(rows),
         prompt_index=tuple(prompt_index[j] for j in rows),
         rollout=parent.rollout_id,
+        parent_digest=parent.digest,
         conditioning=_conditioning(parent, rows),
     )
     had = RolloutSpec.json_fields(parent.request)

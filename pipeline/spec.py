@@ -125,6 +125,9 @@ class BranchStart:
     """Index into `RolloutSpec.prompts` (the parent's prompts) of each of the P rows."""
     rollout: str = ""
     """The parent's rollout id (metadata `sigmaflight.parent.rollout`); control/ fills it."""
+    parent_digest: str = ""
+    """The weights digest the parent ran with; control/ fills it, and a branch that would start on
+    other weights fails ("" when unknown: a replay's spec)."""
     conditioning: Mapping[str, torch.Tensor] | None = None
     """Optional: the parent's conditioning rows for the P samples (`RolloutResult.conditioning`
     rows `samples`). Given, the branch uses them instead of encoding the prompts again, so its

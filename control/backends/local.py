@@ -186,7 +186,7 @@ class _Writers:
         """Made at the first step, which gives the call's rows."""
 
     def start(self, ctx: RunContext, policy: Policy) -> None:
-        check_started_with(ctx.spec.expected_digest, policy.digest)
+        check_started_with(ctx.spec, policy.digest)
 
     def schedule(self, running: Sequence[Rows[RunContext]]) -> Failures[RunContext]:
         return each_member(running, self._create)

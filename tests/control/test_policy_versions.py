@@ -77,3 +77,30 @@ def test_policy_version_and_stale_policy(tmp_path):
         assert meta["digest"] != base.digest
         assert {n for n in meta["components"] if meta["components"][n] != base.components[n]} == {"transformer"}
         assert torch.equal(state[first], pushed.pipeline.transformer.state_dict()[first])
+
+
+def test_a_branch_queued_before_a_weights_push_fails_stale_instead_of_running_on_the_new_weights():
+    """A branch's x_k is a state of its parent's policy: posted on those weights and started after a
+    push, it would run its steps k..T on other ones and mix two policies in one trajectory."""
+    base = ModelRegistry().get("tiny-sd3")
+    state = {k: v.clone() for k, v in base.pipeline.transformer.state_dict().items()}
+    first = sorted(k for k, v in state.items() if v.is_floating_point())[0]
+    state[first] += 0.01
+    with InProcessServer("--workers", "1", "--max-steps", "5000") as s, s.client() as c, Client(s.rest_url) as client:
+        parent = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 4, "seed": 1,
+                                              "sampler": {"type": "ode"}}).json()
+        wait_for_status(c, parent["id"], {"succeeded"})
+        blocker = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 4000, "seed": 2,
+                                               "return": {"steps": [0]}}).json()
+        wait_for_status(c, blocker["id"], {"running"})
+        branch = c.post("/v1/rollouts", json={"branch_from": {"rollout": parent["id"], "step": 2}, "seed": 3})
+        assert branch.status_code == 202, branch.text
+        client.push_weights("tiny-sd3", state)
+        assert c.get(f"/v1/rollouts/{branch.json()['id']}").json()["status"] == "queued"
+        c.delete(f"/v1/rollouts/{blocker['id']}")
+        ended = wait_for_status(c, branch.json()["id"], {"succeeded", "failed"})
+        assert ended["status"] == "failed" and ended["error"]["type"] == "stale_policy", ended
+        assert parent["id"] in ended["error"]["message"] and base.digest[:12] in ended["error"]["message"]
+        # the same branch posted now is the contract's 409, as before
+        again = c.post("/v1/rollouts", json={"branch_from": {"rollout": parent["id"], "step": 2}, "seed": 3})
+        assert again.status_code == 409 and again.json()["error"]["type"] == "stale_parent", again.text
