@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable, Collection, Iterator
 
@@ -111,7 +112,9 @@ class FlightDataServer(flight.FlightServerBase):
         )
         self.store = store
         self._scheme = scheme
-        self._host = advertise_host if (advertise_host and host in ("0.0.0.0", "::", "")) else host
+        everywhere = host in ("0.0.0.0", "::", "")
+        # a wildcard is no address to connect to: a trainer elsewhere needs this machine's name
+        self._host = (advertise_host or socket.gethostname()) if everywhere else host
         self._on_cancel = on_cancel
         self._on_release = on_release
         self.slots = StreamSlots(max_concurrent_streams)

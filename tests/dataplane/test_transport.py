@@ -59,3 +59,15 @@ def test_advertise_host_when_bound_to_all_interfaces(store):
         assert srv.locations == [f"grpc+tcp://trainer-visible.example:{srv.port}"]
     with FlightDataServer(store, advertise_host="ignored") as srv:
         assert srv.locations == [f"grpc+tcp://127.0.0.1:{srv.port}"]
+
+
+def test_bound_to_all_interfaces_without_advertise_host_the_location_names_this_machine(store):
+    """A location of 0.0.0.0 sends a trainer on another host to itself; --help promises the
+    machine's host name by default."""
+    import socket
+
+    steps = fill(store, build_header("everywhere"))
+    with FlightDataServer(store, host="0.0.0.0") as srv:
+        assert srv.locations == [f"grpc+tcp://{socket.gethostname()}:{srv.port}"]
+        with TrajectoryClient(srv.locations[0]) as c:  # and it serves there
+            assert torch.equal(c.pull("everywhere").latent(2), steps[2].latent)
