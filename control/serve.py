@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     import uvicorn
 
 log = logging.getLogger("sigmaflight")
+ready_log = logging.getLogger("sigmaflight.ready")
+ready_log.setLevel(logging.INFO)  # its one line passes any --log-level
 
 
 SERVE_DESCRIPTION = (
@@ -203,10 +205,10 @@ def build_server(settings: Settings) -> uvicorn.Server:
             flight = getattr(service, "flight", None)
             rest_url = f"{scheme}://{settings.host}:{port}"
             token = ' --token "$SIGMAFLIGHT_TOKEN"' if settings.tokens() else ""
-            # Always shown, whatever --log-level: tools wait for this line. It says where the API
-            # page is and gives one command to try.
-            log.log(
-                max(logging.INFO, logging.getLogger().level),
+            # Always shown, whatever --log-level, and at info (an alert on error lines must not fire
+            # on a healthy start): tools wait for this line. It says where the API page is and gives
+            # one command to try.
+            ready_log.info(
                 "sigmaflight ready",
                 extra={
                     "rest_url": rest_url,

@@ -27,7 +27,7 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=os.environ.get("SIGMAFLIGHT_URL", DEFAULT_URL),
                    help="REST URL of the server [env SIGMAFLIGHT_URL; default %(default)s]")
     p.add_argument("--token", default=os.environ.get("SIGMAFLIGHT_TOKEN"),
-                   help="bearer token [env SIGMAFLIGHT_TOKEN; default none]")
+                   help="bearer token (of a comma-separated list, as serve takes, the first) [env SIGMAFLIGHT_TOKEN; default none]")
     p.add_argument("--ca-file", metavar="PEM",
                    help="CA certificate(s) to trust for an https:// server and its grpc+tls:// Flight plane (a "
                    "self-signed `serve --tls-cert`: that cert.pem) [env SIGMAFLIGHT_CA_FILE; default: the system's]")
@@ -84,6 +84,14 @@ def check_url(url: str) -> str:
     return url
 
 
+def first_token(value: str | None) -> str | None:
+    """The token to send: SIGMAFLIGHT_TOKEN may hold the comma-separated list `serve` takes (one
+    variable for both sides); a request carries one bearer token, the first."""
+    if value is None or "," not in value:
+        return value
+    return next((t.strip() for t in value.split(",") if t.strip()), value)
+
+
 def connect(args: argparse.Namespace) -> Any:
     """A Client for --url, --token and --ca-file (imported here: `sigmaflight --help` needs no
     httpx); a CA file that cannot be read or holds no certificate is bad usage, named."""
@@ -95,7 +103,7 @@ def connect(args: argparse.Namespace) -> Any:
     if ca_file is None:
         ca_file, given_as = os.environ.get("SIGMAFLIGHT_CA_FILE") or None, "SIGMAFLIGHT_CA_FILE"
     try:
-        return Client(url, token=args.token, ca_file=ca_file)
+        return Client(url, token=first_token(args.token), ca_file=ca_file)
     except CAFileError as exc:
         raise UsageError(f"{given_as} {exc.path}: {exc.reason}") from None
 

@@ -50,3 +50,25 @@ def test_log_format_json_is_taken() -> None:
     with ServerProcess("--torch-threads", "1", "--workers", "1", "--log-format=json") as server:
         assert server.rest_url.startswith("http://") and server.flight_url
         assert any('"sigmaflight ready"' in line for line in server.logs)
+
+
+def test_the_ready_line_is_info_at_any_log_level_and_its_command_works_with_a_list_of_tokens():
+    """Alerts on error lines must not fire on a healthy start, and the `try` command, run in the
+    server's own shell (SIGMAFLIGHT_TOKEN holding the comma-separated list serve takes), must work."""
+    import json
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    env = {"SIGMAFLIGHT_TOKEN": "tok-a,tok-b"}
+    with ServerProcess("--port", "0", "--flight-port", "0", "--log-level", "error", "--torch-threads", "1",
+                       env=env) as server:
+        ready = next(json.loads(line) for line in server.logs if '"sigmaflight ready"' in line)
+        assert ready["level"] == "info", ready
+        argv = shlex.split(ready["try"].replace('"$SIGMAFLIGHT_TOKEN"', env["SIGMAFLIGHT_TOKEN"]))
+        assert argv[0] == "sigmaflight"
+        done = subprocess.run([sys.executable, "-m", "sigmaflight.cli", *argv[1:]], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, **env})
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["status"] == "succeeded"
