@@ -60,11 +60,15 @@ class _LogLines(logging.Handler):
     def __init__(self, server: InProcessServer, level: str) -> None:
         from sigmaflight.control.logs import JsonFormatter
 
-        super().__init__(level.upper())
+        super().__init__()
         self.setFormatter(JsonFormatter())
         self.server = server
+        self.min_level = logging.getLevelName(level.upper())
 
     def emit(self, record: logging.LogRecord) -> None:
+        # as --log-level filters the server's lines; the ready line passes any level, as it does there
+        if record.levelno < self.min_level and record.name != "sigmaflight.ready":
+            return
         line = self.format(record)
         self.server.logs.append(line)
         if record.getMessage() == "sigmaflight ready" and not self.server.rest_url:

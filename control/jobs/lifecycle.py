@@ -133,6 +133,11 @@ class Lifecycle:
         self.table.unqueue(job)
         self.change(job, state, error=error)
         self.backend.abandon(job.id, state, error.message if error else "cancelled by client")
+        if error is not None:  # the end line a running rollout gets from its worker (Workers.settle)
+            log.error("rollout failed", extra={"rollout": job.id, "type": error.type, "reason": error.message,
+                                               "steps_done": 0, "was": "queued"})
+        else:
+            log.info("rollout cancelled", extra={"rollout": job.id, "steps_done": 0, "was": "queued"})
 
     def cancel_active(self, job: Job) -> bool:
         """Under the lock: stop a queued or running job; False (nothing changed) otherwise."""
