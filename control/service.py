@@ -174,6 +174,13 @@ class Service:
         self.jobs.start()
         self.ready = True
 
+    def draining(self) -> None:
+        """The signal came: refuse new rollouts (503) and answer /readyz 503 from now on, while uvicorn
+        finishes the requests it has. No lock: this runs in the signal handler, on the thread that
+        may hold one."""
+        self.ready = False
+        self.jobs.refuse_new()
+
     def stop(self) -> None:
         self.ready = False
         self.weights_pushes.drop_idle("shutdown")  # a cut in-place push no longer holds its model's rollouts

@@ -15,6 +15,7 @@ and the reaper (reaper.py).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -31,6 +32,8 @@ from sigmaflight.control.jobs.table import JobTable
 from sigmaflight.control.jobs.workers import Workers
 
 from sigmaflight.records import ErrorInfo, RolloutState
+
+log = logging.getLogger("sigmaflight.jobs")
 
 
 class JobManager:
@@ -74,7 +77,12 @@ class JobManager:
         self._threads += self._workers.start(self._workers_n)
         self._threads.append(self._reaper.start())
 
-    def stop(self, reason: str = "server shutting down", timeout: float = 20.0) -> None:
+    def refuse_new(self) -> None:
+        """Take no more rollouts (503 shutting_down); `stop` ends the ones taken. No lock (a signal
+        handler calls it): one flag, read under the lock by admission."""
+        self._table.accepting = False
+
+    def stop(self, reason: str = "server shutting down", timeout: float = 15.0) -> None:
         """Stop taking rollouts; end queued and running ones as failed with `reason`."""
         table = self._table
         with table.lock:
@@ -89,6 +97,13 @@ class JobManager:
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        with table.lock:  # a step that outlasts the wait: its end is written now, its worker's never
+            for job in list(table.jobs.values()):
+                if job.state is RolloutState.RUNNING:
+                    message = f"{reason} (its step did not end within the shutdown's {timeout:g} s)"
+                    self._lifecycle.change(job, RolloutState.FAILED, error=ErrorInfo(type="shutdown", message=message))
+                    log.error("rollout failed", extra={"rollout": job.id, "type": "shutdown", "reason": message,
+                                                       "steps_done": job.steps_done, "was": "running"})
         self._lifecycle.close()
 
     def get(self, job_id: str) -> JobView | None:

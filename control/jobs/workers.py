@@ -80,6 +80,8 @@ class Workers:
         """A running job's end, as soon as its backend knows it (other members of its batch may run on)."""
         assert isinstance(job, Job)
         with self.table.lock:
+            if not job.state.active:  # given up by a shutdown whose wait its step outlasted (JobManager.stop)
+                return
             self.lifecycle.change(job, outcome.state, error=outcome.error, result=outcome.result)
             view = job.view()
         duration = round((view.finished_at or 0) - (view.started_at or 0), 4)

@@ -443,3 +443,20 @@ def test_one_member_turning_non_finite_fails_alone_through_the_manager(registry)
         assert _batch_of(store, good.id)["requests"] == 2
     finally:
         jobs.stop()
+
+
+def test_a_rollout_whose_step_outlasts_the_shutdowns_budget_is_journaled_as_shut_down(registry, tmp_path):
+    """SIGTERM gives a running step a bounded wait; one still running past it was left `running` in
+    the journal and read after a restart as `server_restarted`, with no line saying it was given up."""
+    jobs, store = manager(registry, tmp_path)
+    jobs.start()
+    slow, _ = jobs.submit(spec(prompts=("a",) * 64, height=128, width=128, num_inference_steps=3))
+    wait(jobs, slow.id, {"running"})
+    jobs.stop(timeout=0.05)  # well inside its first step (about a second here)
+    assert known(jobs.get(slow.id)).status == "failed"
+    store.close()
+    again, _ = manager(registry, tmp_path)
+    failed = known(again.get(slow.id))
+    assert failed.status == "failed" and failed.error is not None and failed.error.type == "shutdown", failed
+    assert "server shutting down" in failed.error.message
+    again.stop()

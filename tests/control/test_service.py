@@ -337,3 +337,33 @@ def test_torch_threads_sets_the_threads_rollouts_run_with_and_the_ready_line_say
     with InProcessServer() as s:
         ready = next(json.loads(line) for line in s.logs if '"sigmaflight ready"' in line)
         assert ready["torch_threads"] == before == new_thread_count()
+
+
+@pytest.mark.e2e
+def test_a_post_that_completes_after_sigterm_is_refused_503_not_accepted_and_failed():
+    """SIGTERM stops taking rollouts (503): a POST whose body was still arriving when the signal
+    came got a 202, and its rollout was then failed by the shutdown."""
+    import socket
+    import urllib.parse
+
+    s = ServerProcess("--torch-threads", "1")
+    try:
+        url = urllib.parse.urlsplit(s.rest_url)
+        body = json.dumps({"prompts": ["a"], "num_inference_steps": 2}).encode()
+        with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/rollouts HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:5])
+            time.sleep(0.5)  # the request is open on the server
+            s.proc.send_signal(15)
+            time.sleep(1.0)  # uvicorn's main loop has seen the signal; it waits for this request
+            sock.sendall(body[5:])
+            answer = b""
+            while b"\r\n\r\n" not in answer:
+                chunk = sock.recv(65536)
+                assert chunk, answer
+                answer += chunk
+        status_line = answer.split(b"\r\n", 1)[0]
+        assert b" 503 " in status_line, answer
+        s.proc.wait(timeout=30)
+    finally:
+        s.kill()
