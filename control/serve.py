@@ -99,6 +99,11 @@ def _defer_sighup() -> None:
     processes started from here (Ray) get the default disposition back at exec."""
     if hasattr(signal, "SIGHUP"):
         signal.signal(signal.SIGHUP, lambda signum, frame: _EARLY_SIGHUPS.append(signum))
+        for name in ("sigmaflight.cli", "__main__"):  # the command's handler noted those before this one
+            noted = getattr(sys.modules.get(name), "EARLY_SIGHUPS", None)  # (`python -m`: its __main__)
+            if isinstance(noted, list):
+                _EARLY_SIGHUPS.extend(noted)
+                noted.clear()
 
 
 def serve(settings: Settings) -> int:

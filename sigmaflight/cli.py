@@ -11,10 +11,18 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
 from collections.abc import Sequence
 
-from sigmaflight.commands import parser as commands
+EARLY_SIGHUPS: list[int] = []
+"""SIGHUPs `sigmaflight serve` got before control/serve.py took over (it reads them once ready)."""
+if sys.argv[1:2] == ["serve"] and hasattr(signal, "SIGHUP"):
+    # Before the imports below (pydantic: a few hundred ms): a SIGHUP's default action ends the
+    # process, and a closing terminal or an early `kill -HUP` must not end a server that is starting.
+    signal.signal(signal.SIGHUP, lambda signum, frame: EARLY_SIGHUPS.append(signum))
+
+from sigmaflight.commands import parser as commands  # noqa: E402
 
 SERVE_HELP = "Start the REST and Flight servers (see `sigmaflight serve --help`)."
 

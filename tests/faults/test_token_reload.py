@@ -82,3 +82,48 @@ def test_sighup_without_a_token_file_keeps_the_server_up_and_open(tmp_path: Path
         _hup_and_wait(server, '"token reload failed', 0)
         assert "no --token-file to reload" in server.log_text
         assert _rest(server, "anything") == 200  # auth stays off, the server serves on
+
+
+def _catches_sighup(pid: int) -> bool:
+    """Whether the process has a handler for SIGHUP (signal 1: bit 0 of /proc's SigCgt mask)."""
+    with open(f"/proc/{pid}/status") as f:
+        line = next(x for x in f if x.startswith("SigCgt:"))
+    return bool(int(line.split()[1], 16) & 1)
+
+
+def _maps(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+def test_sighup_is_caught_before_serve_loads_its_libraries_and_does_not_kill_it():
+    """A SIGHUP in the first moments of `sigmaflight serve` (a closing terminal, an early `kill -HUP`)
+    ended the process (129): the handler came only after the command's imports (pydantic, about
+    0.3 s on a loaded box). It is set before them now: when it is first seen, pydantic's compiled
+    core is not loaded yet, and a SIGHUP sent at that moment leaves the server to start."""
+    import subprocess
+    import sys
+
+    from sigmaflight.launcher import ROOT
+
+    proc = subprocess.Popen([sys.executable, "-m", "sigmaflight.cli", "serve", "--port", "0", "--flight-port", "0",
+                             "--torch-threads", "1"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not _catches_sighup(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
+            time.sleep(0.0005)
+        loaded_first = "pydantic_core" in _maps(proc.pid)
+        proc.send_signal(signal.SIGHUP)
+        assert not loaded_first, "the SIGHUP handler came only after the command's libraries had loaded"
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if '"sigmaflight ready"' in line:
+                break
+        assert proc.poll() is None, f"rc={proc.poll()}"
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
