@@ -17,10 +17,13 @@ import asyncio
 import gc
 import logging
 import os
+import shlex
 import signal
+import ssl
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -218,6 +221,8 @@ def build_server(settings: Settings) -> uvicorn.Server:
             flight = getattr(service, "flight", None)
             rest_url = f"{scheme}://{settings.host}:{port}"
             token = ' --token "$SIGMAFLIGHT_TOKEN"' if settings.tokens() else ""
+            if tls and settings.tls_cert is not None and _self_signed(settings.tls_cert):
+                token += f" --ca-file {shlex.quote(str(settings.tls_cert))}"  # nothing else vouches for it
             # Always shown, whatever --log-level, and at info (an alert on error lines must not fire
             # on a healthy start): tools wait for this line. It says where the API page is and gives
             # one command to try.
@@ -236,6 +241,16 @@ def build_server(settings: Settings) -> uvicorn.Server:
             )
 
     return Server(config)
+
+
+def _self_signed(cert: Path) -> bool:
+    """Whether the PEM certificate names itself as its issuer (a client trusts it only as its own CA).
+    Read with the ssl module's certificate decoder (CPython's, private; False where it is missing)."""
+    try:
+        decoded = ssl._ssl._test_decode_cert(str(cert))  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError, ssl.SSLError):
+        return False
+    return bool(decoded.get("subject")) and decoded.get("subject") == decoded.get("issuer")
 
 
 def invalid_setting_lines(exc: ValidationError) -> list[str]:

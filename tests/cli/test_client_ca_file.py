@@ -129,3 +129,16 @@ def test_the_command_line_trusts_the_server_with_ca_file(server, certificate, tm
     assert len(err.splitlines()) == 1
     with httpx.Client(base_url=url, verify=trusting) as http:
         assert len(http.get("/v1/rollouts").json()["rollouts"]) == listed
+
+
+def test_the_ready_lines_command_works_against_a_tls_server_as_given(server, capsys):
+    """The ready line's `try` command, run as given, on a server with a self-signed certificate:
+    it failed certificate verification (it named no --ca-file)."""
+    import shlex
+
+    ready = next(json.loads(line) for line in server.logs if '"sigmaflight ready"' in line)
+    argv = shlex.split(ready["try"])
+    assert argv[0] == "sigmaflight"
+    rc, out, err = cli(capsys, *argv[1:])
+    assert rc == 0, err
+    assert json.loads(out)["status"] == "succeeded"
