@@ -100,7 +100,9 @@ class ServiceCollector(Collector):
             rollouts.add_metric([s], counts.get(s, 0))
         yield rollouts
         finished = CounterMetricFamily("sigmaflight_rollouts_finished", "Rollouts that reached a final status "
-                                       "since start.", labels=["status"])
+                                       "since start; expired counts succeeded ones released later (each counted "
+                                       "as succeeded too), so finished rollouts are succeeded+failed+cancelled.",
+                                       labels=["status"])
         for s in STATES[2:]:
             finished.add_metric([s], jobs.counters.get(f"rollouts_{s}", 0))
         yield finished
