@@ -15,8 +15,16 @@
 - a --shm-dir that is a dangling symbolic link, not a directory, not writable, in use by another
   live server (its lock is held), or missing with a missing parent (only the last component is
   created, by `prepare_shm_dir`, mode 0700; never parents);
+- a --data-dir that is a dangling symbolic link, not a directory, not writable, or missing with a
+  missing parent (only the last component is created; never parents), or one another live server
+  uses (its lock is held: control/datadir_lock.py);
+- a --weights-file-dir that does not exist or is not a directory;
+- a --device torch cannot parse, or (--backend local) one this machine does not have: CUDA (or
+  MPS, XPU, ...) that torch cannot use here, or a device index past the last. Torch is imported
+  for that only when --device is not cpu;
 - --backend ray where Ray cannot be imported (the `ray` extra), or with a hub --model (Ray workers
-  load the built-ins and --model-dir only);
+  load the built-ins and --model-dir only), or with no cluster to join: --ray-address auto where
+  Ray finds none on this machine, or an address where nothing listens;
 - a --model-dir that does not exist or holds no pipeline, or a pipeline there whose scheduler is not
   flow-match;
 - a hub --model (org/name[@revision]) whose id huggingface_hub refuses or whose revision is no ref
@@ -24,6 +32,10 @@
   Face cache nor on the hub (asked once, no retries; HF_HUB_OFFLINE=1: the cache only), is not a
   diffusers pipeline, or is not flow-match;
 - an unknown --model (the line lists the known ones).
+
+Last, once everything else passed, --data-dir's last component is made if missing and its lock is
+taken, held until the server's job journal closes (or the process ends): nothing in the directory
+is read or changed before it, and a refused start creates nothing.
 """
 
 from __future__ import annotations
@@ -57,14 +69,21 @@ def preflight(settings: Settings) -> None:
     check_ports(settings.host, settings.port, settings.flight_port)
     if settings.shm_dir is not None:
         check_shm_dir(settings.shm_dir)
+    if settings.data_dir is not None:
+        check_data_dir(settings.data_dir)
+    if settings.weights_file_dir is not None:
+        check_weights_file_dir(settings.weights_file_dir)
+    check_device(settings.device, here=settings.backend == "local")  # Ray workers' devices are their nodes'
     if settings.backend == "ray":
         from sigmaflight.pipeline.sources import parse_hub_id
 
         if parse_hub_id(settings.model) is not None:
             raise StartupError(f"--model {settings.model}: a hub model is served by --backend local only "
                                "(Ray workers load the built-ins and --model-dir)")
-        check_ray()
+        check_ray(settings.ray_address)
     check_models(settings)
+    if settings.data_dir is not None:
+        lock_data_dir(settings.data_dir)
 
 
 # ---------------------------------------------------------------------------------------- ports
@@ -168,24 +187,33 @@ def _lock_held(lock: Path) -> bool:
         os.close(fd)
 
 
-def check_shm_dir(path: Path) -> None:
-    """A usable --shm-dir: an existing directory this user can write and no live server uses, or a
-    missing last component whose parent exists (created by `prepare_shm_dir`)."""
-    from sigmaflight.dataplane.shm import LOCK_NAME, private_dir_name
-
+def check_dir(flag: str, path: Path, example: str) -> bool:
+    """A usable directory for `flag` (--shm-dir, --data-dir): an existing one this user can write,
+    or a missing last component whose parent is a writable directory (the caller makes it; never
+    parents: a typo must not make directories on an ordinary disk). True when it exists."""
     if path.is_symlink() and not path.exists():
-        raise StartupError(f"--shm-dir {path}: a symbolic link to {os.readlink(path)}, which does not exist")
+        raise StartupError(f"{flag} {path}: a symbolic link to {os.readlink(path)}, which does not exist")
     if not path.exists():
         if not path.parent.is_dir():
-            raise StartupError(f"--shm-dir {path}: its parent {path.parent} does not exist (only the last "
-                               "component is created, e.g. --shm-dir /dev/shm/sigmaflight)")
+            what = "is not a directory" if path.parent.exists() else "does not exist"
+            raise StartupError(f"{flag} {path}: its parent {path.parent} {what} (only the last "
+                               f"component is created, e.g. {flag} {example})")
         if not os.access(path.parent, os.W_OK | os.X_OK):
-            raise StartupError(f"--shm-dir {path}: cannot be created: {path.parent} is not writable by this user")
-        return
+            raise StartupError(f"{flag} {path}: cannot be created: {path.parent} is not writable by this user")
+        return False
     if not path.is_dir():
-        raise StartupError(f"--shm-dir {path}: not a directory")
+        raise StartupError(f"{flag} {path}: not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
-        raise StartupError(f"--shm-dir {path}: not writable by this user")
+        raise StartupError(f"{flag} {path}: not writable by this user")
+    return True
+
+
+def check_shm_dir(path: Path) -> None:
+    """A usable --shm-dir (`check_dir`; a missing one is made by `prepare_shm_dir`) no live server uses."""
+    from sigmaflight.dataplane.shm import LOCK_NAME, private_dir_name
+
+    if not check_dir("--shm-dir", path, "/dev/shm/sigmaflight"):
+        return
     lock = path / private_dir_name() / LOCK_NAME  # the store locks its private subdirectory
     if _lock_held(lock):
         raise StartupError(f"--shm-dir {path}: in use by another live server (it holds {lock})")
@@ -199,14 +227,112 @@ def prepare_shm_dir(path: Path | None) -> None:
     log.info("created --shm-dir", extra={"shm_dir": str(path), "mode": "0700"})
 
 
+# ---------------------------------------------------------------------------------------- --data-dir
+
+def check_data_dir(path: Path) -> None:
+    """A usable --data-dir (`check_dir`); whether another live server uses it is `lock_data_dir`'s."""
+    check_dir("--data-dir", path, "/var/lib/sigmaflight")
+
+
+def lock_data_dir(path: Path) -> None:
+    """Make a missing --data-dir (its last component: the parent was checked) and take its lock for
+    this server's life (control/datadir_lock.py): refused when another live server holds it."""
+    from sigmaflight.control.datadir_lock import LOCK_NAME, DataDirInUse, take
+
+    try:
+        path.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise StartupError(f"--data-dir {path}: cannot be created ({exc.strerror or exc})") from None
+    try:
+        take(path)
+    except DataDirInUse as exc:
+        raise StartupError(f"--data-dir {path}: {exc}; one data dir serves one server at a time") from None
+    except OSError as exc:
+        raise StartupError(f"--data-dir {path}: cannot open its lock file {path / LOCK_NAME} "
+                           f"({exc.strerror or exc})") from None
+
+
+def check_weights_file_dir(path: Path) -> None:
+    """--weights-file-dir names a directory this user can read (pushes by path are opened in it)."""
+    if not path.is_dir():
+        raise StartupError(f"--weights-file-dir {path}: {'not a directory' if path.exists() else 'no such directory'}")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise StartupError(f"--weights-file-dir {path}: not readable by this user")
+
+
+# ---------------------------------------------------------------------------------------- --device
+
+def check_device(device: str, *, here: bool) -> None:
+    """--device is one torch parses and, where the models run in this process (`here`), one this
+    machine has. cpu imports nothing; any other device imports torch (a second or two)."""
+    if device == "cpu":
+        return
+    import torch
+
+    try:
+        d = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise StartupError(f"--device {device}: not a torch device ({reason}); e.g. cpu, cuda, cuda:1") from None
+    if d.type == "meta":
+        raise StartupError(f"--device {device}: holds no data (tensors on it have a shape only); e.g. cpu, cuda, cuda:1")
+    if not here or d.type == "cpu":
+        return
+    kind = d.type.upper()
+    backend = torch.backends.mps if d.type == "mps" else getattr(torch, d.type, None)
+    is_available = getattr(backend, "is_available", None)
+    if callable(is_available) and not is_available():
+        why = "not available"
+        if d.type == "cuda":
+            built = torch.version.cuda is not None or torch.version.hip is not None
+            why = "no CUDA device is visible" if built else f"torch {torch.__version__} is built without CUDA"
+        raise StartupError(f"--device {device}: torch has no {kind} here ({why}); use --device cpu, or a torch "
+                           "built for this machine's accelerator")
+    device_count = getattr(backend, "device_count", None)
+    if d.index is not None and callable(device_count) and d.index >= (n := int(device_count())):
+        raise StartupError(f"--device {device}: this machine has {n} {kind} device{'s' if n != 1 else ''} "
+                           f"({d.type}:0 to {d.type}:{n - 1})")
+
+
 # ---------------------------------------------------------------------------------------- --backend ray
 
-def check_ray() -> None:
+_START_A_CLUSTER = ("start one with `ray start --head`, name one with --ray-address HOST:PORT (or RAY_ADDRESS), "
+                    "or start one in this process with --ray-address local")
+
+
+def check_ray(address: str) -> None:
+    """Ray can be imported and, unless --ray-address local starts a cluster here, there is one to
+    join: for auto, the one Ray itself finds (RAY_ADDRESS, the last `ray start`, a running GCS), as
+    ray.init would; and something listens at the address (one TCP connect, 5 s at most)."""
     try:
         importlib.import_module("ray")
     except ImportError as exc:
         raise StartupError(f"--backend ray: Ray cannot be imported here ({exc}); install the ray extra: "
                            "pip install 'sigmaflight[ray]'") from None
+    if address == "local":
+        return
+    target = address
+    if address == "auto":
+        try:
+            from ray._private.services import get_ray_address_from_environment
+        except ImportError:  # another Ray's layout: ray.init will say
+            return
+        try:
+            target = str(get_ray_address_from_environment("auto", None))
+        except ConnectionError:
+            raise StartupError(f"--backend ray --ray-address auto: no running Ray cluster found on this machine; "
+                               f"{_START_A_CLUSTER}") from None
+        if target == "local":
+            return
+    host, _, port = target.removeprefix("ray://").rpartition(":")
+    if "://" in host or not host or not port.isdigit():  # another protocol, or no port: ray.init will say
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as exc:
+        named = address if target == address else f"{address} ({target})"
+        raise StartupError(f"--backend ray --ray-address {named}: no Ray cluster answers at {host}:{port} "
+                           f"({exc.strerror or exc}); {_START_A_CLUSTER}") from None
 
 
 # ---------------------------------------------------------------------------------------- models

@@ -4,6 +4,9 @@ One row per rollout, written at each state change (never per step). The restart 
 (control/jobs/lifecycle.py `Lifecycle.recover`) reconciles the rows with the trajectories the
 backend still holds. A write can fail (full or read-only disk): `put` and `delete` raise
 `sqlite3.Error`, the connection stays usable, and `probe` tells when writes work again.
+
+The journal holds the data dir's lock (control/datadir_lock.py) while it is open: the one
+`sigmaflight serve`'s preflight took, which it releases when it closes.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from sigmaflight.control.datadir_lock import adopt
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -30,11 +35,16 @@ CREATE TABLE IF NOT EXISTS probe (
 class Journal:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self._dir_lock = adopt(path.parent)  # one live server a data dir, until close (None: no preflight)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
+        try:
+            self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+        except BaseException:
+            self._release_dir()
+            raise
 
     def put(self, job_id: str, record: dict[str, Any]) -> None:
         text = json.dumps(record, separators=(",", ":"))
@@ -58,3 +68,10 @@ class Journal:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+        self._release_dir()
+
+    def _release_dir(self) -> None:
+        """Let go of the data dir's lock (once: later calls do nothing)."""
+        lock, self._dir_lock = self._dir_lock, None
+        if lock is not None:
+            lock.release()

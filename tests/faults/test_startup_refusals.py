@@ -276,3 +276,56 @@ def test_a_file_setting_given_empty_fails_closed(flags, env, flag):
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert lines and all(flag in line and "is empty: it names no file" in line for line in lines), lines
+
+
+# ---------------------------------------------------------------------------------------- --device
+
+def test_a_device_torch_cannot_parse_is_refused_naming_the_flag():
+    line = serve_refused("--port", "0", "--flight-port", "0", "--device", "nope")
+    assert "--device nope: not a torch device" in line, line
+
+
+def test_a_cuda_device_where_torch_has_no_cuda_is_refused_before_the_model_loads():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this torch has CUDA: --device cuda is a device here")
+    line = serve_refused("--port", "0", "--flight-port", "0", "--device", "cuda")
+    assert "--device cuda: torch has no CUDA here" in line, line
+
+
+# ---------------------------------------------------------------------------------------- --data-dir
+
+def test_a_data_dir_that_is_a_file_or_cannot_be_made_is_refused_and_no_parent_is_created(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    line = serve_refused("--port", "0", "--flight-port", "0", "--data-dir", str(afile))
+    assert f"--data-dir {afile}: not a directory" in line, line
+    assert afile.read_text() == "not a directory"
+
+    line = serve_refused("--port", "0", "--flight-port", "0", "--data-dir", "/proc/sigmaflight-data")
+    assert "--data-dir /proc/sigmaflight-data: cannot be created" in line, line
+
+    typo = tmp_path / "no-such-parent" / "a" / "data"
+    line = serve_refused("--port", "0", "--flight-port", "0", "--data-dir", str(typo))
+    assert f"--data-dir {typo}: its parent {typo.parent} does not exist" in line, line
+    assert not (tmp_path / "no-such-parent").exists()
+
+
+def test_a_weights_file_dir_that_is_missing_or_not_a_directory_is_refused(tmp_path):
+    missing = tmp_path / "no-such-dir"
+    line = serve_refused("--port", "0", "--flight-port", "0", "--weights-file-dir", str(missing))
+    assert f"--weights-file-dir {missing}: no such directory" in line, line
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    line = serve_refused("--port", "0", "--flight-port", "0", "--weights-file-dir", str(afile))
+    assert f"--weights-file-dir {afile}: not a directory" in line, line
+
+
+# ---------------------------------------------------------------------------------------- --ray-address
+
+def test_backend_ray_with_no_cluster_to_join_names_the_address_and_how_to_start_one():
+    pytest.importorskip("ray", reason="the Ray backend needs `pip install sigmaflight[ray]`")
+    if any("gcs_server" in " ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])):
+        pytest.skip("a Ray cluster runs on this machine: --ray-address auto would join it")
+    line = serve_refused("--port", "0", "--flight-port", "0", "--backend", "ray")
+    assert "--backend ray --ray-address auto" in line and "ray start --head" in line, line
