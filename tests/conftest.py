@@ -11,6 +11,8 @@ replaces: it put the one-test files, the longest of all, last).
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +47,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         files.setdefault(str(item.path), []).append(item)
     ranked = sorted(files.values(), key=lambda tests: (min(_rank(t) for t in tests), -len(tests)))
     items[:] = [t for tests in ranked for t in tests]
+
+
+@pytest.fixture(scope="session")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 / localhost, made with the openssl command line
+    (tests/faults TLS tests, tests/cli/test_client_ca_file.py)."""
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True, capture_output=True,
+    )
+    return cert, key

@@ -10,8 +10,6 @@ import asyncio
 import json
 import shutil
 import ssl
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,19 +24,6 @@ from tests.servers import InProcessServer
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 
 REQUEST: dict[str, Any] = {"prompts": ["a red cube"], "num_outputs_per_prompt": 2, "num_inference_steps": 2, "seed": 3}
-
-
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 / localhost and its key (the suite's openssl line)."""
-    d = tmp_path_factory.mktemp("tls")
-    cert, key = d / "cert.pem", d / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-        check=True, capture_output=True,
-    )
-    return cert, key
 
 
 @pytest.fixture(scope="module")

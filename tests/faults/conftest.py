@@ -115,19 +115,6 @@ def token_file(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 / localhost, made with the openssl command line."""
-    d = tmp_path_factory.mktemp("tls")
-    cert, key = d / "cert.pem", d / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-         "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-        check=True, capture_output=True,
-    )
-    return cert, key
-
-
 def options(timeout: float = 10.0) -> flight.FlightCallOptions:
     return flight.FlightCallOptions(timeout=timeout)
 
