@@ -1,13 +1,11 @@
 """What `sigmaflight serve` runs: flags from Settings, the start-up checks, then uvicorn.
 
 Imported only by the `serve` command (sigmaflight/cli.py), so the users' side never loads
-the server. Flags come from pydantic-settings' CLI source over `Settings`. Startup mistakes
-(control/startup.py: ports in use, a --host that is no address here, a bad --shm-dir, --backend
-ray without Ray, an unknown --model, a bad --model-dir or hub id, an unusable --token-file or a
---token of no token, half a TLS pair or unusable TLS files; and any invalid value) end in one line on
-stderr and exit status 2, before any model loads. SIGHUP re-reads --token-file (both planes,
-every Ray worker); a file that is now missing, unreadable or empty changes nothing (an error
-line; the old tokens stay). A SIGHUP while the server starts is held until it is ready.
+the server. Flags come from pydantic-settings' CLI source over `Settings`. A start-up mistake
+(an invalid value, or one control/startup.py's preflight refuses: docs/operations.md, "Start-up",
+lists each with its line) ends in one line on stderr naming the flag and exit status 2, before any
+model loads. SIGHUP re-reads --token-file (both planes, every Ray worker); a file that is now
+missing, unreadable or empty changes nothing (an error line; the old tokens stay). A SIGHUP while the server starts is held until it is ready.
 """
 
 from __future__ import annotations
