@@ -11,27 +11,14 @@ import pyarrow.flight as flight
 import pytest
 from PIL import Image
 
-from sigmaflight.cli import main
 from sigmaflight.plot import PLOT_HEIGHT, PLOT_WIDTH
-from tests.servers import InProcessServer
-
-
-@pytest.fixture(scope="module")
-def server():
-    with InProcessServer() as s:
-        yield s
+from tests.cli.conftest import cli
 
 
 def read_table(path) -> pa.Table:
     """Read into memory (not a memory map: the test truncates the file afterwards)."""
     with open(path, "rb") as f:
         return pa.ipc.open_file(pa.BufferReader(f.read())).read_all()
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def test_submit_status_pull_inspect_plot(server, tmp_path, capsys):

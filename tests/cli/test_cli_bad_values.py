@@ -9,33 +9,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from sigmaflight import Client
-from sigmaflight.cli import main
-from tests.servers import InProcessServer, metric
-
-
-@pytest.fixture(scope="module")
-def server():
-    with InProcessServer() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def finished(server) -> str:
-    with Client(server.rest_url) as c:
-        ticket = c.submit(prompts=["a red cube"], num_inference_steps=2, seed=1)
-        c.wait(ticket)
-    return ticket.id
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    """`sigmaflight ARGV`: its exit status (argparse's own exit included), stdout, stderr."""
-    try:
-        rc = main(list(argv))
-    except SystemExit as exc:
-        rc = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return rc, out, err
+from tests.cli.conftest import cli
+from tests.servers import metric
 
 
 def rollouts(server) -> list[str]:

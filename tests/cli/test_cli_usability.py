@@ -19,33 +19,13 @@ import pyarrow.flight as flight
 import pytest
 
 from sigmaflight import Client
-from sigmaflight.cli import build_parser, main
+from sigmaflight.cli import build_parser
+from tests.cli.conftest import cli
 from tests.docs.markdown import blocks
 from tests.servers import InProcessServer
 
 ROOT = Path(__file__).resolve().parents[2]
 SIGMAFLIGHT = [sys.executable, "-m", "sigmaflight.cli"]
-
-
-@pytest.fixture(scope="module")
-def server():
-    with InProcessServer() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def finished(server) -> str:
-    """A finished rollout's id: something for `list` to show."""
-    with Client(server.rest_url) as c:
-        ticket = c.submit(prompts=["a red cube"], num_inference_steps=2, seed=1)
-        c.wait(ticket)
-    return ticket.id
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def on_a_terminal(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str]:

@@ -41,12 +41,6 @@ def _stock_velocity(model, spec, x, t):
 
 
 @pytest.fixture(scope="module")
-def server():
-    with InProcessServer() as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
 def model():
     return ModelRegistry().get("tiny-sd3")  # the server's weights, bit for bit
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from sigmaflight import AsyncClient, Client, ServerUnreachable
-from sigmaflight.cli import main
 from sigmaflight.rest import CAFileError
+from tests.cli.conftest import cli
 from tests.servers import InProcessServer
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
@@ -81,12 +81,6 @@ def test_a_ca_file_that_cannot_be_used_is_named_before_any_request(certificate, 
         AsyncClient("https://127.0.0.1:9", ca_file=key)
     with pytest.raises(CAFileError, match=rf"^ca_file {tmp_path}: cannot read it \(Is a directory\)$"):
         Client("https://127.0.0.1:9", ca_file=tmp_path)
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def test_the_command_line_trusts_the_server_with_ca_file(server, certificate, tmp_path, capsys, monkeypatch):

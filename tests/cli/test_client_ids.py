@@ -13,18 +13,11 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from sigmaflight.pipeline.models import ModelRegistry
 
 from sigmaflight import ApiError, Client, NotFound
-from tests.servers import InProcessServer
 
 HOSTILE = [
     "../models/tiny-sd3/lora", "../models", "..", ".", "", "?status=succeeded", "#x", "a/b", "%2e%2e",
     "..%2Fmodels%2Ftiny-sd3%2Flora", "a b", "a\nb", "\x00", "\ud800", "é", "x" * 129, "x" * 2000, "x" * 100_000,
 ]
-
-
-@pytest.fixture(scope="module")
-def server():
-    with InProcessServer() as s:
-        yield s
 
 
 @pytest.fixture(scope="module")

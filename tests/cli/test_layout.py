@@ -7,10 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from sigmaflight import Client
-from tests.servers import InProcessServer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,12 +64,6 @@ def _cli_modules(*argv: str) -> tuple[int, list[str]]:
                          check=True)
     rc, mods = json.loads(out.stdout.strip().splitlines()[-1])
     return rc, mods
-
-
-@pytest.fixture(scope="module")
-def server():
-    with InProcessServer() as s:
-        yield s
 
 
 def test_import_sigmaflight_loads_no_model_stack():

@@ -23,7 +23,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from sigmaflight.pipeline.models import ModelRegistry
 
 from sigmaflight import ApiError, Client, ServerUnreachable, step_log_prob
-from sigmaflight.cli import main
+from tests.cli.conftest import cli
 from tests.servers import InProcessServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,12 +34,6 @@ def server():
     # Limits a test can reach: a rollout of 2000 steps (to interrupt a pull), 256 MiB of latents at most.
     with InProcessServer("--max-steps", "2000", "--max-rollout-bytes", str(256 << 20)) as s:
         yield s
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def _free_port() -> int:

@@ -18,8 +18,9 @@ import torch
 from sigmaflight.pipeline.models import ModelRegistry, weights_digest
 
 from sigmaflight import Client, RolloutCancelled, RolloutFailed, replay_log_probs
-from sigmaflight.cli import build_parser, main
+from sigmaflight.cli import build_parser
 from sigmaflight.errors import NotFound, WeightsMismatch
+from tests.cli.conftest import cli
 from tests.servers import InProcessServer, ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,12 +30,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def server():
     with InProcessServer("--workers", "1") as s:
         yield s
-
-
-def cli(capsys, *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def _cancel_next_queued(url: str, blocker: str, found: list[str]) -> threading.Thread:
