@@ -5,11 +5,9 @@ server killed with SIGKILL leaves the directory free."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from tests.faults.conftest import serve_refused
+from tests.faults.conftest import serve_refused, wait_running
 from tests.servers import ServerProcess, wait_for_status
 
 pytestmark = pytest.mark.e2e
@@ -26,10 +24,7 @@ def test_a_second_server_on_a_live_servers_data_dir_is_refused_and_a_killed_serv
         with first.client() as c:
             running = c.post("/v1/rollouts", json=RUNNING).json()
             partial = data / "trajectories" / f"{running['id']}.arrow.partial"
-            deadline = time.monotonic() + 30
-            while c.get(f"/v1/rollouts/{running['id']}").json()["progress"]["steps_done"] < 10:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_running(c, running["id"], steps=10, timeout=30)
             assert partial.exists()
 
             line = serve_refused("--port", "0", "--flight-port", "0", "--data-dir", str(data))

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
-from tests.faults.conftest import latent_bytes, pull
+from tests.faults.conftest import latent_bytes, pull, wait_running
 from tests.servers import InProcessServer, ServerProcess, wait_for_status
 
 FLAGS = ("--store-budget-bytes", str(1 << 20), "--max-samples", "1024", "--max-steps", "5000", "--workers", "1")
@@ -49,10 +49,7 @@ def test_kill_9_mid_rollout_and_after_spill_then_restart(tmp_path):
             assert tables[big["id"]].nbytes > 4 << 20
             running = c.post("/v1/rollouts", json=LONG).json()
             queued = c.post("/v1/rollouts", json=SMALL).json()
-            deadline = time.monotonic() + 30
-            while c.get(f"/v1/rollouts/{running['id']}").json()["progress"]["steps_done"] < 3:
-                assert time.monotonic() < deadline
-                time.sleep(0.02)
+            wait_running(c, running["id"], steps=3, timeout=30)
             assert c.get(f"/v1/rollouts/{queued['id']}").json()["status"] == "queued"
         assert f"spilled rollout {big['id']}" in server.log_text  # the big one lives on disk only now
         assert (data / "trajectories" / f"{running['id']}.arrow.partial").exists()
