@@ -191,8 +191,9 @@ class AsyncStream:
     async def __anext__(self) -> Rollout:
         try:
             item = await asyncio.to_thread(_next, self.stream)
-        except BaseException:  # the task was cancelled (or Ctrl-C): stop what still runs
-            self.stream.close()
+        except BaseException:  # the task was cancelled (or Ctrl-C): stop what still runs, in a thread
+            # (a close waits for a POST under way) so the event loop goes on meanwhile
+            await asyncio.shield(asyncio.to_thread(self.stream.close))
             raise
         if item is _DONE:
             raise StopAsyncIteration

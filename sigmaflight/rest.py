@@ -45,6 +45,15 @@ MAX_MODEL_ID = 1024
 RETRY_STATUSES = frozenset({429, 503})
 """Refusals that say "not now" (a full queue, too many pushes, a journal or worker briefly away)."""
 
+NOT_RETRIED = frozenset({"weights_failed"})
+"""Error types of those statuses that say "not until someone acts": a model failed closed refuses
+its rollouts until a push of every tensor commits or the server restarts, which no wait brings."""
+
+
+def worth_retrying(status: int | None, error_type: str) -> bool:
+    """Whether a refusal says "not now" (back off and send it again) rather than "no"."""
+    return status in RETRY_STATUSES and error_type not in NOT_RETRIED
+
 RETRY_FIRST_S = 0.05
 """The first pause before retrying one of RETRY_STATUSES; it doubles up to the answer's Retry-After."""
 
@@ -297,15 +306,21 @@ class Waiting:
 # ---- answers ------------------------------------------------------------------------------
 
 
+def error_body(r: httpx.Response) -> tuple[str, str, Any]:
+    """The type, message and details of a refusal's body (the contract's error body); "http_error"
+    and the start of the text when something else answered."""
+    try:
+        err = r.json()["error"]
+        return str(err["type"]), str(err["message"]), err.get("details")
+    except (ValueError, KeyError, TypeError):
+        return "http_error", r.text[:500], None
+
+
 def raise_for(r: httpx.Response) -> None:
     """The typed error of a refusal (the contract's error body), nothing for a 2xx/3xx."""
     if r.status_code < 400:
         return
-    try:
-        err = r.json()["error"]
-        type_, message, details = str(err["type"]), str(err["message"]), err.get("details")
-    except (ValueError, KeyError, TypeError):
-        type_, message, details = "http_error", r.text[:500], None
+    type_, message, details = error_body(r)
     kind = {404: NotFound, 401: Unauthorized}.get(r.status_code, ApiError)
     raise kind(r.status_code, type_, message, details)
 
@@ -353,7 +368,7 @@ def retry_delay(r: httpx.Response, attempt: int) -> float | None:
     """The pause before retry number `attempt` (0 first) of a refusal worth retrying, or None
     when `r` is not one: RETRY_FIRST_S doubling each time, at most the answer's Retry-After
     (1 s when it gives none)."""
-    if r.status_code not in RETRY_STATUSES:
+    if not worth_retrying(r.status_code, error_body(r)[0]):
         return None
     try:
         cap = float(r.headers.get("retry-after", "1"))

@@ -6,30 +6,36 @@
                 train_on(r.trajectory)
 
 One thread keeps at most `in_flight` rollouts submitted and unfinished: it submits the next
-request as soon as one finishes (a 429 is backed off, never raised). Pull threads (up to
+request as soon as one finishes (a 429, or a 503 that says "not now", is backed off, never raised). Pull threads (up to
 LIVE_PULLS) each follow the oldest submitted rollout's Flight stream while it runs, so a rollout
 is known finished the moment its stream ends (no polling) and its trajectory is already here; its
 outputs are pulled after it when asked. Rollouts keep running while the trainer works on what it
 has; at most `in_flight` finished rollouts wait for the trainer (the unfinished ones count, as
 they will land on top), beyond that nothing more is submitted until the trainer takes one. With
-`max_staleness`, a rollout is checked when it finishes and again when the trainer takes it.
+`max_staleness`, a rollout is checked when it finishes and again when the trainer takes it, and run
+again only when the server serves other weights than it ran with.
 
-A rollout that failed, a request the server refused (a 422, a 409 stale_policy) or a pull that
+A rollout that failed, a request the server refused (a 422, a 409 stale_policy, a 503 weights_failed:
+a model failed closed, which no wait gets past) or a pull that
 failed (its idle timeout: the rollout is cancelled) comes out as that item's `error` (the typed
 error, sigmaflight/errors.py), and the iteration goes on. What stops it is raised from the
 iteration: a refused token (Unauthorized), a server that is gone (ServerUnreachable), an exception
 from the requests iterable itself.
 
 Closing the stream (`close()`, leaving its `with` block, breaking out of a `for` over it, Ctrl-C
-while it waits, or the stream being garbage collected) cancels the rollouts still queued or running.
+while it waits, or the stream being garbage collected) cancels the rollouts still queued or running
+and releases the finished ones nobody took. It does not wait for the requests iterable (a generator
+reading a dataset cannot be interrupted): what it yields after the close is not sent.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import queue
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -59,7 +65,8 @@ class Rollout:
     """One finished rollout of a stream.
 
     `request`: the request dict as given; `ticket`: its Ticket (None when the server refused the
-    request); `trajectory`: the pulled Trajectory (None on error); `outputs`: the decoded outputs
+    request); `trajectory`: the pulled Trajectory (None when the rollout failed or was refused, kept
+when only its outputs could not be pulled); `outputs`: the decoded outputs
     (`Client.pull_outputs`) when the stream was asked for them, else None; `weights_version` and
     `digest`: the weights it ran with (from the trajectory's metadata); `error`: None, or the
     typed error (RolloutFailed, RolloutCancelled, ApiError, ...) of a rollout that did not succeed;
@@ -117,6 +124,7 @@ class _Driver:
         self.pullers = [threading.Thread(target=self.follow, name=f"sigmaflight-pull-{k}", daemon=True)
                         for k in range(min(in_flight, LIVE_PULLS))]
         self.closed = False
+        self.in_requests = False  # the submitter is in next(requests), which nothing can interrupt
 
     def start(self) -> None:
         self.thread.start()
@@ -135,11 +143,16 @@ class _Driver:
                         break
                     nxt = self.retry.popleft() if self.retry else None
                 if nxt is None:
+                    self.in_requests = True  # a close does not wait for a slow generator
                     try:
                         request = next(self.requests)
                     except StopIteration:
                         exhausted = True
                         continue
+                    finally:
+                        self.in_requests = False
+                    if self.stop.is_set():  # closed while the generator worked: submit nothing more
+                        break
                     if not isinstance(request, Mapping):
                         raise TypeError(f"each request of a stream must be a dict of RolloutRequest fields, "
                                         f"not {type(request).__name__}")
@@ -170,6 +183,8 @@ class _Driver:
     def submit(self, request: Mapping[str, Any], resubmits: int) -> None:
         body = dict(request)
         key = body.pop("idempotency_key", None)  # submit's keyword: the header, not a body field
+        if key is not None and resubmits:  # the same key would answer with the stale rollout again
+            key = rerun_key(str(key), resubmits)
         attempt = 0
         while True:
             try:
@@ -178,7 +193,7 @@ class _Driver:
             except FATAL:
                 raise
             except ApiError as exc:
-                if exc.status in rest.RETRY_STATUSES and not self.stop.is_set():  # not now: back off,
+                if rest.worth_retrying(exc.status, exc.type) and not self.stop.is_set():  # not now: back off,
                     self.stop.wait(rest.backoff(attempt))  # but a close ends the wait at once
                     attempt += 1
                     if not self.stop.is_set():
@@ -192,11 +207,15 @@ class _Driver:
         entry = _Entry(request, ticket, resubmits)
         self.client.flight(ticket.flight.locations[0])  # made here, once: Client's cache is not for threads
         with self.cond:
-            self.unfinished[ticket.id] = entry
-            self.pending.append(entry)
             self.submitted += 1
-            self.peak_in_flight = max(self.peak_in_flight, len(self.unfinished))
-            self.cond.notify_all()
+            closed = self.stop.is_set()  # closed while the POST was under way: close() has not seen it
+            if not closed:
+                self.unfinished[ticket.id] = entry
+                self.pending.append(entry)
+                self.peak_in_flight = max(self.peak_in_flight, len(self.unfinished))
+                self.cond.notify_all()
+        if closed:
+            _cancel(self.client, ticket)
 
     def emit(self, item: Rollout) -> None:
         with self.cond:
@@ -236,7 +255,7 @@ class _Driver:
             version = made.get("weights_version")
             item.weights_version = int(version) if version is not None else None
             item.digest = made.get("digest")
-            if self.stale(str(made.get("id", "")), item.weights_version):
+            if self.stale(str(made.get("id", "")), item.weights_version, item.digest):
                 self.resubmit(entry)
                 return None
             if self.outputs:
@@ -265,11 +284,21 @@ class _Driver:
             self.stop.wait(rest.backoff(attempt))
             attempt += 1
 
-    def stale(self, model_id: str, version: int | None) -> bool:
+    def stale(self, model_id: str, version: int | None, digest: str | None) -> bool:
+        """More than `max_staleness` versions behind this client's latest push, and the server now
+        serves other weights than the rollout ran with: a rerun would run on newer ones. (A server
+        restarted since the push serves version 0 again: its rollouts are not newer for a rerun,
+        and rerunning them would never end.)"""
         if self.max_staleness is None or version is None:
             return False
         latest = self.client.pushed_versions.get(model_id)
-        return latest is not None and latest - version > self.max_staleness
+        if latest is None or latest - version <= self.max_staleness:
+            return False
+        try:
+            served = next((m for m in self.client.models() if m.get("id") == model_id), None)
+        except ApiError:
+            return True  # the server did not say: run it again, as the push asks
+        return served is not None and served.get("digest") != digest and int(served.get("weights_version", 0)) > version
 
     def stale_when_taken(self, item: Rollout) -> bool:
         """A finished rollout that waited for the trainer while it pushed: stale now, it is released
@@ -277,17 +306,14 @@ class _Driver:
         if item.trajectory is None or item.ticket is None:
             return False
         made = item.trajectory.metadata.get("model") or {}
-        if not self.stale(str(made.get("id", "")), item.weights_version):
+        if not self.stale(str(made.get("id", "")), item.weights_version, item.digest):
             return False
         self.resubmit(_Entry(item.request, item.ticket, item.resubmits))
         return True
 
     def resubmit(self, entry: _Entry) -> None:
         """A rollout too far behind the latest push: release its result and run the request again."""
-        try:
-            self.client.cancel(entry.ticket)
-        except ApiError:
-            pass
+        _cancel(self.client, entry.ticket)
         with self.cond:
             self.resubmitted += 1
             self.retry.append((entry.request, entry.resubmits + 1))
@@ -307,19 +333,27 @@ class _Driver:
         self.stop.set()
         with self.cond:
             self.cond.notify_all()
-        if self.thread.is_alive() and threading.current_thread() is not self.thread:
-            self.thread.join(timeout=self.client.timeout + 5)  # a submit under way registers its rollout
+        if threading.current_thread() is not self.thread:
+            # a POST under way registers its rollout for the cancels below (or, past this wait,
+            # cancels it itself); the generator is not waited for: what it yields now is dropped
+            deadline = time.monotonic() + self.client.timeout + 5
+            while self.thread.is_alive() and not self.in_requests and time.monotonic() < deadline:
+                self.thread.join(timeout=0.05)
         with self.cond:
-            left = list(self.unfinished.values())
+            left = [entry.ticket for entry in self.unfinished.values()]
             self.unfinished.clear()
             self.pending.clear()
-        for entry in left:  # the pulls following them end with the cancel
+        while True:  # finished rollouts nobody took: their results are released, not left to the TTL
             try:
-                self.client.cancel(entry.ticket)
-            except ApiError:
-                pass  # it finished meanwhile, or the server is gone: nothing left to stop
-            except RuntimeError:  # the Client was closed before this stream (closed at garbage collection)
+                item = self.out.get_nowait()
+            except queue.Empty:
                 break
+            if isinstance(item, Rollout) and item.ticket is not None:
+                left.append(item.ticket)
+        for ticket in left:  # the pulls following them end with the cancel
+            if not _cancel(self.client, ticket):
+                break
+        self.out.put(_END)  # whoever still waits on the queue sees the end
 
 
 class Stream(Iterator[Rollout]):
@@ -397,6 +431,27 @@ class Stream(Iterator[Rollout]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def rerun_key(key: str, reruns: int) -> str:
+    """The idempotency key a stale request is submitted again under: the request's own key would
+    answer with the stale rollout. Derived, so a rerun sent twice still runs once; at most 255
+    characters, as every key."""
+    suffix = f"~rerun{reruns}"
+    if len(key) + len(suffix) > 255:
+        key = hashlib.sha256(key.encode()).hexdigest()
+    return key + suffix
+
+
+def _cancel(client: Client, ticket: Ticket) -> bool:
+    """Cancel a queued or running rollout, release a finished one; False once the Client is closed."""
+    try:
+        client.cancel(ticket)
+    except ApiError:
+        pass  # it ended meanwhile, or the server is gone: nothing left to stop
+    except RuntimeError:  # the Client was closed before this stream (closed at garbage collection)
+        return False
+    return True
 
 
 def _close(driver: _Driver, bar: Any) -> None:

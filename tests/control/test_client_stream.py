@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import copy
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -292,6 +293,12 @@ def test_closing_cancels_what_is_queued_or_running(server, how, tmp_path):
             c.cancel(b)
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def _ticket(r: Rollout) -> Ticket:
     assert r.ticket is not None
     return r.ticket
@@ -473,3 +480,144 @@ def test_cancelling_the_task_that_iterates_an_async_stream_cancels_its_rollouts(
         wait_for(lambda: all(c.status(i).status == "cancelled" for i in ids), "both cancelled", timeout=60)
         for b in block:
             c.cancel(b)
+
+
+def test_a_model_failed_closed_is_the_items_error_not_a_refusal_backed_off_forever():
+    """A model an in-place push failed closed refuses its rollouts with 503 "weights_failed" until
+    a push of every tensor commits: the stream backed that 503 off like a full queue's, silently,
+    and came out only after someone reopened the model. It is the item's error now."""
+    with InProcessServer("--workers", "1", "--weights-swap", "in-place") as s, Client(s.rest_url) as c:
+        state = {k: v + 0.001 for k, v in ModelRegistry().get("tiny-sd3").pipeline.transformer.state_dict().items()}
+        last = sorted(state)[-1]
+        state[last] = state[last].clone()
+        state[last].view(-1)[0] = float("nan")  # refused at the last tensor, after the others were written in place
+        with pytest.raises(ApiError):
+            c.push_weights("tiny-sd3", state, progress=False)
+        got: list[Rollout] = []
+        reader = threading.Thread(target=lambda: got.extend(c.stream(requests(2, "closed"), progress=False)),
+                                  daemon=True)
+        reader.start()
+        reader.join(timeout=30)
+        assert not reader.is_alive(), "the stream still backs off a model failed closed"
+        assert [(type(r.error), getattr(r.error, "type", None), r.ticket) for r in got] == \
+            [(ApiError, "weights_failed", None)] * 2
+
+
+def test_a_stale_request_with_an_idempotency_key_is_run_again_under_a_key_of_its_own(server):
+    """The rerun sent the request's own key again, so the server answered with the stale rollout,
+    already released: each item came out as RolloutFailed "not found (released)". A rerun's key is
+    derived from the request's (stream.rerun_key): a new rollout, on the pushed weights."""
+    base = ModelRegistry().get("tiny-sd3").pipeline.transformer.state_dict()
+    with Client(server.rest_url) as c:
+        before = {s.id for s in c.rollouts(limit=1000)}
+        keyed = [{**r, "idempotency_key": f"row-{k}-{time.time_ns()}"} for k, r in enumerate(requests(2, "keyed"))]
+        stream = c.stream(keyed, in_flight=2, max_staleness=0, progress=False)
+        wait_for(lambda: len([s for s in c.rollouts(limit=1000) if s.id not in before and s.status == "succeeded"])
+                 == 2 or None, "both finished, waiting to be taken", timeout=60)
+        c.push_weights("tiny-sd3", _nudged(base, 3))
+        pushed = c.pushed_versions["tiny-sd3"]
+        got = list(stream)
+        c.push_weights("tiny-sd3", base)
+    assert [(r.error, r.resubmits, r.weights_version) for r in got] == [(None, 1, pushed)] * 2
+
+
+def test_a_server_restarted_since_the_push_yields_its_rollouts_instead_of_rerunning_them_forever():
+    """A restart serves version 0 again while the client's pushed_versions keeps the version it
+    pushed: every rollout looked stale, and the stream released and reran them without end (no item;
+    hundreds of rollouts in seconds). A rerun happens only when the server serves other weights than
+    the rollout ran with."""
+    ports = ("--port", str(_free_port()), "--flight-port", str(_free_port()), "--workers", "1")
+    base = ModelRegistry().get("tiny-sd3").pipeline.transformer.state_dict()
+    first = InProcessServer(*ports)
+    with Client(first.rest_url) as c:
+        try:
+            for seed in (4, 5):
+                c.push_weights("tiny-sd3", _nudged(base, seed), progress=False)
+        finally:
+            first.terminate()
+        assert c.pushed_versions["tiny-sd3"] == 2
+        with InProcessServer(*ports):
+            got: list[Rollout] = []
+            stream = c.stream(requests(2, "restarted"), in_flight=2, max_staleness=1, progress=False)
+            reader = threading.Thread(target=lambda: got.extend(stream), daemon=True)
+            reader.start()
+            reader.join(timeout=60)
+            stream.close()
+            assert not reader.is_alive(), f"no item; {stream.resubmitted} rollouts rerun"
+    assert [(r.error, r.weights_version, r.resubmits) for r in got] == [(None, 0, 0)] * 2
+
+
+def test_closing_while_the_requests_generator_works_returns_at_once_and_submits_nothing_after(server):
+    """close() waited for the generator (up to the client's timeout plus 5 s, a generator reading a
+    dataset cannot be interrupted), and the request it yielded afterwards was submitted: a rollout
+    nobody took or cancelled. Now close returns, and what the generator yields later is dropped."""
+    release = threading.Event()
+
+    def dataset():
+        yield requests(1, "before close")[0]
+        release.wait(60)  # reading the next row takes long
+        yield requests(1, "after close")[0]
+
+    with Client(server.rest_url, timeout=5) as c:
+        before = {s.id for s in c.rollouts(limit=1000)}
+        stream = c.stream(dataset(), in_flight=2, progress=False)
+        (first,) = wait_for(lambda: stream_ids(c, before) or None, "the first request is submitted")
+        t0 = time.monotonic()
+        stream.close()
+        took = time.monotonic() - t0
+        release.set()
+        stream._driver.thread.join(timeout=30)  # the submitter ends once the generator has yielded
+        assert not stream._driver.thread.is_alive()
+        assert took < 2  # before: 10 s, the client's timeout plus 5
+        assert stream_ids(c, before) == {first} and stream.submitted == 1  # before: "after close" ran too
+        assert wait_for(lambda: c.status(first).status in ("cancelled", "succeeded", "expired") or None, "it ended")
+
+
+def test_closing_releases_the_finished_rollouts_the_trainer_never_took(server):
+    """They stayed in the stream with their trajectories, and on the server until their TTL."""
+    with Client(server.rest_url) as c:
+        before = {s.id for s in c.rollouts(limit=1000)}
+        stream = c.stream(requests(3, "untaken"), in_flight=3, progress=False)
+        wait_for(lambda: len([s for s in c.rollouts(limit=1000) if s.id not in before and s.status == "succeeded"])
+                 == 3 or None, "all three finished", timeout=60)
+        taken = next(stream)
+        stream.close()
+        statuses = {s.id: s.status for s in c.rollouts(limit=1000) if s.id not in before}
+    assert statuses.pop(_ticket(taken).id) == "succeeded"  # the one taken is the trainer's to release
+    assert sorted(statuses.values()) == ["expired", "expired"]
+
+
+def test_cancelling_an_async_streams_task_leaves_the_event_loop_running_while_its_submit_ends():
+    """The cancel ran the stream's close on the event loop, which waits for a submit under way (up
+    to the client's timeout plus 5 s): every other task of the trainer stopped meanwhile. Here the
+    submit is a POST to a server that never answers (a bare socket)."""
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+
+        async def main() -> float:
+            async with AsyncClient(url, timeout=3) as ac:
+                async def consume() -> None:
+                    async for _ in ac.stream(requests(1, "silent"), progress=False):
+                        pass
+
+                task = asyncio.create_task(consume())
+                await asyncio.sleep(0.5)  # the POST is under way, unanswered
+                gaps, last = [], time.monotonic()
+
+                async def tick() -> None:
+                    nonlocal last
+                    while True:
+                        await asyncio.sleep(0.05)
+                        gaps.append(time.monotonic() - last)
+                        last = time.monotonic()
+
+                ticker = asyncio.create_task(tick())
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+                gaps.append(time.monotonic() - last)  # up to the task's end, whether or not the ticker ran since
+                ticker.cancel()
+                return max(gaps, default=0.0)
+
+        longest = asyncio.run(main())
+    assert longest < 1.0, f"the event loop stood still for {longest:.1f} s"  # before: about 3 s (the timeout)
