@@ -155,7 +155,7 @@ def push_weights(
     >= 1 works. progress: a tqdm bar (bytes, bytes/s); default when
     stderr is a terminal. A cut connection is resumed from what the server acknowledges, up to
     `retries` times; `push_id` resumes a push another process started (the same tensors and
-    options), sending only what the server has not received. Returns the new digest as a PushResult (a str with weights_version, bytes).
+    options; chunk_bytes may differ), sending only the bytes the server has not received. Returns the new digest as a PushResult (a str with weights_version, bytes).
     Raises WeightsPushError (an ApiError: 422 naming the tensor, 409 for a push under way) when
     the push is refused (nothing changed on the server; WeightsPushNotFound, also a NotFound, for
     a model the server does not serve), ValueError for a bad argument here (chunk_bytes, retries,
@@ -268,8 +268,18 @@ def _received(fc: flight.FlightClient, options: flight.FlightCallOptions, push_i
     return dict(json.loads(result.body.to_pybytes())["received"])
 
 
-def _covered(ranges: list[list[int]], start: int, end: int) -> bool:
-    return any(s <= start and end <= e for s, e in ranges)
+def _missing(ranges: list[list[int]], start: int, end: int) -> list[tuple[int, int]]:
+    """The parts of bytes [start, end) no received range covers, in order. A resume may cut its
+    chunks at other bytes than the cut push did (another chunk_bytes): it sends only those parts,
+    as the server refuses a chunk that overlaps what it holds. The ranges end on whole elements."""
+    out, at = [], start
+    for s, e in sorted((s, e) for s, e in ranges if s < end and e > start):
+        if s > at:
+            out.append((at, s))
+        at = max(at, e)
+    if at < end:
+        out.append((at, end))
+    return out
 
 
 def _stream(fc: flight.FlightClient, options: flight.FlightCallOptions, descriptor: flight.FlightDescriptor,
@@ -286,10 +296,9 @@ def _stream(fc: flight.FlightClient, options: flight.FlightCallOptions, descript
             step = max(t.element_size(), chunk_bytes - chunk_bytes % t.element_size())  # whole elements
             for off in range(0, flat.size, step):
                 end = min(off + step, flat.size)
-                if _covered(have, off, end):
-                    continue
-                writer.write_batch(chunk_batch(name, off, flat[off:end]))
-                bar.update(end - off)
+                for start, stop in _missing(have, off, end):
+                    writer.write_batch(chunk_batch(name, start, flat[start:stop]))
+                    bar.update(stop - start)
         writer.done_writing()
         buf = reader.read()
     except (flight.FlightError, OSError):

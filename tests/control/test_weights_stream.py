@@ -291,7 +291,11 @@ def test_a_killed_client_leaves_the_weights_and_a_second_push_waits_then_staging
     assert client.push_weights(MODEL, new) == _digest(new)  # the model takes pushes again
 
 
-def test_a_cut_push_resumes_sending_only_what_remained(server, client, tmp_path):
+@pytest.mark.parametrize("chunk_bytes", [1024, 1000, 8 << 20], ids=["same-chunks", "other-cuts", "default-chunks"])
+def test_a_cut_push_resumes_sending_only_what_remained(server, client, tmp_path, chunk_bytes):
+    """The cut push sent 1 KiB chunks. A resume with other chunk_bytes (another process with the
+    default) sent whole chunks that overlapped what the server held, and the server refused the push
+    ("overlap") and dropped it: only the bytes no received range covers travel now."""
     base = _base()
     new = _changed(base, _floats(base), -0.125)
     push_id = uuid.uuid4().hex
@@ -300,7 +304,7 @@ def test_a_cut_push_resumes_sending_only_what_remained(server, client, tmp_path)
     wait_for(lambda: _metrics(client)["sigmaflight_weights_pushed_bytes_total"] >= before + sent,
              "the half push's bytes at the server")
     _kill(proc)  # the cut
-    result = client.push_weights(MODEL, new, only_changed=False, push_id=push_id, chunk_bytes=1024)
+    result = client.push_weights(MODEL, new, only_changed=False, push_id=push_id, chunk_bytes=chunk_bytes)
     total = sum(v.nbytes for v in new.values())
     assert result == _digest(new) and result.bytes_sent == total  # the server holds every byte once
     assert _metrics(client)["sigmaflight_weights_pushed_bytes_total"] - before == total  # the half + the rest
