@@ -122,15 +122,20 @@ class ServiceWeightsSink:
 
     def manifest(self, model_id: str) -> dict[str, Any]:
         """{"id", "digest", "weights_version", "base_digest", "algorithm", "tensors": {key: crc},
-        "failed": why an in-place push failed the model closed, or None}: a client answers a push
-        where nothing differs without a stream only when the model is not failed closed."""
+        "specs": {key: {"dtype", "shape"}}, "failed": why an in-place push failed the model closed, or
+        None}: a client answers a push where nothing differs without a stream only when the model is
+        not failed closed, and skips a tensor as unchanged only when its dtype and shape match too."""
         model = self._service.registry.get(model_id)
         with model.push_lock:  # the base and its digest read together, no swap in between
             policy = model.policy()
-            tensors = self.manifests.get(model_id, policy.base_digest, model.base_transformer())
+            transformer = model.base_transformer()
+            tensors = self.manifests.get(model_id, policy.base_digest, transformer)
+            specs = {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
+                     for k, v in transformer.state_dict().items()}
             failed = model.failed
         return {"id": model_id, "digest": policy.digest, "weights_version": policy.weights_version,
-                "base_digest": policy.base_digest, "algorithm": "crc32c", "tensors": tensors, "failed": failed}
+                "base_digest": policy.base_digest, "algorithm": "crc32c", "tensors": tensors, "specs": specs,
+                "failed": failed}
 
     def commit(self, model_id: str, staged: dict[str, torch.Tensor], *, partial: bool, base_digest: str | None,
                stats: PushStats) -> dict[str, Any]:

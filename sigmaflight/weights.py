@@ -172,7 +172,16 @@ def push_weights(
             raise WeightsPushError("bad_weights", "missing_tensor", f"tensor {missing[0]!r} is missing from a full "
                                    f"push ({len(missing)} in all); send every tensor, or partial=True to keep the "
                                    "others as served", tensor=missing[0])
-    send = sorted(k for k in tensors if not only_changed or served.get(k) != tensor_crc(tensors[k]))
+    specs: dict[str, dict[str, Any]] = manifest.get("specs") or {}
+
+    def unchanged(key: str) -> bool:
+        """Its bytes, dtype and shape are the served tensor's: a tensor of another shape or dtype
+        with the same bytes (a reshape) is sent, and refused as the server refuses it."""
+        t, spec = tensors[key], specs.get(key)
+        same_spec = spec is None or (spec["dtype"] == _dtype_name(t) and list(spec["shape"]) == list(t.shape))
+        return same_spec and served.get(key) == tensor_crc(t)
+
+    send = sorted(k for k in tensors if not (only_changed and unchanged(k)))
     # the served base the unsent tensors must still be: every full only_changed push names it; a
     # partial one when it left out some of the given tensors as unchanged (their values are the base's)
     skipped = only_changed and (not partial or len(send) < len(tensors))
@@ -188,8 +197,7 @@ def push_weights(
     push_id = push_id or uuid.uuid4().hex
     header: dict[str, Any] = {"sigmaflight.weights": 1, "model": model_id, "push_id": push_id, "partial": partial,
               "base_digest": manifest["base_digest"] if skipped else None,
-              "tensors": {k: {"dtype": str(tensors[k].dtype).removeprefix("torch."),
-                              "shape": list(tensors[k].shape)} for k in send}}
+              "tensors": {k: {"dtype": _dtype_name(tensors[k]), "shape": list(tensors[k].shape)} for k in send}}
     descriptor = flight.FlightDescriptor.for_command(json.dumps(header).encode())
     options = flight.FlightCallOptions(headers=[(k.encode(), v.encode()) for k, v in bearer_header(client.token).items()])
     fc = client.flight(manifest["flight"]["locations"][0]).flight_client
@@ -221,6 +229,11 @@ def push_weights(
     finally:
         bar.close()
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    """A tensor's dtype as the push header and the manifest name it ("float32", "bfloat16")."""
+    return str(t.dtype).removeprefix("torch.")
 
 
 def _checked(state_dict: Mapping[str, torch.Tensor], *, chunk_bytes: int, retries: int,

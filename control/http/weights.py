@@ -391,8 +391,9 @@ def _manifest(service: Any, model_id: str) -> JSONResponse:
 
 async def get_manifest(request: Request) -> Response:
     """GET .../weights/manifest: {"id", "digest", "weights_version", "base_digest", "algorithm":
-    "crc32c", "tensors": {key: crc32c hex}, "flight": {"locations"}}: the served base transformer's
-    per-tensor checksums and where to stream a push (control/weights_sink.py)."""
+    "crc32c", "tensors": {key: crc32c hex}, "specs": {key: {"dtype", "shape"}}, "failed", "flight":
+    {"locations"}}: the served base transformer's per-tensor checksums, dtypes and shapes, and where
+    to stream a push (control/weights_sink.py)."""
     return await run_in_threadpool(_manifest, request.state.service, request.path_params["model_id"])
 
 

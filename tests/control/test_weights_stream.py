@@ -333,6 +333,26 @@ def test_only_changed_tensors_travel_and_nothing_changed_answers_at_once(server,
                       nbytes + two[keys[1]].nbytes)
 
 
+@pytest.mark.parametrize(("retyped", "reason"), [(lambda t: t.reshape(-1), "shape"),
+                                                 (lambda t: t.view(torch.int32), "dtype")], ids=["reshaped", "viewed"])
+def test_a_tensor_of_another_shape_or_dtype_with_the_served_bytes_is_refused_not_skipped(server, client, retyped,
+                                                                                          reason):
+    """only_changed compared the bytes' CRC32C alone: a reshaped (or re-viewed) tensor with the served
+    bytes was skipped as unchanged and the push answered success, hiding the trainer's bug. The
+    manifest gives each tensor's dtype and shape; such a tensor is sent and refused, as without
+    only_changed."""
+    base = _base()
+    client.push_weights(MODEL, base)  # the served tensors are these bytes
+    served = _served(client)
+    key = next(k for k in _floats(base) if base[k].dim() > 1)
+    assert base[key].dtype == torch.float32
+    for only_changed in (True, False):
+        with pytest.raises(WeightsPushError) as refused:
+            client.push_weights(MODEL, {key: retyped(base[key])}, partial=True, only_changed=only_changed)
+        assert (refused.value.reason, refused.value.tensor) == (reason, key)
+    assert _served(client) == served
+
+
 @pytest.fixture(scope="module")
 def put_server():
     """The default --max-weights-bytes (512 MiB): the PUT bodies below fit it."""
