@@ -193,7 +193,7 @@ class WeightsPushes:
             fresh.busy.release()
             raise PushRefused("push_in_progress", f"another weights push ({clip(other, 100)!r}) to model "
                               f"{model_id!r} is under way; retry once it commits, fails or expires "
-                              f"(after {self.expire_s:g} s without data)")
+                              f"(after {self.expire_s:g} s without data)", in_progress=other)
         try:
             fresh.live = self.sink.open_push(model_id, full=len(declared) == len(specs),
                                              base_digest=fresh.base_digest)
@@ -330,7 +330,8 @@ class WeightsPushes:
         type_ = {"push_in_progress": "conflict", "stale_base": "conflict", "model_failed": "conflict",
                  "unknown_model": "not_found",
                  "expired": "not_found"}.get(exc.reason, "bad_weights")
-        return flight_error(type_, exc.message, reason=exc.reason, tensor=exc.tensor, push_id=push_id)
+        extra = {"in_progress": exc.in_progress} if exc.in_progress is not None else {}
+        return flight_error(type_, exc.message, reason=exc.reason, tensor=exc.tensor, push_id=push_id, **extra)
 
 
 def _batches(reader: flight.MetadataRecordBatchReader) -> Iterator[pa.RecordBatch]:

@@ -65,15 +65,16 @@ class TensorSpec:
 
 
 class PushRefused(Exception):
-    """A push that cannot go on; `reason` is one of REASONS, `tensor` the key it is about."""
+    """A push that cannot go on; `reason` is one of REASONS, `tensor` the key it is about,
+    `in_progress` (push_in_progress) the id of the push that holds the model: resume it with that id."""
 
     REASONS = ("unknown_model", "unknown_tensor", "missing_tensor", "shape", "dtype", "offset", "overlap",
                "checksum", "non_finite", "incomplete", "bad_header", "bad_chunk", "push_in_progress",
                "stale_base", "expired", "commit_failed", "model_failed")
 
-    def __init__(self, reason: str, message: str, *, tensor: str | None = None) -> None:
+    def __init__(self, reason: str, message: str, *, tensor: str | None = None, in_progress: str | None = None) -> None:
         super().__init__(message)
-        self.reason, self.message, self.tensor = reason, message, tensor
+        self.reason, self.message, self.tensor, self.in_progress = reason, message, tensor, in_progress
 
 
 @dataclass

@@ -13,6 +13,7 @@ fine-tuning loop, docs/dataplane.md the schema.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -49,13 +50,15 @@ class WeightsPushError(ApiError):
     "conflict", "not_found", ...), `message` naming the tensor, `details` [{"loc": ["body", key],
     "msg", "type": reason}]; plus `reason` ("checksum", "shape", "dtype", "offset", "overlap",
     "non_finite", "unknown_tensor", "missing_tensor", "push_in_progress", "stale_base", ...),
-    `tensor` (the key, when it is about one) and `push_id`."""
+    `tensor` (the key, when it is about one), `push_id` (this push's) and `in_progress` (with
+    "push_in_progress": the id of the push that holds the model, cut and waiting for its resume or
+    under way; `push_weights(..., push_id=err.in_progress)` resumes it)."""
 
     def __init__(self, type_: str, reason: str, message: str, *, tensor: str | None = None,
-                 push_id: str | None = None) -> None:
+                 push_id: str | None = None, in_progress: str | None = None) -> None:
         loc = ["body", tensor] if tensor is not None else ["body"]
         super().__init__(_STATUS.get(type_, 400), type_, message, [{"loc": loc, "msg": message, "type": reason}])
-        self.reason, self.tensor, self.push_id = reason, tensor, push_id
+        self.reason, self.tensor, self.push_id, self.in_progress = reason, tensor, push_id, in_progress
 
 
 class WeightsPushNotFound(WeightsPushError, NotFound):
@@ -126,8 +129,9 @@ def _error(exc: flight.FlightError, push_id: str) -> WeightsPushError | None:
         if prefix in message:
             message = message.split(prefix, 1)[1]
     kind = WeightsPushNotFound if info["type"] == "not_found" else WeightsPushError
-    return kind(info["type"], str(info.get("reason") or info["type"]), message,
-                            tensor=info.get("tensor"), push_id=push_id)
+    in_progress = info.get("in_progress")
+    return kind(info["type"], str(info.get("reason") or info["type"]), message, tensor=info.get("tensor"),
+                push_id=push_id, in_progress=str(in_progress) if in_progress is not None else None)
 
 
 def push_weights(
@@ -316,6 +320,10 @@ def _stream(fc: flight.FlightClient, options: flight.FlightCallOptions, descript
         buf = reader.read()
     except (flight.FlightError, OSError):
         writer.close()
+        raise
+    except BaseException:  # Ctrl-C mid-push: end the call; the server keeps what landed for a resume
+        with contextlib.suppress(Exception):  # its answer to the cut ("incomplete") is not the news here
+            writer.close()
         raise
     writer.close()
     if buf is None:

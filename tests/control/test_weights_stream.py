@@ -273,13 +273,16 @@ def test_a_killed_client_leaves_the_weights_and_a_second_push_waits_then_staging
     new = _changed(base, _floats(base), 0.25)
     digest, version = _served(client)
     before = _metrics(client)
-    proc, sent = _start_half_push(server, tmp_path, new, uuid.uuid4().hex)
+    holder = uuid.uuid4().hex
+    proc, sent = _start_half_push(server, tmp_path, new, holder)
     try:
         wait_for(lambda: _metrics(client)["sigmaflight_weights_pushed_bytes_total"]
                  >= before["sigmaflight_weights_pushed_bytes_total"] + sent, "the half push's bytes at the server")
         with pytest.raises(WeightsPushError) as busy:  # a second push to the model: a typed conflict at once
             client.push_weights(MODEL, new, only_changed=False)
         assert (busy.value.status, busy.value.type, busy.value.reason) == (409, "conflict", "push_in_progress")
+        # the push that holds the model, to resume (it was only in the message; .push_id is the refused one's)
+        assert busy.value.in_progress == holder and busy.value.push_id != holder
     finally:
         _kill(proc)
     assert _served(client) == (digest, version)
