@@ -42,6 +42,13 @@ class Transition:
     def __iter__(self) -> Iterator[Any]:
         return iter((self.i, self.x, self.x_next, self.sigma, self.sigma_next, self.log_prob))
 
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, k: int) -> Any:
+        """`t[0]` is `t.i`, ... `t[5]` is `t.log_prob`, as unpacking gives them."""
+        return tuple(self)[k]
+
 
 class Trajectory:
     """A whole rollout as torch tensors, aligned by ABSOLUTE step index.

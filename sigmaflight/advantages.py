@@ -37,8 +37,9 @@ def group_advantages(
     std: "group": the group's mean and population standard deviation (ddof=0), as Flow-GRPO's
     per-prompt stat tracker; "global": the group's mean and the standard deviation of the whole
     batch (Flow-GRPO's `global_std`); "none": `r - mean`, no division (Dr. GRPO).
-    eps: added to the standard deviation (ignored by "none"); a Python or numpy number >= 0.
-    Rewards of another dtype (strings, complex, objects) are a TypeError naming `rewards`.
+    eps: added to the standard deviation (ignored by "none"); a finite Python or numpy number >= 0.
+    Rewards of another dtype (strings, complex, objects) are a TypeError naming `rewards`; a NaN or
+    infinite reward is a ValueError.
 
     A group of one sample gets 0, as in Flow-GRPO (its reward is its own mean). Each call stands
     alone: nothing is remembered across calls. Arithmetic is in float64, cast back at the end.

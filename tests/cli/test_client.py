@@ -67,6 +67,9 @@ def test_round_trip_and_replay(server, model):
         assert spec.seed == 5 and spec.sampler.sde_steps == (1, 2) and spec.num_samples == 4
         got = [t.i for t in traj.transitions([1, 2])]
         assert got == [1, 2]
+        first = next(traj.transitions([1]))  # indexed as it unpacks: Transition(i, x, x_next, sigma, sigma_next, log_prob)
+        assert len(first) == 6 and (first[0], first[3], first[4]) == (1, first.sigma, first.sigma_next)
+        assert first[1] is first.x and first[2] is first.x_next and first[-1] is first.log_prob
         for t in traj.transitions([1, 2]):  # against the stock diffusers transformer's CFG velocity
             v = _stock_velocity(model, spec, t.x, traj.timesteps[t.i])
             assert torch.equal(step_log_prob(t.x, t.x_next, v, traj.sigmas, t.i, sampler=spec.sampler), t.log_prob)
