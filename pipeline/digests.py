@@ -2,10 +2,12 @@
 made the way the server makes a trajectory's `model.components` (pipeline/models.py), cached
 per module so a replay loop pays the hash only after the weights changed.
 
-The cache is keyed on the tensors' identities (weak references) and their in-place version
-counters (`Tensor._version`, which every in-place op and optimizer step bumps; torch has no
-public equivalent): a tensor replaced (`load_state_dict(assign=True)`) or edited in place is a
-miss, a tensor freed and another at its address is a miss too.
+The cache is keyed on the tensors' identities (weak references), their storage addresses and
+their in-place version counters (`Tensor._version`, which every in-place op and optimizer step
+bumps; torch has no public equivalent): a tensor replaced (`load_state_dict(assign=True)`), given
+new storage (`p.data = ...`, as `torch.nn.utils.vector_to_parameters` does) or edited in place is
+a miss, a tensor freed and another at its address is a miss too. An in-place write through `.data`
+(`p.data.add_(...)`) moves no version counter (that is what `.data` is for): it is not seen.
 """
 
 from __future__ import annotations
@@ -22,21 +24,22 @@ from sigmaflight.pipeline.models import combine_digests, component_digest, state
 
 __all__ = ["cached_digest", "current_components", "current_digest"]
 
-_digest_cache: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[list[tuple[Any, int]], str]]] = (
+_digest_cache: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, tuple[list[tuple[Any, tuple[int, int]]], str]]] = (
     weakref.WeakKeyDictionary())
 
 
 def cached_digest(module: torch.nn.Module, what: str, tensors: list[torch.Tensor], make: Callable[[], str]) -> str:
-    """make(), remembered for `module` while `tensors` are the same objects with the same in-place
-    version counters (weak references: a tensor freed and another at its address is a miss)."""
+    """make(), remembered for `module` while `tensors` are the same objects on the same storage with
+    the same in-place version counters (weak references: a tensor freed and another at its address
+    is a miss)."""
     slot = _digest_cache.setdefault(module, {})
     hit = slot.get(what)
     if hit is not None and len(hit[0]) == len(tensors) and all(
-        ref() is t and version == t._version for (ref, version), t in zip(hit[0], tensors, strict=True)
+        ref() is t and key == (t.data_ptr(), t._version) for (ref, key), t in zip(hit[0], tensors, strict=True)
     ):
         return hit[1]
     digest = make()
-    slot[what] = ([(weakref.ref(t), t._version) for t in tensors], digest)
+    slot[what] = ([(weakref.ref(t), (t.data_ptr(), t._version)) for t in tensors], digest)
     return digest
 
 

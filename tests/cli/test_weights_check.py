@@ -10,6 +10,7 @@ import json
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from sigmaflight.pipeline.models import ModelRegistry
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from sigmaflight.replay import current_components, current_digest
 
@@ -49,6 +50,10 @@ def test_components_match_the_registry_and_the_cache_follows_replaced_and_change
     with torch.no_grad():
         trainer.pipeline.transformer.state_dict()[key].view(-1)[0] = original
     assert current_components(trainer)["transformer"] == model.components["transformer"]
+    # new storage under the same parameters (torch's vector_to_parameters sets param.data): a miss too
+    params = list(trainer.pipeline.transformer.parameters())
+    vector_to_parameters(parameters_to_vector(params) + 1e-3, params)
+    assert current_components(trainer)["transformer"] != model.components["transformer"]
 
 
 def test_a_trainers_adapter_gets_the_digest_the_server_gives_the_same_adapter():
