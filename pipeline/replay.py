@@ -77,7 +77,7 @@ class _ReplayMember:
         stochastic = i in self.sde_steps
         x_next = self.latents.get(i + 1)
         if x_next is not None:
-            x_next = x_next.to(device=sample.device)
+            x_next = x_next.to(device=sample.device, dtype=sample.dtype)  # a lossy capture (bf16) on a float32 model
         else:  # a gap in the capture: the rollout's own step (same function, same noise)
             x_next = advance(scheduler, i, sample, velocity, self.sigmas, sampler=self.spec.sampler, seeds=self.seeds,
                              stochastic=stochastic)

@@ -115,6 +115,25 @@ def test_replay_with_a_gap_in_the_capture(registry):
     assert torch.isfinite(replayed[:, 2]).all() and _same(replayed, res.log_probs)
 
 
+def test_a_lossy_bf16_capture_replays_on_a_float32_model(registry):
+    """The stored x_{i+1} went into the step in its stored dtype: a bfloat16 capture replayed on a
+    float32 model raised torch's "Input type and bias type should be the same". It is cast to the
+    model's dtype as x_0 is; the log-probs are those of the rounded latents (Flow-GRPO's kernel on
+    them), not the rollout's own, as docs/pipeline.md says of lossy captures."""
+    model = registry.get("tiny-sd3")
+    spec = RolloutSpec(model="tiny-sd3", num_inference_steps=3, seed=21, latent_dtype="bfloat16",
+                       sampler=SamplerSpec(type="sde", noise_level=0.7), **PROMPTS)
+    res = run_rollout(model, spec)
+    latents = torch.stack([c.latent for c in res.captures], dim=1)
+    assert latents.dtype == torch.bfloat16
+    rep = Replayer(model).replay(spec, latents=latents, steps=res.snapshot.steps, sigmas=res.snapshot.sigmas,
+                                 timesteps=res.snapshot.timesteps, seeds=res.seeds)
+    for i in range(spec.num_inference_steps):
+        x, x_next = latents[:, i].float(), latents[:, i + 1].float()
+        ref = _flow_grpo_log_prob(res.snapshot.sigmas, i, x, rep.velocities[i], x_next, spec.sampler)
+        assert torch.isfinite(rep.log_probs[:, i]).all() and torch.equal(rep.log_probs[:, i], ref)
+
+
 @pytest.mark.parametrize("kind", ["sde", "cps"])
 def test_replay_with_drifted_sigmas_does_not_match(registry, kind):
     # T = 14: a schedule where timesteps / 1000 differs from the snapshot by an ULP (see test_schedules).
