@@ -203,7 +203,7 @@ def build_report(source: str, schema: pa.Schema, batches: Iterable[pa.RecordBatc
                 rep.log_prob_matrix.setdefault(step, {})[int(sample_col[r])] = float(lp)
                 if step not in sde_steps:
                     lp_bad.add(step)
-            elif wants_lp and step in sde_steps and step + 1 in steps:
+            elif wants_lp and step in sde_steps:  # recorded on every stochastic row, x_{i+1} streamed or not
                 lp_bad.add(step)
     flags.extend(sorted(column_bad))
     for step in sorted(lp_bad):

@@ -11,6 +11,7 @@ import pyarrow.flight as flight
 import pytest
 from PIL import Image
 
+from sigmaflight import Client
 from sigmaflight.plot import PLOT_HEIGHT, PLOT_WIDTH
 from tests.cli.conftest import cli
 
@@ -132,6 +133,24 @@ def test_inspect_flags_inconsistencies(server, tmp_path, capsys):
     rc, out, _ = cli(capsys, "inspect", str(good), "--json", "--strict")
     assert rc == 0 and json.loads(out)["flags"] == []
     assert all(np.float32(t) / np.float32(1000) == np.float32(s) for t, s in zip(timesteps, sigmas, strict=False))
+
+
+def test_inspect_flags_a_missing_log_prob_on_a_stochastic_step_whose_next_latent_was_not_streamed(server, tmp_path,
+                                                                                                     capsys):
+    """The server records step i's log-prob on its row whether or not x_{i+1} is streamed; the check
+    looked only where x_{i+1} was, so a file with that log-prob nulled passed --strict."""
+    with Client(server.rest_url) as c:
+        ticket = c.submit(prompts=["x"], num_inference_steps=3, seed=4, sampler={"type": "sde"}, return_={"steps": [1]})
+        table = c.pull_stream(ticket, "trajectory")
+    assert table["step"].to_pylist() == [1] and table["log_prob"].null_count == 0  # recorded without x_2
+    good, bad = tmp_path / "good.arrow", tmp_path / "bad.arrow"
+    for path, t in ((good, table), (bad, table.set_column(table.schema.get_field_index("log_prob"), "log_prob",
+                                                         pa.nulls(len(table), pa.float32())))):
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+            w.write_table(t.cast(table.schema))
+    assert cli(capsys, "inspect", str(good), "--json", "--strict")[0] == 0
+    rc, out, _ = cli(capsys, "inspect", str(bad), "--json", "--strict")
+    assert rc == 1 and "step 1: log_prob missing on a stochastic transition" in json.loads(out)["flags"]
 
 
 def test_errors_are_one_line_and_exit_1(server, tmp_path, capsys):
