@@ -134,8 +134,24 @@ class Report:
         }
 
 
+COLUMNS = ("step", "sample", "latent", "sigma", "sigma_next", "timestep", "log_prob")
+"""The trajectory/v1 columns the report reads; a file without one is flagged, and read without it."""
+
+
 def _f32(x: float) -> float:
     return float(np.float32(x))
+
+
+def _numbers(meta: dict[str, Any], key: str, flags: list[str], *, integers: bool = False) -> list[Any]:
+    """A metadata list of numbers (JSON); a flag and [] when it is something else."""
+    value = meta.get(key)
+    if value is None:
+        return []
+    kinds = (int,) if integers else (int, float)
+    if not isinstance(value, list) or not all(isinstance(v, kinds) and not isinstance(v, bool) for v in value):
+        flags.append(f"{key} is not a JSON list of {'integers' if integers else 'numbers'}: {str(value)[:80]!r}")
+        return []
+    return value
 
 
 def build_report(source: str, schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> Report:
@@ -145,10 +161,10 @@ def build_report(source: str, schema: pa.Schema, batches: Iterable[pa.RecordBatc
     flags = rep.flags
     if meta.get(KEY_FORMAT) != FORMAT:
         flags.append(f"{KEY_FORMAT} is {meta.get(KEY_FORMAT)!r}, not {FORMAT!r}")
-    sigmas = [_f32(s) for s in meta.get(KEY_SIGMAS) or []]
-    timesteps = [_f32(t) for t in meta.get(KEY_TIMESTEPS) or []]
-    steps = [int(s) for s in meta.get(KEY_STEPS) or []]
-    sde_steps = {int(s) for s in meta.get(KEY_SDE_STEPS) or []}
+    sigmas = [_f32(s) for s in _numbers(meta, KEY_SIGMAS, flags)]
+    timesteps = [_f32(t) for t in _numbers(meta, KEY_TIMESTEPS, flags)]
+    steps = [int(s) for s in _numbers(meta, KEY_STEPS, flags, integers=True)]
+    sde_steps = {int(s) for s in _numbers(meta, KEY_SDE_STEPS, flags, integers=True)}
     t_count = len(timesteps)
     if len(sigmas) != t_count + 1:
         flags.append(f"sigmas has {len(sigmas)} entries, expected T+1 = {t_count + 1}")
@@ -175,36 +191,58 @@ def build_report(source: str, schema: pa.Schema, batches: Iterable[pa.RecordBatc
     wants_lp = bool(meta.get(KEY_LOG_PROBS, True))
     column_bad: set[str] = set()
     lp_bad: set[int] = set()
+    missing = [name for name in COLUMNS if schema.get_field_index(name) < 0]
+    if missing:
+        flags.append(f"columns missing: {', '.join(missing)} (trajectory/v1 has {', '.join(COLUMNS)})")
+    if "step" in missing:
+        batches = []  # nothing can be placed by step
+    if "latent" not in missing:
+        try:
+            latent_dtype_of(schema)
+        except (ValueError, TypeError, KeyError) as exc:  # the latent column's type and its dtype label disagree
+            flags.append(f"latent values unreadable: {exc}")
+            missing.append("latent")
+    null = {"step": 0}
     for batch in batches:
-        step_col = batch.column("step").to_numpy()
-        if len(step_col) and len(set(step_col.tolist())) > 1:
-            flags.append(f"a record batch mixes steps {sorted(set(step_col.tolist()))}")
-        vals = latent_values(batch.column("latent"), schema)
-        sig_col = batch.column("sigma").to_pylist()
-        nxt_col = batch.column("sigma_next").to_pylist()
-        ts_col = batch.column("timestep").to_pylist()
-        lp_col = batch.column("log_prob").to_pylist()
-        sample_col = batch.column("sample").to_pylist()
-        for r, step in enumerate(step_col.tolist()):
+        cols = {name: batch.column(name).to_pylist() if name not in missing else [None] * batch.num_rows
+                for name in COLUMNS if name != "latent"}
+        step_col = cols["step"]
+        null["step"] += step_col.count(None)
+        present = sorted({s for s in step_col if s is not None})
+        if len(present) > 1:
+            flags.append(f"a record batch mixes steps {present}")
+        vals = latent_values(batch.column("latent"), schema) if "latent" not in missing else None
+        sig_col, nxt_col, ts_col = cols["sigma"], cols["sigma_next"], cols["timestep"]
+        lp_col, sample_col = cols["log_prob"], cols["sample"]
+        for r, step in enumerate(step_col):
+            if step is None:
+                continue
             if not seen_order or seen_order[-1] != step:
                 seen_order.append(step)
-            acc.setdefault(step, _Acc()).add(vals[r])
-            if 0 <= step < len(sigmas) and sig_col[r] != sigmas[step]:
+            if vals is not None:
+                acc.setdefault(step, _Acc()).add(vals[r])
+            else:
+                acc.setdefault(step, _Acc())
+            if "sigma" not in missing and sigmas and 0 <= step < len(sigmas) and sig_col[r] != sigmas[step]:
                 column_bad.add(f"sigma column at step {step} = {sig_col[r]!r} != sigmas[{step}] = {sigmas[step]!r}")
             want_next = sigmas[step + 1] if 0 <= step < len(sigmas) - 1 else None
-            if nxt_col[r] != want_next:
+            if "sigma_next" not in missing and sigmas and nxt_col[r] != want_next:
                 column_bad.add(f"sigma_next column at step {step} = {nxt_col[r]!r}, expected {want_next!r}")
             want_t = timesteps[step] if 0 <= step < t_count else None
-            if ts_col[r] != want_t:
+            if "timestep" not in missing and timesteps and ts_col[r] != want_t:
                 column_bad.add(f"timestep column at step {step} = {ts_col[r]!r}, expected {want_t!r}")
             lp = lp_col[r]
             if lp is not None:
                 lp_acc.setdefault(step, _Acc()).add(np.asarray([lp], dtype=np.float64))
-                rep.log_prob_matrix.setdefault(step, {})[int(sample_col[r])] = float(lp)
+                sample = sample_col[r]
+                if sample is not None:
+                    rep.log_prob_matrix.setdefault(step, {})[int(sample)] = float(lp)
                 if step not in sde_steps:
                     lp_bad.add(step)
-            elif wants_lp and step in sde_steps:  # recorded on every stochastic row, x_{i+1} streamed or not
+            elif wants_lp and "log_prob" not in missing and step in sde_steps:  # recorded on every stochastic row, x_{i+1} streamed or not
                 lp_bad.add(step)
+    if null["step"]:
+        flags.append(f"step column: {null['step']} null values (rows left out of the report)")
     flags.extend(sorted(column_bad))
     for step in sorted(lp_bad):
         kind = "stochastic" if step in sde_steps else "deterministic"

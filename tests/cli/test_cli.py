@@ -153,6 +153,36 @@ def test_inspect_flags_a_missing_log_prob_on_a_stochastic_step_whose_next_latent
     assert rc == 1 and "step 1: log_prob missing on a stochastic transition" in json.loads(out)["flags"]
 
 
+def test_inspect_reports_a_broken_file_instead_of_refusing_it(server, tmp_path, capsys):
+    """A metadata value that is not JSON, a missing column, a null step or a latent column whose
+    dtype label lies: each ended `inspect` with one opaque line (a float conversion, "Field does not
+    exist", "zero_copy_only", the data plane's own check) and no report. Each is a flag now, with
+    the rest of the report."""
+    with Client(server.rest_url) as c:
+        table = c.pull_stream(c.submit(prompts=["x"], num_inference_steps=2, seed=6), "trajectory")
+    meta = dict(table.schema.metadata)
+    latent = table.schema.field("latent")
+    step_at = table.schema.get_field_index("step")
+    broken = {
+        "sigmaflight.sigmas is not a JSON list of numbers": table.replace_schema_metadata(
+            {**meta, b"sigmaflight.sigmas": b"[1.0, 0.5,"}),
+        "columns missing: sigma ": table.drop_columns(["sigma"]),
+        "step column: 1 null values": table.set_column(step_at, pa.field("step", pa.int32()), pa.array(
+            [None, *table["step"].to_pylist()[1:]], pa.int32())),
+        "latent values unreadable": table.cast(table.schema.set(table.schema.get_field_index("latent"), latent.with_metadata(
+            {**(latent.metadata or {}), b"sigmaflight.dtype": b"float16"}))),
+    }
+    for flag, t in broken.items():
+        path = tmp_path / "broken.arrow"
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, t.schema) as w:
+            w.write_table(t)
+        rc, out, err = cli(capsys, "inspect", str(path), "--json", "--strict")
+        assert rc == 1 and err == "", (flag, err)
+        report = json.loads(out)
+        assert any(f.startswith(flag) for f in report["flags"]), (flag, report["flags"])
+        assert [c["name"] for c in report["columns"]] == t.schema.names  # the rest of the report is there
+
+
 def test_errors_are_one_line_and_exit_1(server, tmp_path, capsys):
     rc, _, err = cli(capsys, "status", "no-such-id", "--url", server.rest_url)
     assert rc == 1 and "404 not_found" in err and "no-such-id" in err
