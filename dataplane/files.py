@@ -26,7 +26,8 @@ from typing import NamedTuple
 
 import crc32c
 import pyarrow as pa
-from sigmaflight.dataplane.schema import FORMAT, KEY_FORMAT, header_from_schema
+from sigmaflight.dataplane.record import TrajectoryHeader
+from sigmaflight.dataplane.schema import FORMAT, KEY_FORMAT, KEY_STEPS, header_from_schema
 
 log = logging.getLogger("sigmaflight.dataplane.store")
 
@@ -366,11 +367,23 @@ def map_trajectory(
     expected = header.num_samples * len(header.steps)
     rows = sum(b.num_rows for b in batches)
     if header.num_samples and rows != expected:
-        raise CorruptTrajectoryFile(f"{path}: {rows} rows, expected {expected} (B x steps)")
+        raise CorruptTrajectoryFile(f"{path}: {rows} rows, expected {expected} (B x steps){_off_steps(batches, header)}")
     verified = validate if checksums is None else checksums
     if verified:
         verify_batches(path, batches, m.crcs)
     return m._replace(verified=verified)
+
+
+def _off_steps(batches: list[pa.RecordBatch], header: TrajectoryHeader) -> str:
+    """"; step 3: 0 rows of 4, ..." for the steps whose row count is not B (the first few)."""
+    counts: dict[int, int] = {}
+    for b in batches:
+        for step in b.column("step").to_pylist():
+            counts[step] = counts.get(step, 0) + 1
+    off = [f"step {s}: {counts.get(s, 0)} rows of {header.num_samples}" for s in header.steps
+           if counts.get(s, 0) != header.num_samples]
+    off += [f"step {s}: not listed in {KEY_STEPS}" for s in sorted(set(counts) - set(header.steps), key=str)]
+    return "; " + ", ".join(off[:5]) + (f" (and {len(off) - 5} more)" if len(off) > 5 else "") if off else ""
 
 
 def read_trajectory(
