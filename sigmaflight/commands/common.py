@@ -125,7 +125,19 @@ def rollout_ref(text: str) -> str:
 
 
 def print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, sort_keys=False))
+    """`obj` as JSON that every parser reads: a NaN or infinite float (a broken file's sigma, say)
+    is null, not the bare NaN that Python's json writes and jq, JavaScript and DuckDB refuse."""
+    print(json.dumps(_finite(obj), indent=2, sort_keys=False, allow_nan=False))
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def print_rollout(ticket_or_status: Any, *, quiet: bool) -> None:

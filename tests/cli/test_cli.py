@@ -183,6 +183,25 @@ def test_inspect_reports_a_broken_file_instead_of_refusing_it(server, tmp_path, 
         assert [c["name"] for c in report["columns"]] == t.schema.names  # the rest of the report is there
 
 
+def test_inspect_json_of_a_nan_sigma_is_json_every_parser_reads(server, tmp_path, capsys):
+    """Python's json wrote the NaN bare (`"sigma": NaN`), which jq, JavaScript and DuckDB refuse."""
+    with Client(server.rest_url) as c:
+        table = c.pull_stream(c.submit(prompts=["x"], num_inference_steps=2, seed=7), "trajectory")
+    sigmas = json.loads(table.schema.metadata[b"sigmaflight.sigmas"])
+    nan = table.replace_schema_metadata({**table.schema.metadata,
+                                         b"sigmaflight.sigmas": json.dumps([sigmas[0], float("nan"), 0.0]).encode()})
+    path = tmp_path / "nan.arrow"
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, nan.schema) as w:
+        w.write_table(nan)
+    rc, out, _ = cli(capsys, "inspect", str(path), "--json")
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    report = json.loads(out, parse_constant=refuse)
+    assert rc == 0 and report["schedule"][1]["sigma"] is None and report["flags"]
+
+
 def test_errors_are_one_line_and_exit_1(server, tmp_path, capsys):
     rc, _, err = cli(capsys, "status", "no-such-id", "--url", server.rest_url)
     assert rc == 1 and "404 not_found" in err and "no-such-id" in err
