@@ -57,6 +57,9 @@ __all__ = [
     "replay_log_probs", "rollout_spec",
 ]
 
+STREAMS = ("trajectory", "outputs", "conditioning")
+"""The streams a rollout may have (contract, "More streams per rollout"); the last two when asked for."""
+
 
 def _flight_message(exc: Exception) -> str:
     """The server's own message out of a pyarrow Flight error (no gRPC debug context)."""
@@ -328,8 +331,10 @@ class Client:
             flight_ticket = self._status_by_id_or_ticket(rest.ref(ticket, "ticket")).flight
         found = flight_ticket.streams.get(stream)
         if found is None:
+            ask = (f"ask for it with return.{stream}" if stream in STREAMS
+                   else f"the streams are {', '.join(STREAMS)}")
             raise NotFound(None, "not_found", f"rollout {_id(ticket)} has no {stream!r} stream (streams: "
-                           f"{', '.join(flight_ticket.streams) or 'none'}); ask for it with return.{stream}")
+                           f"{', '.join(flight_ticket.streams) or 'none'}); {ask}")
         return flight_ticket.locations[0], found.ticket
 
     def pull_stream(self, ticket: str | Ticket, stream: str) -> pa.Table:

@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 from sigmaflight.pipeline.models import ModelRegistry
 
-from sigmaflight import Client
+from sigmaflight import Client, NotFound
 from tests.servers import InProcessServer, wait_for_status
 from tests.stock import stock_scheduler
 
@@ -147,8 +147,12 @@ def test_a_stream_not_asked_for_is_not_found_naming_it(server):
         with pytest.raises(flight.FlightServerError, match="unknown stream 'latents'"):
             fc.get_flight_info(flight.FlightDescriptor.for_path("rollouts", t["id"], "latents"))
         assert fc.do_get(flight.Ticket(t["flight"]["ticket"].encode())).read_all().num_rows == 3  # still serving
-    with Client(server.rest_url) as client, pytest.raises(Exception, match="no 'outputs' stream"):
-        client.pull_outputs(t["id"])
+    with Client(server.rest_url) as client:
+        with pytest.raises(NotFound, match=r"no 'outputs' stream .*ask for it with return\.outputs$"):
+            client.pull_outputs(t["id"])
+        # a name no rollout can have: the names there are, not a return field that does not exist
+        with pytest.raises(NotFound, match=r"no 'latents' stream .*the streams are trajectory, outputs, conditioning$"):
+            client.pull_stream(t["id"], "latents")
 
 
 def test_a_ticket_lookup_matches_only_the_tickets_a_rollout_has(server):
