@@ -134,8 +134,50 @@ class Report:
         }
 
 
-COLUMNS = ("step", "sample", "latent", "sigma", "sigma_next", "timestep", "log_prob")
+COLUMNS = ("step", "sample", "seed", "latent", "sigma", "sigma_next", "timestep", "log_prob")
 """The trajectory/v1 columns the report reads; a file without one is flagged, and read without it."""
+
+
+class _Rows:
+    """The row checks a data-plane client makes before it hands out a trajectory (it refuses such a
+    file; inspect reports it): nulls in columns that are not nullable, a sample outside 0..B-1, a
+    (step, sample) twice, a seed other than the metadata's for its sample."""
+
+    def __init__(self, rollout: dict[str, Any]) -> None:
+        self.num_samples = rollout.get("num_samples")
+        seeds = rollout.get("seeds")
+        self.seeds = seeds if isinstance(seeds, list) else None
+        self.seen: set[tuple[int, int]] = set()
+        self.nulls: dict[str, int] = {}
+        self.bad: dict[str, list[str]] = {"twice": [], "outside": [], "seed": []}
+
+    def batch(self, batch: pa.RecordBatch, cols: dict[str, list[Any]], missing: list[str]) -> None:
+        for name in ("sample", "seed", "latent"):
+            if name not in missing:
+                n = batch.column(name).null_count if name == "latent" else cols[name].count(None)
+                self.nulls[name] = self.nulls.get(name, 0) + n
+
+    def row(self, step: int, sample: Any, seed: Any) -> None:
+        if sample is None:
+            return
+        if (step, sample) in self.seen:
+            self.bad["twice"].append(f"step {step}, sample {sample}")
+        self.seen.add((step, sample))
+        if isinstance(self.num_samples, int) and not 0 <= sample < self.num_samples:
+            self.bad["outside"].append(f"step {step}, sample {sample}")
+        elif self.seeds is not None and seed is not None and 0 <= sample < len(self.seeds) and seed != self.seeds[sample]:
+            self.bad["seed"].append(f"step {step}, sample {sample}: {seed} != {self.seeds[sample]}")
+
+    def flags(self) -> list[str]:
+        out = [f"{name} column: {n} nulls (not nullable)" for name, n in self.nulls.items() if n]
+        what = {"twice": "rows for a (step, sample) already seen",
+                "outside": f"samples outside 0..{(self.num_samples or 0) - 1}",
+                "seed": "seed column disagrees with sigmaflight.rollout.seeds"}
+        for kind, found in self.bad.items():
+            if found:
+                more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+                out.append(f"{what[kind]}: {'; '.join(found[:3])}{more}")
+        return out
 
 
 def _f32(x: float) -> float:
@@ -203,6 +245,7 @@ def build_report(source: str, schema: pa.Schema, batches: Iterable[pa.RecordBatc
             flags.append(f"latent values unreadable: {exc}")
             missing.append("latent")
     null = {"step": 0}
+    rows = _Rows(rollout)
     for batch in batches:
         cols = {name: batch.column(name).to_pylist() if name not in missing else [None] * batch.num_rows
                 for name in COLUMNS if name != "latent"}
@@ -214,9 +257,11 @@ def build_report(source: str, schema: pa.Schema, batches: Iterable[pa.RecordBatc
         vals = latent_values(batch.column("latent"), schema) if "latent" not in missing else None
         sig_col, nxt_col, ts_col = cols["sigma"], cols["sigma_next"], cols["timestep"]
         lp_col, sample_col = cols["log_prob"], cols["sample"]
+        rows.batch(batch, cols, missing)
         for r, step in enumerate(step_col):
             if step is None:
                 continue
+            rows.row(step, sample_col[r], cols["seed"][r])
             if not seen_order or seen_order[-1] != step:
                 seen_order.append(step)
             if vals is not None:
@@ -243,6 +288,7 @@ def build_report(source: str, schema: pa.Schema, batches: Iterable[pa.RecordBatc
                 lp_bad.add(step)
     if null["step"]:
         flags.append(f"step column: {null['step']} null values (rows left out of the report)")
+    flags.extend(rows.flags())
     flags.extend(sorted(column_bad))
     for step in sorted(lp_bad):
         kind = "stochastic" if step in sde_steps else "deterministic"

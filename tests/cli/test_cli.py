@@ -156,13 +156,15 @@ def test_inspect_flags_a_missing_log_prob_on_a_stochastic_step_whose_next_latent
 def test_inspect_reports_a_broken_file_instead_of_refusing_it(server, tmp_path, capsys):
     """A metadata value that is not JSON, a missing column, a null step or a latent column whose
     dtype label lies: each ended `inspect` with one opaque line (a float conversion, "Field does not
-    exist", "zero_copy_only", the data plane's own check) and no report. Each is a flag now, with
-    the rest of the report."""
+    exist", "zero_copy_only", the data plane's own check) and no report. A row twice, a seed other
+    than the metadata's or a null seed passed `--strict` as consistent, though a client refuses the
+    file. Each is a flag now, with the rest of the report."""
     with Client(server.rest_url) as c:
         table = c.pull_stream(c.submit(prompts=["x"], num_inference_steps=2, seed=6), "trajectory")
     meta = dict(table.schema.metadata)
     latent = table.schema.field("latent")
-    step_at = table.schema.get_field_index("step")
+    step_at, seed_at = table.schema.get_field_index("step"), table.schema.get_field_index("seed")
+    seeds = table["seed"].to_pylist()
     broken = {
         "sigmaflight.sigmas is not a JSON list of numbers": table.replace_schema_metadata(
             {**meta, b"sigmaflight.sigmas": b"[1.0, 0.5,"}),
@@ -171,6 +173,12 @@ def test_inspect_reports_a_broken_file_instead_of_refusing_it(server, tmp_path, 
             [None, *table["step"].to_pylist()[1:]], pa.int32())),
         "latent values unreadable": table.cast(table.schema.set(table.schema.get_field_index("latent"), latent.with_metadata(
             {**(latent.metadata or {}), b"sigmaflight.dtype": b"float16"}))),
+        # what a data-plane client refuses (Trajectory.from_file): reported too, not passed as consistent
+        "rows for a (step, sample) already seen: step 0, sample 0": pa.concat_tables([table, table.slice(0, 1)]),
+        "seed column disagrees with sigmaflight.rollout.seeds: step 0, sample 0": table.set_column(
+            seed_at, table.schema.field("seed"), pa.array([seeds[0] + 1, *seeds[1:]], table.schema.field("seed").type)),
+        "seed column: 1 nulls": table.set_column(
+            seed_at, table.schema.field("seed"), pa.array([None, *seeds[1:]], table.schema.field("seed").type)),
     }
     for flag, t in broken.items():
         path = tmp_path / "broken.arrow"
