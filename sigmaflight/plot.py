@@ -4,7 +4,8 @@ Layout (PLOT_WIDTH x PLOT_HEIGHT pixels at DPI):
   top left:  the sigma schedule, sigma_i over the absolute step index i = 0..T, stochastic
              transitions marked (red) and told apart in the legend;
   top right: log_prob per transition i, one line per sample (a legend entry each) or, with
-             more than MAX_SAMPLE_LEGEND samples, one colour and legend entry per prompt;
+             more than MAX_SAMPLE_LEGEND samples, one colour and legend entry per prompt (the first
+             MAX_PROMPT_LEGEND - 1 of them and "... N more prompts" past MAX_PROMPT_LEGEND);
   bottom:    the final latents x_T decoded through the model's own VAE (sigmaflight.pipeline.decode,
              every family: images, or frames of a video), one column per sample with the
              sample's prompt under it. When it cannot decode (x_T not streamed, the model
@@ -36,6 +37,9 @@ PLOT_WIDTH = 1400
 PLOT_HEIGHT = 900
 MAX_SAMPLE_LEGEND = 8
 """Up to this many samples the log-prob legend names each sample; beyond it, each prompt."""
+MAX_PROMPT_LEGEND = 10
+"""The most entries the per-prompt legend has: past it, the first prompts and "... N more prompts"
+(a legend of 20 prompts covered the panel and its title)."""
 MAX_COLUMNS = 8
 """Decoded samples shown (the panel says how many more there are)."""
 MAX_FRAMES = 5
@@ -144,11 +148,15 @@ def _log_prob_panel(ax: Axes, rep: Report) -> None:
         p = _prompt_of_sample(rep, sample)
         text = prompts[p] if p < len(prompts) else f"prompt {p}"
         if by_prompt:
-            colour, label = colours[p % len(colours)], (None if p in labelled else f"prompt {p}: {_short(text, 28)}")
+            named = len(prompts) <= MAX_PROMPT_LEGEND or p < MAX_PROMPT_LEGEND - 1
+            colour = colours[p % len(colours)]
+            label = None if p in labelled or not named else f"prompt {p}: {_short(text, 28)}"
             labelled.add(p)
         else:
             colour, label = colours[sample], f"sample {sample} ({_short(text, 20)})"
         ax.plot(xs, ys, color=colour, marker="o", markersize=4, linewidth=1.2, label=label)
+    if by_prompt and len(prompts) > MAX_PROMPT_LEGEND:
+        ax.plot([], [], color="none", label=f"... {len(prompts) - MAX_PROMPT_LEGEND + 1} more prompts")
     _integer_ticks(ax, sorted(m))
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best", fontsize=8, title="per prompt" if by_prompt else "per sample", title_fontsize=8)

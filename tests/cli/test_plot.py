@@ -27,13 +27,16 @@ PROMPTS = ["a red cube on a table", "a dog"]
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """Trajectory files pulled with the CLI: tiny-sd3 2x2, tiny-flux 2x5 (10 samples), tiny-wan 2x1, sd3 without x_T."""
+    """Trajectory files pulled with the CLI: tiny-sd3 2x2, tiny-flux 2x5 (10 samples), tiny-wan 2x1, sd3 without x_T,
+    tiny-sd3 of 20 prompts."""
     d = tmp_path_factory.mktemp("plot")
     runs = {
         "sd3": ["--model", "tiny-sd3", "-n", "2", "--steps", "4", "--sampler", "sde", "--sde-steps", "1,2"],
         "flux": ["--model", "tiny-flux", "-n", "5", "--steps", "3", "--sampler", "sde"],
         "wan": ["--model", "tiny-wan", "--steps", "2", "--sampler", "sde"],
         "no_xt": ["--model", "tiny-sd3", "--steps", "3", "--return-steps", "0,1"],
+        "many": ["--model", "tiny-sd3", "--steps", "2", "--sampler", "sde",
+                 *(a for k in range(2, 20) for a in ("-p", f"prompt number {k}"))],  # 20 prompts
     }
     out = {}
     with InProcessServer() as s:
@@ -99,6 +102,16 @@ def test_many_samples_get_a_legend_per_prompt(files):
         "prompt 0: a red cube on a table", "prompt 1: a dog"]
     assert len(lp.get_lines()) == 10  # still a line per sample, coloured by prompt
     assert len(_image_axes(fig)) == 8 and any("first 8 of 10 samples" in t.get_text() for t in fig.texts)
+
+
+def test_a_legend_of_many_prompts_names_the_first_and_counts_the_rest(files):
+    """Twenty prompts made twenty legend entries, which covered the panel and its title."""
+    _, fig = _figure(files["many"])
+    lp = fig.axes[1]
+    labels = [t.get_text() for t in lp.get_legend().get_texts()]
+    assert labels[:2] == ["prompt 0: a red cube on a table", "prompt 1: a dog"]
+    assert len(labels) == 10 and labels[-1] == "... 11 more prompts"
+    assert len([line for line in lp.get_lines() if len(line.get_xdata())]) == 20  # a line per sample all the same
 
 
 def test_video_shows_frames_per_sample(files, tmp_path):
