@@ -148,8 +148,10 @@ def replay_log_probs(
     model = _replay_model(pipeline, traj)
     if check_weights:
         _check_weights(model, traj, strict=strict)
+    spec = rollout_spec(traj, parent=parent)
+    _check_latent_shape(model, spec, traj)
     result = Replayer(model).replay(
-        rollout_spec(traj, parent=parent),
+        spec,
         latents=traj.latents,
         steps=[int(s) for s in traj.steps],
         sigmas=traj.sigmas,
@@ -160,6 +162,23 @@ def replay_log_probs(
         conditioning=conditioning,
     )
     return (result.log_probs, result.means, result.stds) if with_means else result.log_probs
+
+
+def _check_latent_shape(model: Any, spec: Any, traj: Trajectory) -> None:
+    """ValueError when `model` would make latents of another shape than the trajectory holds for
+    its request: a pipeline of another family or configuration, which would fail deep in torch."""
+    from sigmaflight.pipeline.validation import latent_shape
+
+    try:
+        expected = tuple(latent_shape(model, spec))
+    except Exception:  # noqa: BLE001 (a pipeline the check cannot size: the replay says what is wrong)
+        return
+    held = tuple(traj.latents.shape[2:])
+    if held != expected:
+        made = (traj.metadata.get("model") or {}).get("id")
+        raise ValueError(f"the trajectory's latents are {list(held)} a sample, and this "
+                         f"{type(model.pipeline).__name__} ({model.family}) makes {list(expected)} for its request: "
+                         f"another model family or configuration than the rollout's ({made!r})")
 
 
 _RESOLVED = ("height", "width", "guidance_scale", "num_frames")

@@ -130,6 +130,17 @@ def test_a_pipeline_argument_that_is_not_a_pipeline_is_a_type_error(server, save
         replay_log_probs(stock(saved, "tiny-sd3"), traj)
 
 
+def test_a_pipeline_of_another_family_or_size_is_a_value_error_naming_both_shapes(server, saved):
+    """A warning (the weights differ), then torch's own shape error from deep in the transformer:
+    the pipeline's latents for the request are compared with the trajectory's first."""
+    with Client(server.rest_url) as client:
+        traj = rollout(client, "tiny-sd3")
+    for other, made in (("tiny-flux", r"FluxPipeline \(flux\) makes \[64, 16\]"),
+                        ("small-sd3", r"StableDiffusion3Pipeline \(sd3\) makes \[4, 32, 32\]")):
+        with pytest.raises(ValueError, match=rf"latents are \[4, 16, 16\] a sample, and this {made} .*'tiny-sd3'"):
+            replay_log_probs(ModelRegistry().get(other), traj, check_weights=False)
+
+
 @pytest.mark.timeout(240)
 def test_a_transformer_and_scheduler_replay_on_the_conditioning_stream(server, saved):
     """The transformer (peft-wrapped) and scheduler alone, as a trainer that loaded only those holds them."""
