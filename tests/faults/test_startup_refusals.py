@@ -325,6 +325,12 @@ def test_a_weights_file_dir_that_is_missing_or_not_a_directory_is_refused(tmp_pa
 
 def test_backend_ray_with_no_cluster_to_join_names_the_address_and_how_to_start_one():
     pytest.importorskip("ray", reason="the Ray backend needs `pip install sigmaflight[ray]`")
+    nobody = f"127.0.0.1:{_free_port()}"  # an address where nothing listens: whatever else runs here
+    line = serve_refused("--port", "0", "--flight-port", "0", "--backend", "ray", "--ray-address", nobody)
+    assert f"--backend ray --ray-address {nobody}: no Ray cluster answers at {nobody}" in line, line
+    assert "ray start --head" in line, line
+    # auto finds any cluster running on this machine (the suite's Ray tests start some on the other
+    # pytest worker): only without one can it be refused
     if any("gcs_server" in " ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])):
         pytest.skip("a Ray cluster runs on this machine: --ray-address auto would join it")
     line = serve_refused("--port", "0", "--flight-port", "0", "--backend", "ray")
