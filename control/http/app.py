@@ -104,11 +104,18 @@ async def create_rollout(request: Request) -> Response:
     key = idempotency_key(request)
     req = parse_request(await request.body())
     check_request(req, settings)
+    digest = None  # what a repeated Idempotency-Key's body is compared by; without a key, nothing is
+    if key is not None:
+        canonical = req.model_dump(mode="json", by_alias=True)
+        digest = hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
+        prior = service.jobs.repeated(key, digest)  # before the checks the server's state may now fail
+        if prior is not None:
+            return _ticket_of(request, service, prior, created=False)
     model_id = req.model or settings.model
     parent: Parent | None = None
     if req.branch_from is not None:
-        parent = await run_in_threadpool(find_parent, service.backend, req.branch_from.rollout)
-        model_id = parent.model
+        found: Parent = await run_in_threadpool(find_parent, service.backend, req.branch_from.rollout)
+        parent, model_id = found, found.model
     # a loaded model without a thread hop; a first use loads it off the event loop
     model = service.registry.loaded(model_id)
     if model is None:
@@ -120,10 +127,6 @@ async def create_rollout(request: Request) -> Response:
     if parent is not None and req.branch_from is not None:
         spec = await _branch(req, parent, model, spec)
     check_spec(settings, req, model, spec, branch=parent is not None)
-    digest = None  # what a repeated Idempotency-Key's body is compared by; without a key, nothing is
-    if key is not None:
-        canonical = req.model_dump(mode="json", by_alias=True)
-        digest = hashlib.sha256(json.dumps(canonical, sort_keys=True).encode()).hexdigest()
     submit = functools.partial(service.jobs.submit, spec, streams=tuple(stream_names(spec)),
                                batch_key=batch_key(model, spec), idempotency_key=key, body_digest=digest)
     # off the event loop when it may wait: a journal write (sqlite, synchronous=FULL) or a remote
@@ -131,8 +134,14 @@ async def create_rollout(request: Request) -> Response:
     # QueueFull, IdempotencyConflict, NotAccepting and Unavailable have their handlers (errors.py)
     local = isinstance(service.backend, LocalBackend) and not service.jobs.journaled
     job, created = submit() if local else await run_in_threadpool(submit)
+    return _ticket_of(request, service, job, created=created)
+
+
+def _ticket_of(request: Request, service: Any, job: Any, *, created: bool) -> Response:
+    """The 202 ticket of a rollout: a new one reports the status it was accepted with (queued),
+    a repeated Idempotency-Key's first rollout its status now."""
     status_url = str(STATUS_ROUTE.url_path_for("get_rollout", rollout_id=job.id).make_absolute_url(request.base_url))
-    status = "queued" if created else job.status  # a new ticket reports the status it was accepted with
+    status = "queued" if created else job.status
     ticket = Ticket(id=job.id, status=status, status_url=status_url, flight=flight_ticket(service, job))  # type: ignore[arg-type]
     return _model(ticket, 202, headers={"Location": status_url})
 

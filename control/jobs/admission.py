@@ -96,6 +96,22 @@ class Admission:
         )
         return job.view(), True
 
+    def repeated(self, idempotency_key: str | None, body_digest: str | None) -> JobView | None:
+        """The first job of a repeated Idempotency-Key with the same body (IdempotencyConflict for
+        another body), or None. Asked before a request's checks against the server's state (its
+        expected_digest, its parent, a model failed closed), which may have moved since the first
+        POST: a retry of a request that was accepted gets its ticket whatever changed."""
+        if idempotency_key is None:
+            return None
+        with self.table.lock:
+            prior_id = self.table.idem.get(idempotency_key)
+            prior = self.table.jobs.get(prior_id) if prior_id is not None else None
+            if prior is None:
+                return None
+            if prior.body_digest != body_digest:
+                raise IdempotencyConflict(idempotency_key)
+            return prior.view()
+
     def _admit(self, idempotency_key: str | None, body_digest: str | None) -> Job | None:
         """Under the lock: the prior job of a repeated key, or None if a new one may be queued
         (raises NotAccepting, IdempotencyConflict or QueueFull otherwise)."""

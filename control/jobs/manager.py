@@ -57,6 +57,8 @@ class JobManager:
         self._admission = Admission(self._table, self._lifecycle, backend, queue_size)
         self.submit = self._admission.submit
         """Enqueue a rollout: (its view, created); `Admission.submit` (admission.py)."""
+        self.repeated = self._admission.repeated
+        """The first rollout of a repeated Idempotency-Key and body, or None; `Admission.repeated`."""
         self._workers = Workers(self._table, self._lifecycle, BatchFormer(self._table, backend, max_batch_samples,
                                                                           batch_wait_s), backend, on_batch)
         self._reaper = Reaper(self._table, self._lifecycle, ttl_s, keep_records)

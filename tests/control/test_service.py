@@ -180,6 +180,34 @@ def test_idempotency_key_returns_the_same_ticket_and_409_on_another_body(client)
     assert other.json()["error"]["type"] == "idempotency_conflict"
 
 
+def test_a_retry_with_the_idempotency_key_gets_the_first_ticket_whatever_the_server_state_says_now():
+    """A retry of an accepted request (its 202 lost) was checked again against the server as it is
+    now: after a weights push its expected_digest made it a 409 stale_policy, after its parent was
+    released a branch was a 422. It gets the first ticket, as the key promises."""
+    from sigmaflight.pipeline.models import ModelRegistry
+
+    from sigmaflight import Client
+
+    with InProcessServer("--workers", "1") as s, s.client() as http, Client(s.rest_url) as c:
+        (model,) = [m for m in c.models() if m["id"] == "tiny-sd3"]
+        pinned = {"prompts": ["pinned"], "num_inference_steps": 2, "seed": 3, "expected_digest": model["digest"]}
+        first = http.post("/v1/rollouts", json=pinned, headers={"Idempotency-Key": "pinned-1"})
+        assert first.status_code == 202
+        parent = wait_for_status(http, first.json()["id"], {"succeeded"})
+        branch = {"branch_from": {"rollout": parent["id"], "step": 1}}
+        child = http.post("/v1/rollouts", json=branch, headers={"Idempotency-Key": "branch-1"})
+        assert child.status_code == 202
+        wait_for_status(http, child.json()["id"], {"succeeded"})
+        state = ModelRegistry().get("tiny-sd3").pipeline.transformer.state_dict()
+        c.push_weights("tiny-sd3", {k: v + 0.01 if v.is_floating_point() else v for k, v in state.items()})
+        assert http.post("/v1/rollouts", json={**pinned, "seed": 4}).status_code == 409  # a new one is stale
+        again = http.post("/v1/rollouts", json=pinned, headers={"Idempotency-Key": "pinned-1"})
+        assert (again.status_code, again.json()["id"]) == (202, first.json()["id"]), again.text
+        assert http.delete(f"/v1/rollouts/{parent['id']}").status_code == 200  # the parent released
+        again = http.post("/v1/rollouts", json=branch, headers={"Idempotency-Key": "branch-1"})
+        assert (again.status_code, again.json()["id"]) == (202, child.json()["id"]), again.text
+
+
 BAD_BODIES = [
     ({"prompts": "not a list"}, ["body", "prompts"]),
     ({"prompts": []}, ["body", "prompts"]),
