@@ -47,7 +47,9 @@ class Reaper:
                     log.info("rollout result freed (--ttl-s)", extra={"rollout": job.id, "status": job.state})
             done = [j for j in table.jobs.values() if not j.state.active]
             if len(done) > self.keep_records:
-                done.sort(key=lambda j: j.created_at)
+                # the longest ended first: a long rollout that ends after newer ones is not
+                # dropped the moment it succeeds
+                done.sort(key=lambda j: j.finished_at if j.finished_at is not None else j.created_at)
                 for j in done[: len(done) - self.keep_records]:
                     # what the record held goes with it: with no record left, neither the TTL
                     # nor a DELETE could release it, and Flight would serve what REST calls unknown

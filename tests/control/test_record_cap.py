@@ -45,3 +45,25 @@ def test_records_past_the_cap_are_dropped_with_their_trajectories(tmp_path) -> N
         assert c.get(f"/v1/rollouts/{oldest['id']}").status_code == 404
         assert not _served(server.flight_url, oldest["flight"]["ticket"])
         assert metric(c.get("/metrics").text, "sigmaflight_store_entries") == 2
+
+
+@pytest.mark.timeout(120)
+def test_the_records_dropped_are_those_ended_longest_ago_not_those_made_first() -> None:
+    """A long rollout that ended after the cap's worth of newer ones was dropped within half a
+    second of succeeding (the records were sorted by when they were made): its trainer got 404s,
+    and a retry with its key ran it again."""
+    with InProcessServer("--max-records", "2", "--workers", "2", "--max-steps", "2000") as server, server.client() as c:
+        long = c.post("/v1/rollouts", json={**SMALL, "num_inference_steps": 1500, "seed": 9}).json()
+        wait_for(lambda: c.get(f"/v1/rollouts/{long['id']}").json()["progress"]["steps_done"] >= 1 or None,
+                 "the long one runs")
+        quick = []
+        for k in range(2):  # on the other worker, ended while the long one runs
+            t = c.post("/v1/rollouts", json={**SMALL, "seed": 20 + k}).json()
+            assert wait_for_status(c, t["id"], {"succeeded"})["status"] == "succeeded"
+            quick.append(t)
+        assert c.get(f"/v1/rollouts/{long['id']}").json()["status"] == "running"
+        assert wait_for_status(c, long["id"], {"succeeded"}, timeout=90)["status"] == "succeeded"
+        wait_for(lambda: c.get(f"/v1/rollouts/{quick[0]['id']}").status_code == 404 or None,
+                 "the first quick one, ended longest ago, dropped")
+        assert c.get(f"/v1/rollouts/{long['id']}").json()["status"] == "succeeded"  # before: dropped, 404
+        assert _served(server.flight_url, long["flight"]["ticket"])
