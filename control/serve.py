@@ -5,7 +5,8 @@ the server. Flags come from pydantic-settings' CLI source over `Settings`. A sta
 (an invalid value, or one control/startup.py's preflight refuses: docs/operations.md, "Start-up",
 lists each with its line) ends in one line on stderr naming the flag and exit status 2, before any
 model loads. SIGHUP re-reads --token-file (both planes, every Ray worker); a file that is now
-missing, unreadable or empty changes nothing (an error line; the old tokens stay). A SIGHUP while the server starts is held until it is ready.
+missing, unreadable or empty changes nothing (an error line; the old tokens stay). A SIGHUP while
+the server starts is held until it is ready.
 """
 
 from __future__ import annotations
