@@ -54,6 +54,7 @@ def worth_retrying(status: int | None, error_type: str) -> bool:
     """Whether a refusal says "not now" (back off and send it again) rather than "no"."""
     return status in RETRY_STATUSES and error_type not in NOT_RETRIED
 
+
 RETRY_FIRST_S = 0.05
 """The first pause before retrying one of RETRY_STATUSES; it doubles up to the answer's Retry-After."""
 
