@@ -169,6 +169,8 @@ def _check_latent_shape(model: Any, spec: Any, traj: Trajectory) -> None:
     its request: a pipeline of another family or configuration, which would fail deep in torch."""
     from sigmaflight.pipeline.validation import latent_shape
 
+    if getattr(model.pipeline, "vae", None) is None:  # sized by a scale factor it cannot know (scheduler=)
+        return
     try:
         expected = tuple(latent_shape(model, spec))
     except Exception:  # noqa: BLE001 (a pipeline the check cannot size: the replay says what is wrong)

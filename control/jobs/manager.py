@@ -147,11 +147,10 @@ class JobManager:
 
     def release(self, job_id: str) -> bool:
         """Flight `release`: free a finished rollout's result (as DELETE does); False if unknown
-        or already released (an expired one, or a failed or cancelled one released before).
-        Raises NotFinished for a queued or running one: cancel it first."""
+        or already expired. Raises NotFinished for a queued or running one: cancel it first."""
         with self._table.lock:
             job = self._table.jobs.get(job_id)
-            if job is None or job.state is RolloutState.EXPIRED or job.released:
+            if job is None or job.state is RolloutState.EXPIRED:
                 return False
             self._lifecycle.release(job)
             return True

