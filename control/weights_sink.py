@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-from sigmaflight.dataplane.weights import PushRefused, PushStats, TensorSpec
+from sigmaflight.dataplane.weights import PushRefused, PushStats, TensorSpec, dtype_name
 from sigmaflight.pipeline.models import StaleWeights, tensor_crc
 from sigmaflight.pipeline.spec import RolloutInputError
 
@@ -130,7 +130,7 @@ class ServiceWeightsSink:
             policy = model.policy()
             transformer = model.base_transformer()
             tensors = self.manifests.get(model_id, policy.base_digest, transformer)
-            specs = {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape)}
+            specs = {k: {"dtype": dtype_name(v.dtype), "shape": list(v.shape)}
                      for k, v in transformer.state_dict().items()}
             failed = model.failed
         return {"id": model_id, "digest": policy.digest, "weights_version": policy.weights_version,

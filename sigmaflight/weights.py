@@ -164,6 +164,8 @@ def push_weights(
     the push is refused (nothing changed on the server; WeightsPushNotFound, also a NotFound, for
     a model the server does not serve), ValueError for a bad argument here (chunk_bytes, retries,
     push_id), TypeError naming the key of a state_dict value that is not a torch.Tensor."""
+    from sigmaflight.dataplane.weights_wire import dtype_name  # the header's dtype names (imports torch)
+
     tensors = _checked(state_dict, chunk_bytes=chunk_bytes, retries=retries, push_id=push_id)
     try:
         manifest = weights_manifest(client, model_id)
@@ -182,7 +184,7 @@ def push_weights(
         """Its bytes, dtype and shape are the served tensor's: a tensor of another shape or dtype
         with the same bytes (a reshape) is sent, and refused as the server refuses it."""
         t, spec = tensors[key], specs.get(key)
-        same_spec = spec is None or (spec["dtype"] == _dtype_name(t) and list(spec["shape"]) == list(t.shape))
+        same_spec = spec is None or (spec["dtype"] == dtype_name(t.dtype) and list(spec["shape"]) == list(t.shape))
         return same_spec and served.get(key) == tensor_crc(t)
 
     send = sorted(k for k in tensors if not (only_changed and unchanged(k)))
@@ -201,7 +203,7 @@ def push_weights(
     push_id = push_id or uuid.uuid4().hex
     header: dict[str, Any] = {"sigmaflight.weights": 1, "model": model_id, "push_id": push_id, "partial": partial,
               "base_digest": manifest["base_digest"] if skipped else None,
-              "tensors": {k: {"dtype": _dtype_name(tensors[k]), "shape": list(tensors[k].shape)} for k in send}}
+              "tensors": {k: {"dtype": dtype_name(tensors[k].dtype), "shape": list(tensors[k].shape)} for k in send}}
     descriptor = flight.FlightDescriptor.for_command(json.dumps(header).encode())
     options = flight.FlightCallOptions(headers=[(k.encode(), v.encode()) for k, v in bearer_header(client.token).items()])
     fc = client.flight(manifest["flight"]["locations"][0]).flight_client
@@ -233,11 +235,6 @@ def push_weights(
     finally:
         bar.close()
     raise AssertionError("unreachable")  # pragma: no cover
-
-
-def _dtype_name(t: torch.Tensor) -> str:
-    """A tensor's dtype as the push header and the manifest name it ("float32", "bfloat16")."""
-    return str(t.dtype).removeprefix("torch.")
 
 
 def _checked(state_dict: Mapping[str, torch.Tensor], *, chunk_bytes: int, retries: int,
