@@ -591,6 +591,18 @@ def test_cancelling_an_async_streams_task_leaves_the_event_loop_running_while_it
     """The cancel ran the stream's close on the event loop, which waits for a submit under way (up
     to the client's timeout plus 5 s): every other task of the trainer stopped meanwhile. Here the
     submit is a POST to a server that never answers (a bare socket)."""
+    def posted(server: socket.socket) -> socket.socket:
+        """The stream's connection, once its POST has arrived (never answered)."""
+        server.settimeout(30)
+        conn, _ = server.accept()
+        conn.settimeout(30)
+        seen = b""
+        while b"POST /v1/rollouts" not in seen:
+            chunk = conn.recv(4096)
+            assert chunk, f"the connection closed before the POST: {seen!r}"
+            seen += chunk
+        return conn
+
     with socket.create_server(("127.0.0.1", 0)) as silent:
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
 
@@ -601,7 +613,7 @@ def test_cancelling_an_async_streams_task_leaves_the_event_loop_running_while_it
                         pass
 
                 task = asyncio.create_task(consume())
-                await asyncio.sleep(0.5)  # the POST is under way, unanswered
+                conn = await asyncio.to_thread(posted, silent)  # the POST is under way, unanswered
                 gaps, last = [], time.monotonic()
 
                 async def tick() -> None:
@@ -617,6 +629,7 @@ def test_cancelling_an_async_streams_task_leaves_the_event_loop_running_while_it
                     await task
                 gaps.append(time.monotonic() - last)  # up to the task's end, whether or not the ticker ran since
                 ticker.cancel()
+                conn.close()
                 return max(gaps, default=0.0)
 
         longest = asyncio.run(main())
