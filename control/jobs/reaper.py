@@ -9,6 +9,7 @@ import time
 
 from sigmaflight.control.jobs.lifecycle import Lifecycle
 from sigmaflight.control.jobs.table import JobTable
+from sigmaflight.records import RolloutState
 
 log = logging.getLogger("sigmaflight.jobs")
 
@@ -55,6 +56,8 @@ class Reaper:
                     # nor a DELETE could release it, and Flight would serve what REST calls unknown
                     if j.state.finished:
                         self.lifecycle.backend.release(j.id)
+                    if j.state is RolloutState.SUCCEEDED:  # counted as the TTL's and a DELETE's are
+                        table.counters["rollouts_expired"] += 1
                     table.forget(j)
                     self.lifecycle.delete_row(j.id)
                     log.info("rollout record dropped (--max-records)", extra={"rollout": j.id, "status": j.state})

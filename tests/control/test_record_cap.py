@@ -38,6 +38,8 @@ def test_records_past_the_cap_are_dropped_with_their_trajectories(tmp_path) -> N
         assert not _served(server.flight_url, oldest["flight"]["ticket"])  # Flight agrees with REST
         assert all(_served(server.flight_url, t["flight"]["ticket"]) for t in tickets[1:])
         assert metric(c.get("/metrics").text, "sigmaflight_store_entries") == 2
+        # a succeeded rollout released by the cap is counted as one released by its TTL or a DELETE
+        assert 'sigmaflight_rollouts_finished_total{status="expired"} 1.0' in c.get("/metrics").text
         files = {p.name for p in (data / "trajectories").glob("*.arrow")}
         assert files == {f"{t['id']}.arrow" for t in tickets[1:]}
         assert [r["id"] for r in c.get("/v1/rollouts").json()["rollouts"]] == [t["id"] for t in reversed(tickets[1:])]
