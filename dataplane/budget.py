@@ -87,14 +87,11 @@ class MemoryBudget:
                 nbytes = e.num_bytes + e.extra_bytes  # the extra streams spill with it
                 if not move_out(e):
                     if not self._warned:
-                        log.warning(
-                            "store holds %d bytes, over its budget of %d, and has no data_dir to spill to",
-                            self._used,
-                            self.limit_bytes,
-                        )
+                        log.warning("store over its budget, with no data_dir to spill to",
+                                    extra={"bytes": self._used, "budget_bytes": self.limit_bytes})
                         self._warned = True
                     break
                 self._used -= nbytes
                 freed += nbytes
-                log.info("spilled rollout %s (%d bytes) to %s", e.rollout_id, nbytes, e.path)
+                log.info("spilled rollout to its file", extra={"rollout": e.rollout_id, "bytes": nbytes, "path": str(e.path)})
         trim_if_large(freed)

@@ -125,7 +125,7 @@ class DurableDir:
         by_id = {e.rollout_id: e for e in entries}
         for p in sorted(self.stream_dir.iterdir()):
             if p.name.endswith(".arrow" + TEMP_SUFFIX):
-                log.warning("discarding half-written stream file %s (never finished)", p)
+                log.warning("discarding half-written stream file (never finished)", extra={"path": str(p)})
                 p.unlink(missing_ok=True)
                 continue
             if p.suffix != ".arrow":  # not ours (.corrupt ones are kept for a look)
@@ -133,7 +133,7 @@ class DurableDir:
             rollout_id, _, name = p.name.removesuffix(".arrow").rpartition(".")
             e = by_id.get(rollout_id)
             if e is None or name not in e.streams_requested:
-                log.warning("discarding stream file %s (no finished rollout of that id asked for it)", p)
+                log.warning("discarding stream file (no finished rollout of that id asked for it)", extra={"path": str(p)})
                 p.unlink(missing_ok=True)
                 continue
             try:
@@ -142,11 +142,12 @@ class DurableDir:
                     raise CorruptTrajectoryFile(f"{p}: written for another rollout of id {rollout_id}")
             except CorruptTrajectoryFile as exc:
                 bad = p.with_name(p.name + ".corrupt")
-                log.error("discarding corrupt stream file (moved to %s, never served): %s", bad.name, exc)
+                log.error("discarding corrupt stream file (moved aside, never served)",
+                          extra={"rollout": rollout_id, "stream": name, "path": str(bad), "reason": str(exc)})
                 os.replace(p, bad)
                 continue
             e.map_streams({name: (table, p)})
-            log.info("serving stream %s of %s again from %s", name, rollout_id, p)
+            log.info("serving stream again", extra={"rollout": rollout_id, "stream": name, "path": str(p)})
 
     def scan(self) -> list[Entry]:
         """The finished trajectories a previous store left: half-written files are removed,
@@ -155,7 +156,7 @@ class DurableDir:
         found = []
         for p in sorted(self.trajectory_dir.iterdir()):
             if p.name.endswith(TEMP_SUFFIX):
-                log.warning("discarding half-written trajectory file %s (never finished)", p)
+                log.warning("discarding half-written trajectory file (never finished)", extra={"path": str(p)})
                 p.unlink(missing_ok=True)
                 continue
             if p.suffix != ".arrow":
@@ -164,10 +165,11 @@ class DurableDir:
                 e = read_entry(p)
             except CorruptTrajectoryFile as exc:
                 bad = p.with_name(p.name + ".corrupt")
-                log.error("discarding corrupt trajectory file (moved to %s, never served): %s", bad.name, exc)
+                log.error("discarding corrupt trajectory file (moved aside, never served)",
+                          extra={"path": str(bad), "reason": str(exc)})
                 os.replace(p, bad)
                 continue
             e.path = p
             found.append(e)
-            log.info("serving trajectory %s again from %s", e.rollout_id, p)
+            log.info("serving trajectory again", extra={"rollout": e.rollout_id, "path": str(p)})
         return found

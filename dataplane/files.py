@@ -51,7 +51,7 @@ def create_new(path: Path, *, mode: int | None = None, dir_fd: int | None = None
         fd = os.open(name, _NEW_FILE, initial, dir_fd=dir_fd)
     except FileExistsError:
         kind = "a symlink" if os.path.islink(path) else "an entry"
-        log.warning("removing %s found at %s before writing it (never followed)", kind, path)
+        log.warning(f"removing {kind} found where a file is to be written (never followed)", extra={"path": str(path)})
         os.unlink(name, dir_fd=dir_fd)
         fd = os.open(name, _NEW_FILE, initial, dir_fd=dir_fd)
     if mode is not None:

@@ -153,8 +153,8 @@ class FlightDataServer(flight.FlightServerBase):
         closer.start()
         closer.join(timeout)
         if closer.is_alive():
-            log.warning("Flight shutdown: %d stream(s) still open after %.0f s (stalled consumers); not waiting",
-                        self.active_streams, timeout)
+            log.warning("Flight shutdown: streams still open (stalled consumers); not waiting",
+                        extra={"streams": self.active_streams, "waited_s": timeout})
             return
         if self._thread is not None:
             self._thread.join(timeout=5)

@@ -79,14 +79,14 @@ def _report_shared_root(root: Path, private: Path) -> None:
         return
     mode = f"{stat.S_IMODE(st.st_mode) | (st.st_mode & stat.S_ISVTX):o}"
     if others_write and st.st_mode & stat.S_ISVTX and not foreign:
-        log.info("shm_dir %s is writable by others (mode %s, sticky): the trajectory files go to the private %s, "
-                 "which only this user can write", root, mode, private)
+        log.info("shm_dir is writable by others (sticky): the trajectory files go to a private directory in it, "
+                 "which only this user can write", extra={"shm_dir": str(root), "mode": mode, "private": str(private)})
         return
     why = f"belongs to uid {st.st_uid}" if foreign else "is writable by others without the sticky bit"
-    log.warning("shm_dir %s %s (mode %s): the trajectory files stay in the private %s, which nobody else can write, "
-                "but they can rename it and put their own in its place, and same-host clients would then look "
+    log.warning(f"shm_dir {why}: the trajectory files stay in a private directory in it, which nobody else can "
+                "write, but they can rename it and put their own in its place, and same-host clients would then look "
                 "there; use a directory that only this user (or root) can write, or set the sticky bit (chmod +t)",
-                root, why, mode, private)
+                extra={"shm_dir": str(root), "mode": mode, "private": str(private)})
 
 
 def open_private_dir(path: Path, mode: int) -> int:
@@ -170,7 +170,8 @@ class ShmDir:
             raise RuntimeError(f"shm_dir {self.path} is in use by another live server (its lock is held)") from None
         for name in sorted(os.listdir(self._dir_fd)):
             if name.endswith((".arrow", ".arrow" + TEMP_SUFFIX)):
-                log.warning("removing stale shared-memory trajectory %s (left by a dead process)", self.path / name)
+                log.warning("removing stale shared-memory trajectory (left by a dead process)",
+                            extra={"path": str(self.path / name)})
                 remove(self.path / name, dir_fd=self._dir_fd)
 
     def adopt(self, e: Entry) -> None:
@@ -180,7 +181,8 @@ class ShmDir:
             path = self.write(e.rollout_id, e.schema, e.batches, e.ticket, e.crcs)
             m = self.map(path)
         except (OSError, ValueError) as exc:
-            log.warning("rollout %s stays on the heap: cannot write it to shm_dir (%s)", e.rollout_id, exc)
+            log.warning("rollout stays on the heap: cannot write it to shm_dir",
+                        extra={"rollout": e.rollout_id, "reason": str(exc)})
             return
         e.shm_path = path
         # same boundaries: live readers keep their index
@@ -197,15 +199,17 @@ class ShmDir:
             try:
                 path = self.copy_in(e.path)
             except OSError as exc:
-                log.warning("rollout %s served from its durable file %s: cannot copy it into shm_dir %s (%s)",
-                            e.rollout_id, e.path, self.path, exc)
+                log.warning("rollout served from its durable file: cannot copy it into shm_dir",
+                            extra={"rollout": e.rollout_id, "path": str(e.path), "shm_dir": str(self.path),
+                                   "reason": str(exc)})
                 continue
             try:
                 m = self.map(path, checksums=True)  # the copy is what gets served: check it
                 if e.crcs is not None and m.crcs != e.crcs:
                     raise ValueError(f"{path}: checksums differ from {e.path}")
             except ValueError as exc:
-                log.error("rollout %s served from %s, not its shared-memory copy: %s", e.rollout_id, e.path, exc)
+                log.error("rollout served from its durable file, not its shared-memory copy",
+                          extra={"rollout": e.rollout_id, "path": str(e.path), "reason": str(exc)})
                 path.unlink(missing_ok=True)
                 continue
             e.shm_path = path

@@ -250,13 +250,13 @@ class ResultStore:
         self._report_unavailable(entry, reason)
 
     def _report_unavailable(self, entry: Entry, reason: str) -> None:
-        log.error("rollout %s is no longer available: %s", entry.rollout_id, reason)
+        log.error("rollout no longer available", extra={"rollout": entry.rollout_id, "reason": reason})
         hook = self.on_unavailable
         if hook is not None:
             try:
                 hook(entry.rollout_id, reason)
             except Exception:  # the hook's failure must not break serving
-                log.exception("on_unavailable hook failed for rollout %s", entry.rollout_id)
+                log.exception("on_unavailable hook failed", extra={"rollout": entry.rollout_id})
 
     # -- consumer side -------------------------------------------------------------------
     def ticket_for(self, rollout_id: str) -> str:
@@ -303,7 +303,7 @@ class ResultStore:
             try:
                 known = self.on_unknown(key)
             except Exception:  # the hook's failure must not break the answer
-                log.exception("on_unknown hook failed for %r", key[:80])
+                log.exception("on_unknown hook failed", extra={"key": key[:80]})
                 known = None
             if known is not None and (gone == UNKNOWN or known.ended in (RolloutState.FAILED, RolloutState.CANCELLED)):
                 gone = known

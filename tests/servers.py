@@ -27,7 +27,7 @@ import httpx
 
 from sigmaflight.launcher import ServerProcess
 
-__all__ = ["BLOCKER", "AnyServer", "InProcessServer", "ServerProcess", "flight_streams", "metric", "wait_for", "wait_for_log",
+__all__ = ["BLOCKER", "AnyServer", "InProcessServer", "ServerProcess", "flight_streams", "log_entries", "metric", "wait_for", "wait_for_entry", "wait_for_log",
            "wait_for_status"]
 
 T = TypeVar("T")
@@ -214,6 +214,27 @@ def wait_for_log(server: AnyServer, text: str, timeout: float = 30.0, since: int
     test process has read it from the server's stderr."""
     return wait_for(lambda: next((line for line in server.logs[since:] if text in line), None),
                     f"a log line with {text!r}", timeout)
+
+
+def log_entries(server: AnyServer, msg: str, **fields: object) -> list[dict]:
+    """The server's JSON log lines whose `msg` is `msg` and which carry `fields`, parsed."""
+    found = []
+    for line in list(server.logs):
+        if msg not in line:
+            continue
+        try:
+            entry = json.loads(line)
+        except ValueError:  # not a JSON line (a library's own print)
+            continue
+        if entry.get("msg") == msg and all(entry.get(k) == v for k, v in fields.items()):
+            found.append(entry)
+    return found
+
+
+def wait_for_entry(server: AnyServer, msg: str, timeout: float = 30.0, **fields: object) -> dict:
+    """The first JSON log line `log_entries` finds, once the server has written it."""
+    return wait_for(lambda: next(iter(log_entries(server, msg, **fields)), None),
+                    f"a log line {msg!r} with {fields}", timeout)
 
 
 def metric(text: str, name: str) -> float:

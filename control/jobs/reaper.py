@@ -9,6 +9,7 @@ import time
 
 from sigmaflight.control.jobs.lifecycle import Lifecycle
 from sigmaflight.control.jobs.table import JobTable
+
 from sigmaflight.records import RolloutState
 
 log = logging.getLogger("sigmaflight.jobs")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sigmaflight import Client
-from tests.servers import InProcessServer, ServerProcess
+from tests.servers import InProcessServer, ServerProcess, log_entries
 
 pytestmark = pytest.mark.e2e
 
@@ -33,7 +33,7 @@ def test_extra_streams_survive_kill_9_and_go_with_their_rollout(tmp_path):
     finally:
         server.kill()  # SIGKILL: no shutdown code runs
     with InProcessServer("--data-dir", str(data)) as again:  # the restart may run in this process
-        assert f"serving stream conditioning of {t.id}" in again.log_text
+        assert log_entries(again, "serving stream again", rollout=t.id, stream="conditioning")
         with Client(again.rest_url) as client:
             assert np.array_equal(client.pull_outputs(t.id), outputs)
             again_cond = client.pull_conditioning(t.id)

@@ -17,7 +17,14 @@ import pyarrow.flight as flight
 import pytest
 
 from tests.faults.conftest import BIG, BIG_FLAGS, LONG_FLAGS, SMALL, Pull, alive, options, pull
-from tests.servers import InProcessServer, ServerProcess, wait_for, wait_for_log, wait_for_status
+from tests.servers import (
+    InProcessServer,
+    ServerProcess,
+    wait_for,
+    wait_for_entry,
+    wait_for_log,
+    wait_for_status,
+)
 
 BIG_ROWS = 64 * 2  # samples x streamed steps
 MID = {"prompts": ["mid"], "num_inference_steps": 600, "seed": 41, "return": {"steps": [0, 600]}}
@@ -145,7 +152,7 @@ def test_corrupted_spilled_file_is_not_served_silently(tmp_path) -> None:
     with InProcessServer("--data-dir", str(data), *BIG_FLAGS) as server, server.client() as c:
         big = c.post("/v1/rollouts", json=BIG).json()
         assert wait_for_status(c, big["id"], {"succeeded"}, timeout=60)
-        wait_for_log(server, f"spilled rollout {big['id']}")  # served from its file now
+        wait_for_entry(server, "spilled rollout to its file", rollout=big["id"])  # served from its file now
         assert pull(server.flight_url, big["flight"]["ticket"]).num_rows == BIG_ROWS
         _corrupt_latents(data / "trajectories" / f"{big['id']}.arrow")
         with pytest.raises(flight.FlightInternalError) as info:
@@ -220,7 +227,7 @@ def test_truncated_spilled_file_makes_the_rollout_unavailable(tmp_path) -> None:
     with ServerProcess("--data-dir", str(data), *BIG_FLAGS) as server, server.client() as c:
         big = c.post("/v1/rollouts", json=BIG).json()
         assert wait_for_status(c, big["id"], {"succeeded"}, timeout=60)
-        wait_for_log(server, f"spilled rollout {big['id']}")
+        wait_for_entry(server, "spilled rollout to its file", rollout=big["id"])
         path = data / "trajectories" / f"{big['id']}.arrow"
         os.truncate(path, path.stat().st_size // 3)
         with pytest.raises(flight.FlightError) as info:
