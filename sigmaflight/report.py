@@ -56,6 +56,25 @@ def read_arrow_file(path: str | Path) -> tuple[pa.Schema, list[pa.RecordBatch]]:
     return reader.schema, batches
 
 
+def written_checksums(path: str | Path) -> list[int | None] | None:
+    """Each batch's CRC-32C as its writer stored it beside the batch (`sigmaflight pull`, the
+    server's files: ``sigmaflight.crc32c`` in the batch's message metadata), None where a batch
+    carries none; None for an Arrow stream, which has no such metadata to read back."""
+    from sigmaflight.dataplane.files import KEY_CRC
+
+    with pa.memory_map(str(path), "r") as source:
+        try:
+            reader = pa.ipc.open_file(source)
+        except pa.ArrowInvalid:
+            return None
+        crcs: list[int | None] = []
+        for i in range(reader.num_record_batches):
+            meta = reader.get_batch_with_custom_metadata(i).custom_metadata
+            value = None if meta is None else meta.get(KEY_CRC.encode())
+            crcs.append(int(value) if value is not None and value.isdigit() else None)
+    return crcs
+
+
 def latent_values(column: pa.Array, schema: pa.Schema) -> np.ndarray[Any, Any]:
     """float64 [rows, elements] of a latent column (bf16 travels as uint16)."""
     storage = column.storage if isinstance(column, pa.ExtensionArray) else column
@@ -196,7 +215,10 @@ def _numbers(meta: dict[str, Any], key: str, flags: list[str], *, integers: bool
     return value
 
 
-def build_report(source: str, schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> Report:
+def build_report(source: str, schema: pa.Schema, batches: Iterable[pa.RecordBatch], *,
+                 checksums: list[int | None] | None = None) -> Report:
+    """`checksums`: each batch's CRC-32C as written (`written_checksums`); a batch whose bytes no
+    longer match is a flag, as a data-plane client refuses the file."""
     meta = schema_metadata(schema)
     rollout = dict(meta.get(KEY_ROLLOUT) or {})
     rep = Report(source=source, schema=schema, meta=meta, rollout=rollout)
@@ -233,6 +255,9 @@ def build_report(source: str, schema: pa.Schema, batches: Iterable[pa.RecordBatc
     wants_lp = bool(meta.get(KEY_LOG_PROBS, True))
     column_bad: set[str] = set()
     lp_bad: set[int] = set()
+    batches = list(batches)
+    if checksums is not None:
+        flags.extend(_checksum_flags(batches, checksums))
     missing = [name for name in COLUMNS if schema.get_field_index(name) < 0]
     if missing:
         flags.append(f"columns missing: {', '.join(missing)} (trajectory/v1 has {', '.join(COLUMNS)})")
@@ -314,6 +339,20 @@ def build_report(source: str, schema: pa.Schema, batches: Iterable[pa.RecordBatc
             if got and got != n_samples:
                 flags.append(f"step {step}: {got} log-probs for {n_samples} samples")
     return rep
+
+
+def _checksum_flags(batches: list[pa.RecordBatch], checksums: list[int | None]) -> list[str]:
+    from sigmaflight.dataplane.files import batch_crc
+
+    if len(checksums) != len(batches):
+        return [f"{len(batches)} record batches, {len(checksums)} checksums"]
+    flags = []
+    for i, (batch, want) in enumerate(zip(batches, checksums, strict=True)):
+        got = None if want is None else batch_crc(batch)
+        if got != want:
+            flags.append(f"batch {i}: checksum mismatch (crc32c {got:08x}, written {want:08x}): "
+                         "the file changed after it was written")
+    return flags
 
 
 def _fmt(x: Any, width: int = 12) -> str:

@@ -22,12 +22,13 @@ FILE_SUFFIXES = frozenset({".arrow", ".arrows", ".ipc", ".feather"})
 """An argument with one of these suffixes is a file, never looked up on the server."""
 
 
-def _load(args: argparse.Namespace) -> tuple[str, Any, list[Any]]:
-    """(label, schema, batches) of a file or a ticket / rollout id on --url."""
+def _load(args: argparse.Namespace) -> tuple[str, Any, list[Any], list[int | None] | None]:
+    """(label, schema, batches, the batches' checksums as written) of a file, or of a ticket /
+    rollout id on --url (pulled: the server checked its copy, so no checksums)."""
     from pyarrow import flight
 
     from sigmaflight.errors import NotFound
-    from sigmaflight.report import read_arrow_file
+    from sigmaflight.report import read_arrow_file, written_checksums
 
     src = args.source
     path = Path(src)
@@ -35,7 +36,7 @@ def _load(args: argparse.Namespace) -> tuple[str, Any, list[Any]]:
         src = rollout_ref(src)
     elif path.is_file() or path.suffix in FILE_SUFFIXES or os.sep in src:
         schema, batches = read_arrow_file(src)  # a missing path: "no such file", not a server lookup
-        return src, schema, batches
+        return src, schema, batches, written_checksums(src)
     with connect(args) as client:
         try:
             location, ticket = client.stream_ticket(src, "trajectory")  # any of the rollout's tickets
@@ -46,14 +47,14 @@ def _load(args: argparse.Namespace) -> tuple[str, Any, list[Any]]:
         except NotFound:
             raise NotFound(404, "not_found", f"{src}: no such file, and {args.url} knows no rollout or ticket "
                            "by that name") from None
-    return f"{location} {ticket}", table.schema, table.to_batches()
+    return f"{location} {ticket}", table.schema, table.to_batches(), None
 
 
 def run_inspect(args: argparse.Namespace) -> int:
     from sigmaflight.report import build_report, render_text
 
-    label, schema, batches = _load(args)
-    rep = build_report(label, schema, batches)
+    label, schema, batches, checksums = _load(args)
+    rep = build_report(label, schema, batches, checksums=checksums)
     if args.json:
         print_json(rep.to_json())
     else:

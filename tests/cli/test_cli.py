@@ -217,3 +217,26 @@ def test_errors_are_one_line_and_exit_1(server, tmp_path, capsys):
     assert rc == 1 and "422 validation_error" in err and "sde_steps" in err
     rc, _, err = cli(capsys, "submit", "--url", server.rest_url)
     assert rc == 2 and "--prompt" in err
+
+
+def test_inspect_flags_a_batch_whose_bytes_changed_after_the_pull_wrote_them(server, tmp_path, capsys):
+    """`pull` writes each batch's CRC-32C beside it, and a client refuses a file whose bytes
+    changed; `inspect --strict` passed such a file (one bit of one latent value flipped, every
+    value still finite and every column still consistent)."""
+    rc, out, _ = cli(capsys, "submit", "--url", server.rest_url, "-p", "x", "--steps", "2", "--seed", "8", "--wait")
+    path = tmp_path / "t.arrow"
+    assert cli(capsys, "pull", json.loads(out)["id"], "--url", server.rest_url, "-o", str(path))[0] == 0
+    assert cli(capsys, "inspect", str(path), "--json", "--strict")[0] == 0
+    def latents() -> np.ndarray:
+        return read_table(path)["latent"].combine_chunks().storage.flatten().to_numpy(zero_copy_only=False)
+
+    before = latents()
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(before[:4].tobytes())] ^= 0x01  # the lowest mantissa bit of the first value (little-endian)
+    path.write_bytes(bytes(raw))
+    after = latents()
+    assert (after != before).sum() == 1 and np.isfinite(after).all()
+    rc, out, _ = cli(capsys, "inspect", str(path), "--json", "--strict")
+    flags = json.loads(out)["flags"]
+    assert rc == 1 and any(f.startswith("batch 0: checksum mismatch (crc32c ") for f in flags), flags
+    assert any(f.endswith("the file changed after it was written") for f in flags), flags
