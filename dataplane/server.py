@@ -235,26 +235,25 @@ class FlightDataServer(flight.FlightServerBase):
         descriptor = flight.FlightDescriptor.for_path(DESCRIPTOR_ROOT, entry.rollout_id)
         return flight.FlightInfo(entry.schema, descriptor, endpoints, entry.total_records, entry.total_bytes)
 
-    def _waiting_entry(self, rollout_id: str) -> Entry:
+    def _waiting_entry(self, rollout_id: str, should_stop: Callable[[], str | None]) -> Entry:
         """The entry of a rollout id; waits while it is queued (as do_get on its ticket does)."""
         try:
-            return self.store.lookup_ticket(rollout_id)[0]
+            return self.store.lookup_ticket(rollout_id, should_stop=should_stop)[0]
         except TicketNotFound as e:
             raise not_found(e) from None
 
-    def _stream_table(
-        self, entry: Entry, stream: str, should_stop: Callable[[], str | None] | None = None
-    ) -> pa.Table:
-        """An extra stream's table (waits while the rollout runs); Flight errors otherwise."""
+    def _stream_table(self, entry: Entry, stream: str, should_stop: Callable[[], str | None]) -> pa.Table:
+        """An extra stream's table (waits while the rollout runs, until `should_stop` answers: the
+        call's client left or its deadline passed, or this server stops); Flight errors otherwise."""
         try:
-            return entry.stream_table(stream, should_stop=should_stop or self._should_stop(None))
+            return entry.stream_table(stream, should_stop=should_stop)
         except StreamNotFound as e:
             raise flight_error("not_found", str(e), rollout=entry.rollout_id, stream=stream) from None
         except RolloutEnded as e:
             raise rollout_ended(e) from None
 
-    def _stream_info(self, entry: Entry, stream: str) -> flight.FlightInfo:
-        table = self._stream_table(entry, stream)
+    def _stream_info(self, entry: Entry, stream: str, should_stop: Callable[[], str | None]) -> flight.FlightInfo:
+        table = self._stream_table(entry, stream, should_stop)
         locations = [flight.Location(u) for u in self.locations]
         ticket = stream_ticket(entry.ticket, stream).encode()
         descriptor = flight.FlightDescriptor.for_path(DESCRIPTOR_ROOT, entry.rollout_id, stream)
@@ -340,7 +339,8 @@ class FlightDataServer(flight.FlightServerBase):
             return self._flight_info(self._entry(rid), n)
         rid, stream = path_stream(descriptor)
         if stream is not None:
-            return self._stream_info(self._waiting_entry(rid), stream)
+            should_stop = self._should_stop(context)  # a wait a client gave up on holds no thread
+            return self._stream_info(self._waiting_entry(rid, should_stop), stream, should_stop)
         return self._flight_info(self._entry(path_rollout(descriptor)))
 
     def get_schema(
@@ -348,7 +348,8 @@ class FlightDataServer(flight.FlightServerBase):
     ) -> flight.SchemaResult:
         rid, stream = path_stream(descriptor)
         if stream is not None:
-            return flight.SchemaResult(self._stream_table(self._waiting_entry(rid), stream).schema)
+            should_stop = self._should_stop(context)
+            return flight.SchemaResult(self._stream_table(self._waiting_entry(rid, should_stop), stream, should_stop).schema)
         return flight.SchemaResult(self._entry(path_rollout(descriptor)).schema)
 
     def list_flights(self, context: flight.ServerCallContext, criteria: bytes) -> Iterator[flight.FlightInfo]:
@@ -363,7 +364,7 @@ class FlightDataServer(flight.FlightServerBase):
                 yield self._flight_info(e)
                 for stream in [s for s in e.streams_requested if s in e.extras]:
                     try:
-                        yield self._stream_info(e, stream)
+                        yield self._stream_info(e, stream, self._should_stop(context))
                     except flight.FlightError:
                         continue  # released meanwhile
 

@@ -182,3 +182,34 @@ def test_a_refused_token_says_so_in_extra_info(store):
         with pytest.raises(flight.FlightUnauthenticatedError) as e:
             c.list_actions()
         assert _info(e.value)["type"] == "unauthenticated"
+
+
+def _waiting_in_stream_table() -> int:
+    """Threads of this process (the in-process Flight server's) blocked waiting for a stream."""
+    import sys
+    import traceback
+
+    return sum(any(f.name == "stream_table" for f in traceback.extract_stack(frame))
+               for frame in sys._current_frames().values())
+
+
+@pytest.mark.parametrize("call", ["get_flight_info", "get_schema"])
+def test_a_stream_wait_the_client_gave_up_on_holds_no_server_thread(store, call):
+    """get_flight_info / get_schema on a running rollout's extra stream wait until it is
+    published, as do_get does; they ignored the call's deadline, so each call a client gave up on
+    kept a server thread until the rollout ended (400 calls: 400 threads, past any stream limit)."""
+    import dataclasses
+
+    h = build_header("live")
+    w = store.create(dataclasses.replace(h, rollout={**h.rollout, "streams": ["trajectory", "outputs"]}))
+    descriptor = flight.FlightDescriptor.for_path("rollouts", "live", "outputs")
+    with FlightDataServer(store) as srv, flight.FlightClient(srv.locations[0]) as c:
+        for _ in range(4):
+            # (pyarrow 26 loses the Flight error type on get_schema: an OSError, message kept)
+            with pytest.raises((flight.FlightTimedOutError, OSError), match="Deadline Exceeded"):
+                getattr(c, call)(descriptor, flight.FlightCallOptions(timeout=0.3))
+        deadline = time.monotonic() + 5
+        while _waiting_in_stream_table() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _waiting_in_stream_table() == 0
+        w.fail("cancelled", "test over")
