@@ -61,7 +61,9 @@ class _ReplayMember:
         self.first, self.end = first, first + spec.num_samples
         self.grad = grad
         self.T = spec.num_inference_steps
-        self.latents = {int(s): item.latents[:, k].to(device) for k, s in enumerate(item.steps)}
+        # contiguous: a strided x_{i+1} fed back in is equal but not the same input to a low-precision
+        # CPU matmul (FLUX's first Linear gave other bits for it in bf16/fp16)
+        self.latents = {int(s): item.latents[:, k].to(device).contiguous() for k, s in enumerate(item.steps)}
         self.sigmas = item.sigmas
         self.timesteps = item.timesteps
         self.seeds = tuple(int(s) for s in item.seeds)

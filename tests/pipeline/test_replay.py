@@ -172,3 +172,22 @@ def test_step_log_prob_is_the_public_scoring_function(registry, kind, log_prob):
         assert not torch.equal(moved, got)
         scored += 1
     assert scored == (3 if kind == "sde" else 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_flux_replays_bit_for_bit_with_several_samples(dtype):
+    """Each stored x_{i+1} went back into the pipeline as a strided view of the trajectory's
+    [B, K, ...] latents; FLUX feeds it straight to a Linear, and on CPU a bf16/fp16 matmul of a
+    strided input gives other bits than of the contiguous x_{i+1} the rollout made: the replay was
+    1e-4 off from step 1 on (B > 1; x_0 is concatenated, so step 0 was exact)."""
+    from sigmaflight.pipeline.models import ModelRegistry
+
+    model = ModelRegistry(dtype=dtype).get("tiny-flux")
+    spec = RolloutSpec(model="tiny-flux", prompts=("a cat", "b"), num_outputs_per_prompt=2, num_inference_steps=4,
+                       seed=3, sampler=SamplerSpec(type="sde", noise_level=0.7))
+    res = run_rollout(model, spec)
+    latents = torch.stack([c.latent for c in res.captures], dim=1)  # [B, K, ...], as Trajectory.latents holds them
+    assert latents.dtype == dtype and not latents[:, 1].is_contiguous()
+    replayed = Replayer(model).log_probs(spec, latents=latents, steps=res.snapshot.steps, sigmas=res.snapshot.sigmas,
+                                         timesteps=res.snapshot.timesteps, seeds=res.seeds)
+    assert torch.isfinite(res.log_probs).all() and torch.equal(replayed, res.log_probs)
