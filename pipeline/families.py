@@ -102,6 +102,9 @@ class ModelFamily:
     """height and width must be multiples of this (pixels), from the pipeline."""
     latent_shape: Callable[[Any, int, int, int], tuple[int, ...]] = _image_latent_shape
     """Per-sample latent shape as the transformer consumes it: (pipeline, height, width, num_frames)."""
+    loop_dtype: torch.dtype | None = None
+    """The dtype the stock loop draws x_0 in whatever the transformer's (Wan: float32, and the
+    scheduler's steps then give the transformer's dtype); None: the transformer's own."""
     local_size: Callable[[Any], int] = _sample_size
     """Default height and width of a local pipeline."""
     local_guidance_scale: float = 5.0
@@ -260,6 +263,7 @@ WAN = ModelFamily(
     is_video=True,
     size_multiple=_wan_size_multiple,
     latent_shape=_wan_latent_shape,
+    loop_dtype=torch.float32,  # WanPipeline.prepare_latents(..., torch.float32, ...)
     local_num_frames=9,
     transformer_batch_args=("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
     text_encoders=("text_encoder",),

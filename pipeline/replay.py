@@ -255,11 +255,12 @@ class Replayer:
         start = items[0].spec.start_step
         have = [start in m.latents for m in members]
         if all(have):
-            kwargs["latents"] = torch.cat([m.latents[start] for m in members], dim=0).to(self.model.dtype)
+            # in their stored dtype: the pipeline's prepare_latents casts them to its loop's, as it
+            # did the rollout's (a bf16 Wan keeps a float32 x_0; a rounded copy was off at step 0)
+            kwargs["latents"] = torch.cat([m.latents[start] for m in members], dim=0)
         elif start > 0:  # a branch that did not capture x_k starts from its spec's, as the rollout did
             kwargs["latents"] = torch.cat([
-                m.latents[start].to(self.model.dtype) if start in m.latents
-                else _branch_rows(item.spec).to(device=self.model.device, dtype=self.model.dtype)
+                m.latents[start] if start in m.latents else _branch_rows(item.spec).to(self.model.device)
                 for m, item in zip(members, items, strict=True)], dim=0)
         elif any(have):
             raise ValueError("replay_batch needs x_0 captured in every trajectory, or in none (drawn from the seeds)")

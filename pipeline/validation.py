@@ -169,8 +169,13 @@ def _validate_branch(model: LoadedModel, spec: RolloutSpec) -> None:
 
 
 def capture_dtype(model: LoadedModel, spec: RolloutSpec) -> torch.dtype:
-    """dtype of the stored latents: the model's ("native") or the requested lossy one."""
-    return model.dtype if spec.latent_dtype == "native" else LATENT_DTYPES[spec.latent_dtype]
+    """dtype of the stored latents: the requested lossy one, or ("native") the widest the loop
+    holds them in: the model's, or its family's loop dtype when that is wider (a bf16 Wan's x_0 is
+    float32, its later x_i bfloat16: all stored as float32, each exactly)."""
+    if spec.latent_dtype != "native":
+        return LATENT_DTYPES[spec.latent_dtype]
+    loop = family_named(model.family).loop_dtype
+    return model.dtype if loop is None else torch.promote_types(model.dtype, loop)
 
 
 def latent_shape(model: LoadedModel, spec: RolloutSpec) -> tuple[int, ...]:

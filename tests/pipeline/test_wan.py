@@ -160,3 +160,37 @@ def test_served_end_to_end_as_a_fixed_shape_tensor():
     rollout = json.loads(table.schema.metadata[b"sigmaflight.rollout"])
     assert rollout["model"]["id"] == WAN and rollout["scheduler"]["class"] == "FlowMatchEulerDiscreteScheduler"
     assert rollout["request"]["num_frames"] == 5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_wan_stores_the_float32_x0_its_loop_consumed(dtype):
+    """WanPipeline keeps x_0 in float32 whatever the transformer's dtype. The "native" capture
+    stored it in the model's dtype, rounded: the metadata called it a lossy conversion nobody asked
+    for, step 0's recorded log-prob was not that of the stored tensors, and the replay was off at
+    step 0. Reference: the stock WanPipeline's own x_0 at its first scheduler step."""
+    from sigmaflight.pipeline.seeds import sample_generators
+
+    model = ModelRegistry(dtype=dtype).get(WAN)
+    spec = RolloutSpec(model=WAN, prompts=("a red cube",), num_inference_steps=3, seed=5,
+                       sampler=SamplerSpec(type="sde", noise_level=0.7))
+    res = run_rollout(model, spec)
+    seen: list[torch.Tensor] = []
+
+    class Spy(FlowMatchEulerDiscreteScheduler):
+        def step(self, model_output: Any, timestep: Any, sample: Any, *args: Any, **kwargs: Any) -> Any:
+            seen.append(sample.detach().clone())
+            return super().step(model_output, timestep, sample, *args, **kwargs)  # type: ignore[misc]
+
+    pipe, d = model.pipeline, model.defaults
+    stock = type(pipe)(**{**pipe.components, "scheduler": Spy.from_config(pipe.scheduler.config)})
+    stock.set_progress_bar_config(disable=True)
+    with torch.inference_mode():
+        stock(prompt=list(spec.prompts), num_inference_steps=3, height=d.height, width=d.width,
+              guidance_scale=d.guidance_scale, num_frames=d.num_frames, generator=sample_generators(res.seeds),
+              output_type="latent", **d.call_kwargs)
+    x0 = res.captures[0].latent
+    assert seen[0].dtype == torch.float32 and torch.equal(x0, seen[0].cpu())  # dtype included
+    assert res.snapshot.latent_dtype == res.snapshot.native_dtype == torch.float32  # "native" is not lossy
+    got = Replayer(model).log_probs(spec, latents=_latents(res), steps=res.snapshot.steps, sigmas=res.snapshot.sigmas,
+                                    timesteps=res.snapshot.timesteps, seeds=res.seeds)
+    assert torch.isfinite(res.log_probs).all() and torch.equal(got, res.log_probs)
