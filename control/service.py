@@ -59,6 +59,7 @@ class Service:
             batch_wait_s=settings.batch_wait_ms / 1000.0,
         )
         self.backend.on_result_lost(self._result_unavailable)
+        self.backend.on_result_released(self.jobs.released_elsewhere)
         self.backend.on_unknown_ticket(self._ended_before)
         self.ready = False
         self._change_lock = threading.Lock()

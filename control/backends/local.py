@@ -165,6 +165,9 @@ class LocalBackend:
     def on_result_lost(self, callback: Callable[[str, str], None]) -> None:
         self.store.on_unavailable = callback
 
+    def on_result_released(self, callback: Callable[[str], None]) -> None:
+        """Not needed: this node's Flight `release` goes through the control plane itself."""
+
     def on_unknown_ticket(self, callback: Callable[[str], Gone | None]) -> None:
         self.store.on_unknown = callback
 

@@ -52,8 +52,9 @@ class RayBackend(WeightsFanout):
 
     def __init__(self, config: WorkerConfig, **kwargs: Any) -> None:
         self._lost_callback: Callable[[str, str], None] | None = None
+        self._released_callback: Callable[[str], None] | None = None
         super().__init__(config, **kwargs)
-        threading.Thread(target=self._watch_lost, name="sigmaflight-ray-lost", daemon=True).start()
+        threading.Thread(target=self._watch_events, name="sigmaflight-ray-events", daemon=True).start()
 
     @staticmethod
     def connect(address: str, **kwargs: Any) -> bool:
@@ -242,24 +243,30 @@ class RayBackend(WeightsFanout):
     def on_result_lost(self, callback: Callable[[str, str], None]) -> None:
         self._lost_callback = callback
 
+    def on_result_released(self, callback: Callable[[str], None]) -> None:
+        self._released_callback = callback
+
     def on_unknown_ticket(self, callback: Callable[[str], Gone | None]) -> None:
         """Not wired: each worker's Flight server answers for its own store, in its own process."""
 
-    def _watch_lost(self) -> None:
-        """Every second, the results each worker's store found lost (a file truncated or corrupted)."""
+    def _watch_events(self) -> None:
+        """Every second, what happened to results on each worker that the control plane did not
+        ask for: found lost (a file truncated or corrupted), or released by a Flight action there."""
         while not self._closed.wait(1.0):
-            callback = self._lost_callback
-            if callback is None:
+            lost_to, released_to = self._lost_callback, self._released_callback
+            if lost_to is None or released_to is None:
                 continue
             with self._lock:
                 slots = [s for s in self._slots if s.alive]
             for s in slots:
                 try:
-                    lost = self._call(s, "take_lost")
+                    events = self._call(s, "take_events")
                 except Exception:  # dead (replaced by _call) or closing: the next round asks again
                     continue
-                for rollout_id, reason in lost:
-                    callback(rollout_id, reason)
+                for rollout_id, reason in events["lost"]:
+                    lost_to(rollout_id, reason)
+                for rollout_id in events["released"]:
+                    released_to(rollout_id)
 
     # ---- extras -----------------------------------------------------------------------------
 

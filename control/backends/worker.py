@@ -21,7 +21,9 @@ from typing import Any
 
 import pyarrow as pa
 import torch
+from pyarrow import flight
 from sigmaflight.control.jobs.backend import Outcome, RunContext
+from sigmaflight.control.jobs.job import NotFinished
 from sigmaflight.control.node import Node, NodeConfig
 from sigmaflight.dataplane.streams import StreamNotFound
 from sigmaflight.pipeline.loaded import StaleWeights
@@ -90,7 +92,7 @@ class RolloutWorker:
         self.config = config
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
-        self.node = Node(worker_node(config, node_ip), on_cancel=self.cancel)
+        self.node = Node(worker_node(config, node_ip), on_cancel=self.cancel, on_release=self._release_from_flight)
         self.registry, self.store, self.backend = self.node.registry, self.node.store, self.node.backend
         self.registry.get(config.model)  # load once, before the first rollout
         self.flight = self.node.flight.start()
@@ -100,6 +102,7 @@ class RolloutWorker:
         self._cancelled: dict[str, str | None] = {}  # cancelled before it ran: id -> stop reason
         self._outcomes: dict[str, dict[str, Any]] = {}  # ended, not yet polled: id -> outcome JSON
         self._lost: list[tuple[str, str]] = []
+        self._released: list[str] = []  # released by a Flight action here, not yet reported
         self._prepared: dict[str, StagedWeights] = {}  # push id -> weights staged, not yet committed
         self.backend.on_result_lost(self._result_lost)
         log.info("worker %d ready at %s (pid %d)", config.index, self.flight.locations[0], os.getpid())
@@ -193,11 +196,26 @@ class RolloutWorker:
         with self._lock:
             self._lost.append((job_id, reason))
 
-    def take_lost(self) -> list[tuple[str, str]]:
-        """The finished rollouts this worker's store found lost since the last call (id, reason)."""
+    def _release_from_flight(self, job_id: str) -> bool:
+        """Flight `release` sent here, where the rollout's ticket points: refused for a queued or
+        running rollout as the control plane's Flight refuses it; a finished one is freed and
+        reported (`take_events`), so REST and the metrics follow."""
+        active = self.store.active_state(job_id)
+        if active is not None:
+            raise flight.FlightServerError(str(NotFinished(job_id, active)))
+        released = self.store.release(job_id)
+        if released:
+            with self._lock:
+                self._released.append(job_id)
+        return released
+
+    def take_events(self) -> dict[str, list[Any]]:
+        """Since the last call: the finished rollouts this worker's store found lost (`lost`: id,
+        reason) and those a Flight action released here (`released`: ids)."""
         with self._lock:
-            lost, self._lost = self._lost, []
-        return lost
+            events: dict[str, list[Any]] = {"lost": self._lost, "released": self._released}
+            self._lost, self._released = [], []
+        return events
 
     def set_tokens(self, tokens: list[str]) -> str:
         """Replace this worker's Flight bearer tokens (a reload on the control plane)."""

@@ -269,6 +269,11 @@ class Backend(Protocol):
         corrupted), so REST stops saying succeeded."""
         ...
 
+    def on_result_released(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(rollout_id)` when a finished trajectory is released where the control plane
+        did not ask for it (a Flight `release` at a Ray worker), so REST and the metrics follow."""
+        ...
+
     def on_unknown_ticket(self, callback: Callable[[str], Gone | None]) -> None:
         """Ask `callback(ticket_or_id)` how a rollout ended when the Flight plane no longer knows
         its ticket (ended before a restart, or forgotten), so Flight names the reason REST gives."""

@@ -155,6 +155,14 @@ class JobManager:
             self._lifecycle.release(job)
             return True
 
+    def released_elsewhere(self, job_id: str) -> None:
+        """A backend freed a finished rollout's result on its own (a Flight `release` at a Ray
+        worker): the record follows as after a DELETE (a succeeded one becomes expired)."""
+        with self._table.lock:
+            job = self._table.jobs.get(job_id)
+            if job is not None and job.state.finished and not job.released:
+                self._lifecycle.release(job)
+
     def result_lost(self, job_id: str, reason: str) -> bool:
         """The store lost a succeeded rollout's trajectory (file truncated or corrupted): it becomes
         failed with error type "result_unavailable", so REST stops saying succeeded. False if the

@@ -7,7 +7,9 @@ reaches the workers, then SIGTERM, which must stop every process of the Ray inst
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import time
 
 import psutil
@@ -34,7 +36,7 @@ def served(tmp_path_factory):
     shm, tokens = root / "shm", root / "tokens.txt"
     _write(tokens, OLD + "\n")
     flags = ("--backend", "ray", "--ray-address", "local", "--workers", "2", "--ray-num-cpus", "1",
-             "--shm-dir", str(shm), "--token-file", str(tokens))
+             "--shm-dir", str(shm), "--token-file", str(tokens), "--max-steps", "3000")
     with ServerProcess(*flags, timeout=180) as server:
         yield server, shm, tokens
 
@@ -87,11 +89,45 @@ def test_serve_with_ray_workers_hands_out_worker_locations_and_their_shared_memo
         assert not released.exists()  # and its file removed
 
 
+def _expired(metrics: str) -> float:
+    m = re.search(r'^sigmaflight_rollouts_finished_total\{status="expired"\} (\S+)$', metrics, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_flight_release_at_the_worker_goes_through_the_control_plane(served):
+    """The ticket points at the worker, so a trainer's Flight release goes there. The worker freed
+    its copy alone: REST said succeeded until --ttl-s, /metrics counted no expiry, and a running
+    rollout's release answered released: false, not the control plane's "cancel it first"."""
+    server, _, _ = served
+    with server.client(OLD) as c:
+        long = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 3000, "seed": 3,
+                                            "return": {"steps": [0]}}).json()
+        done = c.post("/v1/rollouts", json={"prompts": ["b"], "num_inference_steps": 2, "seed": 4}).json()
+        assert wait_for_status(c, done["id"], {"succeeded"}, timeout=120)["status"] == "succeeded"
+        wait_for_status(c, long["id"], {"running"}, timeout=120)
+        expired = _expired(c.get("/metrics").text)
+        for ticket, body in ((long, None), (done, True)):
+            worker = ticket["flight"]["locations"][0]
+            assert worker != server.flight_url
+            with flight.FlightClient(worker) as fc:
+                action = flight.Action("release", ticket["id"].encode())
+                if body is None:
+                    with pytest.raises(flight.FlightServerError, match=f"rollout {ticket['id']} is running; cancel it first"):
+                        list(fc.do_action(action, options=_auth(OLD)))
+                else:
+                    (answer,) = fc.do_action(action, options=_auth(OLD))
+                    assert json.loads(answer.body.to_pybytes())["released"] is True
+        assert wait_for_status(c, done["id"], {"expired"}, timeout=10)["status"] == "expired"
+        assert _expired(c.get("/metrics").text) == expired + 1
+        assert c.get(f"/v1/rollouts/{long['id']}").json()["status"] == "running"  # refused, still running
+        assert c.delete(f"/v1/rollouts/{long['id']}").status_code == 200
+        wait_for_status(c, long["id"], {"cancelled"}, timeout=60)
+
+
 def test_ray_workers_serve_the_outputs_stream_the_policy_version_and_reloaded_tokens(served):
     """return.outputs on a Ray worker: the worker's Flight server holds the stream, equal to the stock
     pipeline's own decode of the same latents; the metadata carries digest and weights_version.
     With --token-file, a SIGHUP after editing it reaches the worker's Flight server."""
-    import json
 
     import numpy as np
     from sigmaflight.pipeline.models import ModelRegistry
