@@ -3,7 +3,7 @@
 # version exactly as requirements.lock says (the package itself declares ranges).
 # Usage: ops/setup.sh [extras]   e.g. ops/setup.sh server,test,ray   (default: server,test)
 #   server: `sigmaflight serve` and its model stack; test: the test tools (includes server);
-#   ray: --backend ray; plot: `sigmaflight plot`; none: the client alone.
+#   ray: --backend ray (the server with Ray); plot: `sigmaflight plot`; none: the client alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-server,test}"
