@@ -54,7 +54,7 @@ class AsyncClient:
         url: str = "http://127.0.0.1:8000",
         token: str | None = None,
         *,
-        timeout: float = 30.0,
+        timeout: float | None = 30.0,
         transport: Transport = "auto",
         host: str | None = None,
         pull_idle_timeout: float | None = 3600.0,
@@ -65,9 +65,9 @@ class AsyncClient:
         self.sync = Client(url, token, timeout=timeout, transport=transport, host=host,
                            pull_idle_timeout=pull_idle_timeout, ca_file=ca_file)
         """The blocking Client that pulls, pushes and streams run on (in a thread)."""
-        self.url, self.token, self.timeout = self.sync.url, token, timeout
+        self.url, self.token, self.timeout = self.sync.url, self.sync.token, self.sync.timeout
         self.pull_idle_timeout, self.ca_file = pull_idle_timeout, self.sync.ca_file
-        self._http = httpx.AsyncClient(base_url=self.url, headers=bearer_header(token), timeout=timeout,
+        self._http = httpx.AsyncClient(base_url=self.url, headers=bearer_header(self.token), timeout=self.timeout,
                                        verify=self.sync.trust.verify)
 
     @property

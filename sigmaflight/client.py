@@ -28,7 +28,7 @@ import httpx
 import pyarrow as pa
 from pyarrow import flight
 
-from sigmaflight import rest
+from sigmaflight import checks, rest
 from sigmaflight.dataplane.auth import bearer_header
 from sigmaflight.dataplane.transport import Transport, check_transport
 from sigmaflight.errors import (
@@ -76,7 +76,7 @@ class Client:
         url: str = "http://127.0.0.1:8000",
         token: str | None = None,
         *,
-        timeout: float = 30.0,
+        timeout: float | None = 30.0,
         transport: Transport = "auto",
         host: str | None = None,
         pull_idle_timeout: float | None = 3600.0,
@@ -92,7 +92,7 @@ class Client:
         rollout's shared-memory file (a server with --shm-dir on this host) instead of a
         stream; ``"flight"`` always streams. ``host``: this host's id (default: computed).
 
-        ``timeout`` is REST's (each request). ``pull_idle_timeout`` is the pulls' (``pull``,
+        ``timeout`` is REST's (each request; None or inf: no limit). ``pull_idle_timeout`` is the pulls' (``pull``,
         ``pull_stream``, ``pull_outputs``, ``pull_conditioning``): seconds without a record
         batch on a started stream before it is cancelled and ``TimeoutError`` raised (the wait
         of a queued rollout to start is not counted; None: no limit). The default, an hour, is
@@ -104,12 +104,12 @@ class Client:
         self.ca_file = None if ca_file is None else os.fspath(ca_file)
         self.trust = rest.trust(ca_file)
         """Whom REST (httpx `verify`) and Flight (`tls_root_certs`) trust: ``ca_file``'s certificates."""
-        self.url = url.rstrip("/")
-        self.token = token
+        self.url = checks.check_url(url)
+        self.token = checks.check_token(token)
         self.transport: Transport = check_transport(transport)
         self.host = host
-        self.timeout = timeout
-        self._http = httpx.Client(base_url=self.url, headers=bearer_header(token), timeout=timeout,
+        self.timeout = checks.check_timeout(timeout)
+        self._http = httpx.Client(base_url=self.url, headers=bearer_header(self.token), timeout=self.timeout,
                                   verify=self.trust.verify)
         self._flight: dict[str, TrajectoryClient] = {}
         self.pushed_versions: dict[str, int] = {}

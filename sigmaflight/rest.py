@@ -352,9 +352,9 @@ def parse(call: Call[T], r: httpx.Response) -> T:
                        f"that is not a sigmaflight answer ({type(exc).__name__})") from exc
 
 
-def unreachable_reason(exc: httpx.TransportError, timeout: float) -> str:
+def unreachable_reason(exc: httpx.TransportError, timeout: float | None) -> str:
     """Why a REST call got no HTTP answer, in words that say what to check."""
-    if isinstance(exc, httpx.TimeoutException):
+    if isinstance(exc, httpx.TimeoutException) and timeout is not None:
         return f"no answer within {timeout:g} s ({type(exc).__name__})"
     if "CERTIFICATE_VERIFY_FAILED" in str(exc):
         return (f"{exc} (the server's certificate is not trusted: pass the CA that signed it, or a self-signed "
@@ -383,7 +383,7 @@ def backoff(attempt: int, cap: float = 1.0) -> float:
     return min(RETRY_FIRST_S * 2 ** min(attempt, 16), max(cap, RETRY_FIRST_S))
 
 
-def send(http: httpx.Client, call: Call[T], *, url: str, timeout: float,
+def send(http: httpx.Client, call: Call[T], *, url: str, timeout: float | None,
          pushed: MutableMapping[str, int] | None = None) -> T:
     """Send `call` with a blocking client; its parsed answer or its typed error."""
     attempt = 0
@@ -399,7 +399,7 @@ def send(http: httpx.Client, call: Call[T], *, url: str, timeout: float,
         attempt += 1
 
 
-async def send_async(http: httpx.AsyncClient, call: Call[T], *, url: str, timeout: float,
+async def send_async(http: httpx.AsyncClient, call: Call[T], *, url: str, timeout: float | None,
                      pushed: MutableMapping[str, int] | None = None) -> T:
     """`send` with an asyncio client: the same mapping and the same retries."""
     attempt = 0

@@ -310,7 +310,7 @@ class Driver:
         if threading.current_thread() is not self.thread:
             # a POST under way registers its rollout for the cancels below (or, past this wait,
             # cancels it itself); the generator is not waited for: what it yields now is dropped
-            deadline = time.monotonic() + self.client.timeout + 5
+            deadline = time.monotonic() + (self.client.timeout or 30.0) + 5  # None: no REST limit
             while self.thread.is_alive() and not self.in_requests and time.monotonic() < deadline:
                 self.thread.join(timeout=0.05)
         with self.cond:

@@ -95,6 +95,7 @@ def first_token(value: str | None) -> str | None:
 def connect(args: argparse.Namespace) -> Any:
     """A Client for --url, --token and --ca-file (imported here: `sigmaflight --help` needs no
     httpx); a CA file that cannot be read or holds no certificate is bad usage, named."""
+    from sigmaflight.checks import SettingError
     from sigmaflight.client import Client
     from sigmaflight.rest import CAFileError
 
@@ -106,13 +107,26 @@ def connect(args: argparse.Namespace) -> Any:
         return Client(url, token=first_token(args.token), ca_file=ca_file)
     except CAFileError as exc:
         raise UsageError(f"{given_as} {exc.path}: {exc.reason}") from None
+    except SettingError as exc:  # a URL httpx cannot parse, a token no header can carry
+        flag = {"url": "--url", "token": "--token"}.get(exc.name, exc.name)
+        raise UsageError(f"{flag} {exc.shown}: {exc.reason}" if exc.shown is not None else f"{flag}: {exc.reason}") \
+            from None
+
+
+def is_file(text: str) -> bool:
+    """Whether `text` names a file here; False for what cannot be a path (a name over the
+    system's limit, a NUL), so a long rollout id is asked of the server."""
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def rollout_ref(text: str) -> str:
     """A rollout as `status`, `cancel` and `pull` take it: a rollout id, a Flight ticket, or the
     file that `sigmaflight submit > FILE` (or `status`) wrote, whose "id" is used."""
     path = Path(text)
-    if not path.is_file():
+    if not is_file(text):
         return text
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))

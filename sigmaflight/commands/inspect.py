@@ -14,6 +14,7 @@ from sigmaflight.commands.common import (
     add_client_arguments,
     add_parser,
     connect,
+    is_file,
     print_json,
     rollout_ref,
 )
@@ -32,9 +33,9 @@ def _load(args: argparse.Namespace) -> tuple[str, Any, list[Any], list[int | Non
 
     src = args.source
     path = Path(src)
-    if path.suffix == ".json" and path.is_file():  # the ticket file `submit > FILE` wrote
+    if path.suffix == ".json" and is_file(src):  # the ticket file `submit > FILE` wrote
         src = rollout_ref(src)
-    elif path.is_file() or path.suffix in FILE_SUFFIXES or os.sep in src:
+    elif is_file(src) or path.suffix in FILE_SUFFIXES or os.sep in src:
         schema, batches = read_arrow_file(src)  # a missing path: "no such file", not a server lookup
         return src, schema, batches, written_checksums(src)
     with connect(args) as client:
