@@ -122,7 +122,7 @@ def add_cancel(sub: Any) -> None:
     p = add_parser(sub, "cancel", help="Cancel a queued or running rollout (--release: free a finished one).",
                    description="Cancel a queued or running rollout and print its status. A rollout that has "
                    "already finished is refused with exit 1, unless --release: then its stored result is "
-                   "freed (its status becomes expired).")
+                   "freed (a succeeded one becomes expired, a failed or cancelled one keeps its status).")
     add_client_arguments(p)
     p.add_argument("id", metavar="ID", help=_ID_HELP)
     p.add_argument("--release", action="store_true",

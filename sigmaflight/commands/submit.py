@@ -156,7 +156,23 @@ def _request_file(path: str) -> dict[str, Any]:
         raise UsageError(f"--json {path}: not JSON ({exc})") from None
     if not isinstance(req, dict):
         raise UsageError(f"--json {path}: a RolloutRequest is a JSON object, this file holds a {type(req).__name__}")
+    where = _non_finite(req)
+    if where is not None:  # Python's json reads NaN and Infinity, which JSON has not
+        raise UsageError(f"--json {path}: {where[0]} is {where[1]}, not a JSON number")
     return req
+
+
+def _non_finite(value: Any, at: str = "") -> tuple[str, str] | None:
+    """(where, the literal) of the first NaN or Infinity in a parsed JSON value."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return at or "the value", "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        where = f"{at}[{key}]" if isinstance(key, int) else f"{at}.{key}" if at else str(key)
+        found = _non_finite(item, where)
+        if found is not None:
+            return found
+    return None
 
 
 def request_from_args(args: argparse.Namespace) -> dict[str, Any]:

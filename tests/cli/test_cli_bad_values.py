@@ -93,3 +93,21 @@ def test_pull_into_a_folder_that_does_not_exist_makes_no_directories(server, fin
                                     "(pull makes no directories)\n")
     rc, _, err = cli(capsys, "pull", finished, "-o", str(tmp_path / "typo" / "x.arrow"), "--url", server.rest_url)
     assert rc == 0 and (tmp_path / "typo" / "x.arrow").is_file(), err
+
+
+def test_a_json_request_file_holding_nan_is_bad_usage_naming_the_file_and_the_field(server, capsys, tmp_path):
+    """Python's json reads NaN and Infinity, which JSON has not: the request then failed to encode,
+    "Out of range float values are not JSON compliant", exit 1, naming neither file nor field."""
+    path = tmp_path / "req.json"
+    path.write_text('{"prompts": ["a"], "sampler": {"type": "sde", "noise_level": NaN}}')
+    before = rollouts(server)
+    rc, out, err = cli(capsys, "submit", "--json", str(path), "--url", server.rest_url)
+    assert rc == 2 and out == ""
+    assert err.splitlines()[-1] == f"sigmaflight submit: --json {path}: sampler.noise_level is NaN, not a JSON number"
+    assert rollouts(server) == before
+
+
+def test_cancel_help_says_what_a_release_does_to_each_status(capsys):
+    rc, out, _ = cli(capsys, "cancel", "--help")
+    text = " ".join(out.split())
+    assert rc == 0 and "a succeeded one becomes expired, a failed or cancelled one keeps its status" in text, text
