@@ -152,7 +152,8 @@ def build_server(settings: Settings) -> uvicorn.Server:
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=8,  # + the jobs' 15 s + Flight's 5 s: within the contract's 30 s
-        http=header_timeout_protocol(settings.header_timeout_s),  # uvicorn has no header read timeout
+        # uvicorn has no header read timeout; what the protocol answers itself is counted as the app's answers are
+        http=header_timeout_protocol(settings.header_timeout_s, app.state.metrics.http_responses),
         loop="auto",  # uvloop (the server extra installs it): a bare request costs half the CPU it does on asyncio's
         **tls,  # type: ignore[arg-type]
     )

@@ -22,6 +22,7 @@ import json
 import logging
 from typing import Any
 
+from prometheus_client import Counter as PromCounter
 from sigmaflight.control.http.errors import error_body
 from sigmaflight.control.http.middleware import new_request_id
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -41,6 +42,10 @@ def _timed_out(client: tuple[str, int] | None, timeout_s: float) -> tuple[str, b
     return request_id, body
 
 
+UNKNOWN_METHOD = "unknown"
+"""The `method` label of an answer given before the request line's method was read."""
+
+
 MAX_HEADER_BYTES = 16 * 1024
 """The request line and headers of one request at most (h11's default bound; httptools has none of
 its own): past it, 400 and the connection closed."""
@@ -52,6 +57,9 @@ class HeaderTimeoutHttpToolsProtocol(HttpToolsProtocol):
     exceed MAX_HEADER_BYTES."""
 
     header_timeout_s: float = 10.0
+    responses: PromCounter | None = None
+    """sigmaflight_http_responses{method, code}: what is answered here, below the app's middleware,
+    is counted as the app's answers are."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -63,6 +71,8 @@ class HeaderTimeoutHttpToolsProtocol(HttpToolsProtocol):
         (uvicorn's keep-alive timeout closes that)."""
         self._oversized: str | None = None
         """The header (lower case; "" for the request line) that crossed MAX_HEADER_BYTES."""
+        self._method = UNKNOWN_METHOD
+        """The method of the request being read, once its request line has begun."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -77,8 +87,10 @@ class HeaderTimeoutHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._header_bytes = 0
         self._awaiting_headers = True
+        self._method = UNKNOWN_METHOD
 
     def on_url(self, url: bytes) -> None:
+        self._method = self.parser.get_method().decode("latin-1")
         self._count(len(url), None)
         super().on_url(url)
 
@@ -93,10 +105,12 @@ class HeaderTimeoutHttpToolsProtocol(HttpToolsProtocol):
             raise ValueError(f"request line and headers over {MAX_HEADER_BYTES} bytes")
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to a request it cannot parse; for headers over MAX_HEADER_BYTES a 431
-        with the contract's error body naming the header that crossed the bound."""
+        """uvicorn's answer to a request it cannot parse (its text/plain line, replaced by the
+        contract's error body); for headers over MAX_HEADER_BYTES a 431 naming the header that
+        crossed the bound."""
         if self._oversized is None:
-            super().send_400_response(msg)
+            body = json.dumps(error_body("bad_request", f"the request is not valid HTTP/1.1 ({msg})")).encode()
+            self._answer(b"400 Bad Request", body, new_request_id())
             return
         name, self._oversized = self._oversized, None
         where = f"header {name!r}" if name else "the request line"
@@ -104,12 +118,18 @@ class HeaderTimeoutHttpToolsProtocol(HttpToolsProtocol):
         loc = ["header", name] if name else ["url"]
         body = json.dumps(error_body("validation_error", reason,
                                      [{"loc": loc, "msg": reason, "type": "string_too_long"}])).encode()
+        self._answer(b"431 Request Header Fields Too Large", body, new_request_id())
+
+    def _answer(self, status: bytes, body: bytes, request_id: str) -> None:
+        """Answer here, below the app: the JSON error body, the request id, the connection
+        closed, and the answer counted."""
         self.transport.write(b"".join([
-            b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n",
-            b"content-length: %d\r\nx-request-id: %s\r\nconnection: close\r\n\r\n" % (
-                len(body), new_request_id().encode()),
+            b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n" % status,
+            b"content-length: %d\r\nx-request-id: %s\r\nconnection: close\r\n\r\n" % (len(body), request_id.encode()),
             body]))
         self.transport.close()
+        if self.responses is not None:
+            self.responses.labels(method=self._method, code=status.split()[0].decode()).inc()
 
     def on_headers_complete(self) -> None:
         self._awaiting_headers = False
@@ -138,13 +158,11 @@ class HeaderTimeoutHttpToolsProtocol(HttpToolsProtocol):
         if not self._awaiting_headers or self.transport.is_closing():
             return
         request_id, body = _timed_out(self.client, self.header_timeout_s)
-        self.transport.write(b"".join([
-            b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n",
-            b"content-length: %d\r\nx-request-id: %s\r\nconnection: close\r\n\r\n" % (len(body), request_id.encode()),
-            body]))
-        self.transport.close()
+        self._answer(b"408 Request Timeout", body, request_id)
 
 
-def header_timeout_protocol(seconds: float) -> type[asyncio.Protocol]:
-    """The protocol class for `uvicorn.Config(http=...)` with this header timeout."""
-    return type("HeaderTimeoutHttpToolsProtocol", (HeaderTimeoutHttpToolsProtocol,), {"header_timeout_s": float(seconds)})
+def header_timeout_protocol(seconds: float, responses: PromCounter | None = None) -> type[asyncio.Protocol]:
+    """The protocol class for `uvicorn.Config(http=...)` with this header timeout, counting what it
+    answers itself in `responses`."""
+    return type("HeaderTimeoutHttpToolsProtocol", (HeaderTimeoutHttpToolsProtocol,),
+                {"header_timeout_s": float(seconds), "responses": responses})

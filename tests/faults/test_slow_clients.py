@@ -216,3 +216,44 @@ def test_a_request_answered_after_longer_than_the_header_timeout_gets_its_answer
     assert r.status_code == 200, r.text
     assert r.json()["status"] in ("queued", "running")
     assert took >= hold - 0.05, took
+
+
+def _answer(server: InProcessServer, raw: bytes) -> bytes:
+    with contextlib.closing(_connect(server)) as sock:
+        sock.sendall(raw)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return reply
+
+
+def _count(server: InProcessServer, method: str, code: int) -> float:
+    with httpx.Client(base_url=server.rest_url, timeout=10) as c:
+        for line in c.get("/metrics").text.splitlines():
+            if line.startswith(f'sigmaflight_http_responses_total{{code="{code}",method="{method}"}} '):
+                return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.timeout(120)
+def test_what_is_answered_below_the_app_has_the_error_body_and_is_counted(server: InProcessServer) -> None:
+    """A request the HTTP parser refuses got uvicorn's text/plain "Invalid HTTP request received.";
+    it and the 431 and 408 answered below the app were not counted in
+    sigmaflight_http_responses_total, which counts every other answer."""
+    before = {code: _count(server, method, code) for code, method in ((400, "POST"), (431, "GET"), (408, "unknown"))}
+    reply = _answer(server, b"POST /v1/rollouts HTTP/1.1\r\nhost: test\r\ncontent-length: -5\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 400 "), reply[:200]
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower() and b"x-request-id: " in head.lower()
+    error = json.loads(body)["error"]
+    assert error["type"] == "bad_request" and "not valid HTTP/1.1" in error["message"], error
+    assert _answer(server, b"GET /healthz HTTP/1.1\r\nhost: test\r\nX-Padding: " + b"p" * (20 * 1024) +
+                   b"\r\n\r\n").startswith(b"HTTP/1.1 431 ")
+    with contextlib.closing(_connect(server)) as silent:
+        t = Trickler(silent, b"")
+        t.start()
+        _wait_closed([t], within=30)
+    assert _status(t.answer) == 408
+    assert _count(server, "POST", 400) == before[400] + 1
+    assert _count(server, "GET", 431) == before[431] + 1
+    assert _count(server, "unknown", 408) == before[408] + 1
