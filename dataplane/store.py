@@ -321,7 +321,11 @@ class ResultStore:
         base, stream = split_stream_ticket(key, EXTRA_STREAMS)
         if stream is None:
             raise TicketNotFound(f"ticket {key[:80]!r}", "not an extra stream's ticket")
-        entry, start, stride = self.lookup_ticket(base, should_stop=should_stop)
+        try:
+            entry, start, stride = self.lookup_ticket(base, should_stop=should_stop)
+        except TicketNotFound as e:  # named as it was sent, with its stream: not as the trajectory's ticket
+            shown = repr(key[:80]) + ("..." if len(key) > 80 else "")
+            raise TicketNotFound(f"the {stream!r} stream's ticket {shown}", e.reason, e.ended) from None
         if (start, stride) != (0, 1):
             raise TicketNotFound(f"ticket {key[:80]!r}", "a partition ticket has no extra streams")
         return entry, stream

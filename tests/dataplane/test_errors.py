@@ -213,3 +213,17 @@ def test_a_stream_wait_the_client_gave_up_on_holds_no_server_thread(store, call)
             time.sleep(0.05)
         assert _waiting_in_stream_table() == 0
         w.fail("cancelled", "test over")
+
+
+def test_a_stream_ticket_not_found_is_named_as_it_was_sent(server, store):
+    """The error named the trajectory's part of the ticket (the ":outputs" cut off), as if the
+    trajectory's ticket had been sent, and not the stream."""
+    fill(store, build_header("ok"))
+    ticket = store.ticket_for("ok")
+    store.release("ok")
+    with flight.FlightClient(server.locations[0]) as c:
+        for sent, why in (("nosuchticket:outputs", "unknown"), (f"{ticket}:conditioning", "released")):
+            with pytest.raises(flight.FlightServerError) as info:
+                c.do_get(flight.Ticket(sent.encode())).read_all()
+            stream = sent.rpartition(":")[2]
+            assert f"the '{stream}' stream's ticket '{sent}' not found ({why})" in str(info.value), str(info.value)

@@ -106,7 +106,8 @@ def test_finished_survives_kill_9_and_half_written_is_discarded(tmp_path, caplog
         assert all(torch.equal(t.latent(i), expected[i].latent) for i in range(4))
         with pytest.raises(TicketNotFound):
             s.get("half")
-    assert "half-written" in caplog.text and "half.arrow.partial" in caplog.text
+    assert [r.path for r in caplog.records if r.msg.startswith("discarding half-written")] == [
+        str(data / "trajectories" / "half.arrow.partial")]
     assert not (data / "trajectories" / "half.arrow.partial").exists()
 
 
@@ -138,7 +139,8 @@ def test_corrupt_files_are_discarded_with_a_log_line(tmp_path, caplog, damage):
     with ResultStore(memory_budget_bytes=1 << 30, data_dir=data) as s:
         assert s.ids() == ["good"]
         assert Trajectory.from_file(tdir / "good.arrow").latents.shape[0] == 3
-    assert "corrupt trajectory file" in caplog.text and "bad.arrow" in caplog.text
+    assert [r.path for r in caplog.records if r.msg.startswith("discarding corrupt trajectory file")] == [
+        str(data / "trajectories" / "bad.arrow.corrupt")]
     assert (tdir / "bad.arrow.corrupt").exists() and not bad.exists()
 
 
