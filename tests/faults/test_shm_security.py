@@ -132,7 +132,7 @@ def test_files_live_in_a_private_subdirectory_and_a_writable_shm_dir_is_reported
         records = [json.loads(line) for line in server.logs if line.startswith("{")]
         said = [r for r in records if "writable by others" in r.get("msg", "")]
         assert len(said) == 1, [r.get("msg") for r in records]
-        assert str(private) in said[0]["msg"]
+        assert said[0]["private"] == str(private)
         assert said[0]["level"] == ("warning" if mode == 0o777 else "info")
 
 
