@@ -367,14 +367,6 @@ class ResultStore:
         for e in entries:
             e.wake()
 
-    def active_state(self, rollout_id: str) -> RolloutState | None:
-        """QUEUED for a rollout reserved here and not started, RUNNING for one running; else None."""
-        with self._lock:
-            if self._tickets.is_reserved(rollout_id):
-                return RolloutState.QUEUED
-            e = self._entries.get(rollout_id)
-            return RolloutState.RUNNING if e is not None and e.state is RolloutState.RUNNING else None
-
     # -- end of life ---------------------------------------------------------------------
     def release(self, rollout_id: str) -> bool:
         """Drop a finished (or failed/cancelled) rollout and delete its file; False if

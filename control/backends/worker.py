@@ -103,6 +103,7 @@ class RolloutWorker:
         self._outcomes: dict[str, dict[str, Any]] = {}  # ended, not yet polled: id -> outcome JSON
         self._lost: list[tuple[str, str]] = []
         self._released: list[str] = []  # released by a Flight action here, not yet reported
+        self._queued: set[str] = set()  # reserved here, not yet run
         self._prepared: dict[str, StagedWeights] = {}  # push id -> weights staged, not yet committed
         self.backend.on_result_lost(self._result_lost)
         log.info("worker %d ready at %s (pid %d)", config.index, self.flight.locations[0], os.getpid())
@@ -113,7 +114,10 @@ class RolloutWorker:
         return {"index": self.config.index, "locations": self.flight.locations, "pid": os.getpid()}
 
     def reserve(self, job_id: str) -> str:
-        return self.backend.reserve(job_id)
+        ticket = self.backend.reserve(job_id)
+        with self._lock:
+            self._queued.add(job_id)
+        return ticket
 
     def run_batch(self, job_ids: Sequence[str], spec_jsons: Sequence[dict[str, Any]],
                   branches: Sequence[BranchStart | None]) -> dict[str, dict[str, Any]]:
@@ -129,6 +133,7 @@ class RolloutWorker:
             ctx = RunContext(job_id, spec, on_progress=self._set_progress, on_settle=self._set_outcome)
             with self._lock:
                 self._running[job_id] = ctx
+                self._queued.discard(job_id)
                 self._progress[job_id] = (0, spec.num_inference_steps)
                 cancelled = job_id in self._cancelled
                 reason = self._cancelled.pop(job_id, None)
@@ -183,6 +188,7 @@ class RolloutWorker:
     def abandon(self, job_id: str, kind: str, message: str) -> None:
         with self._lock:
             self._cancelled.pop(job_id, None)
+            self._queued.discard(job_id)
         self.backend.abandon(job_id, kind, message)
 
     def release(self, job_id: str) -> None:
@@ -200,7 +206,8 @@ class RolloutWorker:
         """Flight `release` sent here, where the rollout's ticket points: refused for a queued or
         running rollout as the control plane's Flight refuses it; a finished one is freed and
         reported (`take_events`), so REST and the metrics follow."""
-        active = self.store.active_state(job_id)
+        with self._lock:
+            active = "running" if job_id in self._running else "queued" if job_id in self._queued else None
         if active is not None:
             raise flight.FlightServerError(str(NotFinished(job_id, active)))
         released = self.store.release(job_id)
