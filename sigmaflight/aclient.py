@@ -83,6 +83,9 @@ class AsyncClient:
         await self._http.aclose()
         await asyncio.to_thread(self.sync.close)
 
+    def __repr__(self) -> str:  # the token never shows
+        return f"<{type(self).__name__} {self.url} token={'***' if self.token else None} timeout={self.timeout}>"
+
     async def __aenter__(self) -> AsyncClient:
         return self
 

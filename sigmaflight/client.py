@@ -133,6 +133,9 @@ class Client:
     def __enter__(self) -> Client:
         return self
 
+    def __repr__(self) -> str:  # the token never shows
+        return f"<{type(self).__name__} {self.url} token={'***' if self.token else None} timeout={self.timeout}>"
+
     def __exit__(self, *exc: object) -> None:
         self.close()
 

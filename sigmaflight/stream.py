@@ -116,6 +116,10 @@ class Stream(Iterator[Rollout]):
     def __enter__(self) -> Stream:
         return self
 
+    def __repr__(self) -> str:
+        return (f"<Stream submitted={self.submitted} resubmitted={self.resubmitted} "
+                f"{'closed' if self._done else 'open'}>")
+
     def __exit__(self, *exc: object) -> None:
         self.close()
 

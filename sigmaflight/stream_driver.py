@@ -53,6 +53,12 @@ class Rollout:
     error: Exception | None = None
     resubmits: int = 0
 
+    def __repr__(self) -> str:  # the rollout's id, not its whole ticket; the outputs by shape and dtype
+        outputs = None if self.outputs is None else f"<{self.outputs.dtype} array {tuple(self.outputs.shape)}>"
+        rollout = f"id={self.ticket.id!r}" if self.ticket is not None else "ticket=None (refused)"
+        return (f"Rollout({rollout}, trajectory={self.trajectory!r}, outputs={outputs}, "
+                f"weights_version={self.weights_version}, error={self.error!r}, resubmits={self.resubmits})")
+
 
 @dataclass
 class Entry:
