@@ -2,8 +2,8 @@
 loop that visibly learns on a CPU.
 
     sigmaflight serve &                                   # the built-in tiny-sd3, on the CPU
-    python ops/examples/grpo_train.py                     # ... eval reward: 0.3127 -> 0.3638
-    python ops/examples/grpo_train.py --sign -1           # trained on the negated reward: 0.3127 -> 0.2788
+    python ops/examples/grpo_train.py                     # ... eval reward: 0.3127 -> 0.3624
+    python ops/examples/grpo_train.py --sign -1           # trained on the negated reward: 0.3127 -> 0.2787
     python ops/examples/grpo_train.py --plot reward.png --kl-beta 0.01
     python ops/examples/grpo_train.py --async             # rollouts overlap training, one version behind
     python ops/examples/grpo_train.py --full              # full fine-tuning: 0.3127 -> 0.3833
