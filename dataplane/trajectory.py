@@ -8,6 +8,7 @@ without assembling the whole rollout.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,10 +106,12 @@ class Trajectory:
         )
 
     def has_step(self, i: int) -> bool:
-        return i in self._pos
+        return _step(i) in self._pos
 
     def latent(self, i: int) -> torch.Tensor:
-        """x_i for every sample, [B, *latent_shape], by absolute step index."""
+        """x_i for every sample, [B, *latent_shape], by absolute step index (an int, or an element
+        of `steps`)."""
+        i = _step(i)
         if i not in self._pos:
             raise KeyError(f"step {i} is not in this trajectory (steps {list(self.header.steps)})")
         return self.latents[:, self._pos[i]]
@@ -120,13 +123,14 @@ class Trajectory:
         if self.velocities is None:
             raise ValueError(f"trajectory {self.rollout_id} has no velocity column; ask the rollout for "
                              'return={"velocities": True}')
+        i = _step(i)
         if i not in self._pos:
             raise KeyError(f"step {i} is not in this trajectory (steps {list(self.header.steps)})")
         return self.velocities[:, self._pos[i]]
 
     def transitions(self, steps: Iterable[int] | None = None) -> Iterator[Transition]:
         """Transitions i (x_i -> x_{i+1}) where both latents are present, ascending."""
-        wanted = range(self.num_steps) if steps is None else sorted(set(steps))
+        wanted = range(self.num_steps) if steps is None else sorted({_step(s) for s in steps})
         for i in wanted:
             if 0 <= i < self.num_steps and i in self._pos and i + 1 in self._pos:
                 yield Transition(
@@ -224,3 +228,12 @@ def _merge(parts: Sequence[StepTensors]) -> StepTensors:
 def pull_file(path: str | Path) -> Trajectory:
     """A ``.arrow`` trajectory file as a Trajectory (memory-mapped read, one copy)."""
     return Trajectory.from_file(path)
+
+
+def _step(i: object) -> int:
+    """An absolute step index as a Python int: `traj.steps[k]` is a 0-d tensor, which a dict of
+    ints does not find (a tensor hashes by identity)."""
+    try:
+        return operator.index(i)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"a step index is an integer (an int or an element of `steps`), got {i!r}") from None

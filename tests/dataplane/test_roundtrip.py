@@ -165,3 +165,18 @@ def test_pull_into_a_callers_buffer(store, server, tmp_path):
             assert c.local_file("into") is not None  # the file path, not a stream
             buf.fill_(float("nan"))
             assert c.pull("into", out=buf).latents is buf and torch.equal(buf, fresh.latents)
+
+
+def test_a_trajectory_is_indexed_by_its_own_steps_tensor(server, store):
+    """`traj.steps` is an int64 tensor: its elements are 0-d tensors, which hash by identity, so
+    `latent(traj.steps[k])` said "step 3 is not in this trajectory (steps [3, 4, 10])" and
+    `transitions(steps=traj.steps)` silently yielded nothing, a training step on no data."""
+    h = build_header("own", T=10, steps=(3, 4, 10), B=2)
+    steps = fill(store, h)
+    with TrajectoryClient(server.locations[0]) as c:
+        t = c.pull("own")
+    for k, i in enumerate(t.steps):
+        assert t.has_step(i) and torch.equal(t.latent(i), steps[int(i)].latent) and torch.equal(t.latent(i), t.latents[:, k])
+    assert [tr.i for tr in t.transitions(steps=t.steps)] == [3]
+    with pytest.raises(TypeError, match="step index"):
+        t.latent(3.0)  # type: ignore[arg-type]
