@@ -8,10 +8,12 @@ import numbers
 
 import httpx
 
+from sigmaflight.errors import Picklable
+
 __all__ = ["SettingError", "check_timeout", "check_token", "check_url"]
 
 
-class SettingError(ValueError):
+class SettingError(Picklable, ValueError):
     """A Client setting that cannot work, refused when the Client is made: `.name` ("url",
     "token" or "timeout") and `.reason` (the `sigmaflight` command names its flag with them).
     A token is never shown."""

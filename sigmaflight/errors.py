@@ -27,7 +27,25 @@ __all__ = [
 ]
 
 
-class ApiError(RuntimeError):
+def rebuilt(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    """An error as it was pickled, made without its `__init__` (see `Picklable`)."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
+class Picklable:
+    """Pickles an exception whose `__init__` takes other arguments than the message it passes on:
+    BaseException's own pickling calls `cls(*args)` (a trainer's process pool hands what its
+    workers raise to the parent pickled)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        assert isinstance(self, BaseException)
+        return rebuilt, (type(self), self.args, self.__dict__)
+
+
+class ApiError(Picklable, RuntimeError):
     """A refusal from the server: `status`, and the contract's error body's `type`, `message`, `details`."""
 
     def __init__(self, status: int | None, type_: str, message: str, details: Any = None) -> None:

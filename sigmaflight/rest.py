@@ -28,7 +28,7 @@ from urllib.parse import quote
 
 import httpx
 
-from sigmaflight.errors import ApiError, NotFound, RolloutFailed, ServerUnreachable, Unauthorized
+from sigmaflight.errors import ApiError, NotFound, Picklable, RolloutFailed, ServerUnreachable, Unauthorized
 from sigmaflight.wire import MAX_STATUS_WAIT_S, STATES, TERMINAL, RolloutList, RolloutStatus, Ticket
 
 T = TypeVar("T")
@@ -126,7 +126,7 @@ def check_idempotency_key(key: str | None) -> dict[str, str]:
     return {"idempotency-key": key}
 
 
-class CAFileError(ValueError):
+class CAFileError(Picklable, ValueError):
     """A `ca_file` that cannot be trusted: unreadable, or no PEM certificate in it. `.path` and
     `.reason` (the `sigmaflight` command names its --ca-file flag with them)."""
 
