@@ -6,6 +6,7 @@ Needs only numpy; a torch tensor in gives a torch tensor out, and torch is never
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Hashable, Iterable
 from typing import Any, Literal, TypeVar
@@ -72,6 +73,9 @@ def group_advantages(
         raise ValueError(f"groups must have one key per reward ({len(values)}), got {len(keys)}")
 
     index: dict[Hashable, int] = {}
+    # a NaN key is a group of its own: a fresh object for each, as a dict finds one NaN object used
+    # twice by identity
+    keys = [object() if isinstance(k, (float, np.floating)) and math.isnan(k) else k for k in keys]
     try:
         inverse = np.fromiter((index.setdefault(k, len(index)) for k in keys), dtype=np.int64, count=len(keys))
     except TypeError as exc:

@@ -9,6 +9,7 @@ mean, `np.std` (ddof 0) + 1e-4, advantage `(r - mean) / std`; with `global_std` 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -179,3 +180,12 @@ def test_numpy_scalar_eps_is_a_number_and_rewards_must_be_real_numbers():
                 np.array([b"1", b"2"]), torch.tensor([1 + 0j, 2 + 0j])):
         with pytest.raises(TypeError, match="rewards"):
             group_advantages(bad, [0, 0])
+
+
+def test_each_nan_key_is_a_group_of_its_own_even_the_same_nan_object_twice():
+    """A dict finds a key by identity before equality, so one NaN object used twice (math.nan,
+    np.nan) made one group of two, where the docs say each NaN key is a group of its own."""
+    rewards = np.array([1.0, 3.0, 5.0, 7.0])
+    for nan in (math.nan, np.nan, float("nan")):
+        out = group_advantages(rewards, [nan, nan, "g", "g"], std="none")
+        assert out.tolist() == [0.0, 0.0, -1.0, 1.0], (nan, out)
