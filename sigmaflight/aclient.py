@@ -67,6 +67,7 @@ class AsyncClient:
         """The blocking Client that pulls, pushes and streams run on (in a thread)."""
         self.url, self.token, self.timeout = self.sync.url, self.sync.token, self.sync.timeout
         self.pull_idle_timeout, self.ca_file = pull_idle_timeout, self.sync.ca_file
+        self.transport, self.host, self.trust = self.sync.transport, self.sync.host, self.sync.trust
         self._http = httpx.AsyncClient(base_url=self.url, headers=bearer_header(self.token), timeout=self.timeout,
                                        verify=self.sync.trust.verify)
 

@@ -57,6 +57,20 @@ def test_async_client_takes_the_pull_idle_timeout() -> None:
         AsyncClient("http://127.0.0.1:9", pull_idle_timeout=0)
 
 
+def test_async_client_has_the_clients_public_attributes() -> None:
+    """trainers.md: AsyncClient "has `Client`'s surface"; its `transport`, `host` and `trust` were
+    reachable only through `.sync`."""
+    sync = Client("http://127.0.0.1:9", "t0k", timeout=7.0, transport="flight", host="h1")
+    client = AsyncClient("http://127.0.0.1:9", "t0k", timeout=7.0, transport="flight", host="h1")
+    public = {name for name in vars(sync) if not name.startswith("_")}
+    assert public <= {name for name in vars(client) if not name.startswith("_")} | {"pushed_versions"}
+    for name in public - {"trust", "pushed_versions"}:
+        assert getattr(client, name) == getattr(sync, name), name
+    assert client.trust is client.sync.trust
+    asyncio.run(client.aclose())
+    sync.close()
+
+
 @pytest.mark.timeout(300)
 def test_async_client_pushes_with_the_clients_options(tmp_path) -> None:
     from sigmaflight.pipeline.models import ModelRegistry
