@@ -90,12 +90,15 @@ def read_safetensors(body: bytes | bytearray | memoryview) -> tuple[dict[str, to
     return out, raw_meta
 
 
-def parse_header(raw: bytes, data_len: int) -> tuple[dict[str, tuple[torch.dtype, list[int], int, int]], dict[str, str]]:
+def parse_header(raw: bytes, data_len: int | None) -> tuple[dict[str, tuple[torch.dtype, list[int], int, int]], dict[str, str]]:
     """The JSON header of a safetensors file whose data section holds `data_len` bytes, checked:
     ({key: (dtype, shape, start, end)} with offsets into the data section, metadata). Used by
-    `read_safetensors` and by the streamed PUT .../weights, which reads the header first."""
+    `read_safetensors` and by the streamed PUT .../weights, which reads the header first.
+    `data_len` None: not known yet (a chunked body); the caller checks where the data ends."""
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_once_each)
+    except _Twice as exc:  # json would keep the last: the format names each tensor once
+        raise _bad("the header names it twice", exc.key) from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise _bad(f"not a safetensors file: the header is not JSON ({exc})") from None
     except RecursionError:  # e.g. "[" * 100000: json's decoder recurses once a nesting level
@@ -121,7 +124,7 @@ def parse_header(raw: bytes, data_len: int) -> tuple[dict[str, tuple[torch.dtype
             raise _bad(f"shape {_shown(shape)} is too large: its sizes and strides do not fit in 64 bits", key)
         if (not isinstance(offsets, list) or len(offsets) != 2
                 or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1] <= data_len):
+                or not 0 <= offsets[0] <= offsets[1] or (data_len is not None and offsets[1] > data_len)):
             raise _bad(f"data_offsets {_shown(offsets)} do not fit the {data_len} data bytes", key)
         start, end = offsets
         size = math.prod(shape) * dtype.itemsize
@@ -133,7 +136,34 @@ def parse_header(raw: bytes, data_len: int) -> tuple[dict[str, tuple[torch.dtype
     for (_, a_end, a_key), (b_start, _, b_key) in zip(spans, spans[1:], strict=False):
         if b_start < a_end:
             raise _bad(f"data overlaps {a_key!r}", b_key)
+    # the data section is indexed entirely (as the format requires and its own reader checks)
+    ends = [0, *(end for _, end, _ in spans)]
+    for (start, _, key), before in zip(spans, ends, strict=False):
+        if start > before:
+            raise _bad(f"data bytes {before}..{start} belong to no tensor (a safetensors file has no holes)", key)
+    if data_len is not None and ends[-1] != data_len:
+        raise _bad(trailing_bytes(data_len - ends[-1]))
     return out, dict(raw_meta)
+
+
+def trailing_bytes(n: int) -> str:
+    return f"the {n} data bytes after the last tensor's belong to no tensor"
+
+
+class _Twice(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object of the header, refusing a key given twice (json.loads keeps the last)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Twice(key)
+        out[key] = value
+    return out
 
 
 def lora_config_from_metadata(metadata: dict[str, str]) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from sigmaflight.pipeline.safetensors_io import (
     lora_config_from_metadata,
     parse_header,
     read_safetensors,
+    trailing_bytes,
 )
 from sigmaflight.pipeline.spec import RolloutInputError
 from starlette.concurrency import run_in_threadpool
@@ -223,11 +224,6 @@ def _aborted_on_error(pushes: Any, staging: Any, reason: str) -> Iterator[None]:
         raise
 
 
-_UNKNOWN_LENGTH = 1 << 62
-"""The data section's size parse_header checks offsets against for a chunked body (no
-Content-Length): a body that ends before its tensors is refused at the end ("incomplete")."""
-
-
 async def _stream_weights(request: Request, length: int | None) -> Response:
     """PUT .../weights: the header first (checked against the model), then each tensor's bytes
     straight into a staging copy as they arrive (the streamed push's staging, dataplane/weights.py),
@@ -254,7 +250,9 @@ async def _stream_weights(request: Request, length: int | None) -> Response:
                                           "bytes"))
     await fill(8 + n)
     try:
-        entries, _ = parse_header(bytes(buf[8:8 + n]), (length if length is not None else _UNKNOWN_LENGTH) - 8 - n)
+        # a chunked body's length is not known yet: one that ends before its tensors is refused at the
+        # end ("incomplete"), one with bytes after them below
+        entries, _ = parse_header(bytes(buf[8:8 + n]), length - 8 - n if length is not None else None)
     except RolloutInputError as exc:
         raise _body_key(exc) from None
     header = _push_header(model_id, "put", entries, partial=False)
@@ -272,6 +270,9 @@ async def _stream_weights(request: Request, length: int | None) -> Response:
                 await run_in_threadpool(feeder.feed, chunk)
             else:
                 feeder.feed(chunk)
+        end = max((end for *_, end in entries.values()), default=0)
+        if feeder.pos > end:
+            raise _body_key(RolloutInputError("body", trailing_bytes(feeder.pos - end)))
         answer = await run_in_threadpool(pushes.commit, staging)
     return _committed(model_id, answer, tensors=len(entries))
 

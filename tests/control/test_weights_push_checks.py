@@ -223,3 +223,18 @@ def test_bad_push_arguments_are_named_and_an_unknown_model_is_a_weights_push_err
             client.push_weights(model, new)
         assert (info.value.status, info.value.type, info.value.reason) == (404, "not_found", "unknown_model")
         assert isinstance(info.value, NotFound) and model in info.value.message
+
+
+@pytest.mark.timeout(120)
+def test_a_body_with_bytes_after_its_last_tensor_is_422_sized_or_chunked(server: InProcessServer,
+                                                                         client: Client) -> None:
+    """The safetensors format indexes its data section entirely (its own reader refuses more): a
+    PUT with bytes after the last tensor's was served as if they were not there."""
+    body = save(_scaled(_base(), 1.07)) + b"\0" * 16
+    before = _served(client)
+    with server.client() as http:
+        for content in (body, _chunked(body)):
+            r = http.put(f"/v1/models/{MODEL}/weights", content=content, headers=OCTET)
+            assert r.status_code == 422, r.text
+            assert "the 16 data bytes after the last tensor's belong to no tensor" in r.json()["error"]["message"]
+    assert _served(client) == before

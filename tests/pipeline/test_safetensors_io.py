@@ -67,6 +67,35 @@ def test_bad_bodies_are_refused_naming_the_key(body, field, reason):
     assert err.value.field == field and reason in err.value.reason, str(err.value)
 
 
+def _raw_body(header: str, data: bytes) -> bytes:
+    raw = header.encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+MALFORMED = {  # each refused by the reference reader, safetensors.torch.load; accepted here before
+    "a key twice": (_raw_body('{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+                              '"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}', b"\0" * 8),
+                    "w", "twice"),
+    "bytes no tensor points to": (_body({"v": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                                         "w": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}},
+                                        b"\0" * 12), "w", "belong to no tensor"),
+    "bytes after the last tensor": (_body({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
+                                          b"\0" * 12), "body", "belong to no tensor"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_a_body_the_reference_reader_refuses_is_refused(case):
+    """A key given twice (the last one was served), a hole in the data, or bytes after the last
+    tensor's: the safetensors format allows none (its data section is indexed entirely)."""
+    body, field, reason = MALFORMED[case]
+    with pytest.raises(Exception):  # noqa: B017 (the reference raises its own error types)
+        load(body)
+    with pytest.raises(RolloutInputError) as err:
+        read_safetensors(body)
+    assert err.value.field == field and reason in err.value.reason, str(err.value)
+
+
 @pytest.mark.parametrize("meta, reason", [({}, "missing"), ({"lora_config": "{r"}, "not JSON"),
                                           ({"lora_config": "[1]"}, "JSON object")])
 def test_lora_config_metadata(meta, reason):
