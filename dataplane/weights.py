@@ -324,12 +324,12 @@ class WeightsPushes:
     @staticmethod
     def _error(exc: PushRefused, push_id: str | None = None) -> flight.FlightError:
         """The typed Flight error: "conflict" for a push that must wait its turn or a stale base,
-        "not_found" for an unknown model, "bad_weights" for everything wrong with the push itself."""
+        "not_found" for an unknown model, "bad_weights" for everything wrong with the push itself
+        (a stream that sends again after its push expired too)."""
         log.warning("weights push refused", extra={"reason": exc.reason, "tensor": exc.tensor, "push_id": push_id,
                                                    "error": exc.message})
         type_ = {"push_in_progress": "conflict", "stale_base": "conflict", "model_failed": "conflict",
-                 "unknown_model": "not_found",
-                 "expired": "not_found"}.get(exc.reason, "bad_weights")
+                 "unknown_model": "not_found"}.get(exc.reason, "bad_weights")
         extra = {"in_progress": exc.in_progress} if exc.in_progress is not None else {}
         return flight_error(type_, exc.message, reason=exc.reason, tensor=exc.tensor, push_id=push_id, **extra)
 

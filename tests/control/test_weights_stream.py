@@ -606,7 +606,10 @@ def _late_chunk_is_refused_expired(writer, reader, chunk: pa.RecordBatch) -> Non
         writer.done_writing()
         reader.read()
         writer.close()
-    assert json.loads(late.value.extra_info)["reason"] == "expired"
+    # operations.md: refused `bad_weights`, reason `expired` (it was `not_found`: the client raised
+    # WeightsPushNotFound, the error of an unknown model)
+    info = json.loads(late.value.extra_info)
+    assert (info["type"], info["reason"]) == ("bad_weights", "expired"), info
 
 
 @contextlib.contextmanager
