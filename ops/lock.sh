@@ -4,6 +4,7 @@
 # plain range may pull a multi-GB CUDA build). Review the diff, then run ops/test.sh on it.
 # Usage: ops/lock.sh [pip install arguments, e.g. an upgrade: 'pyarrow==27.0.0']
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;; esac
 cd "$(dirname "$0")/.."
 py="${PYTHON:-python3.11}"
 command -v "$py" >/dev/null 2>&1 || py=python3
@@ -16,5 +17,11 @@ trap 'rm -rf "$tmp"' EXIT
   echo "# Exact versions of the served and tested environment: ops/setup.sh, ops/serve.sh, ops/test.sh"
   echo "# and CI install with this file as pip constraints. Remake it with ops/lock.sh, not by hand."
   "$tmp/venv/bin/python" -m pip freeze --exclude-editable | grep -viE '^sigmaflight( |=|@)' | sed 's/^torch==\(.*\)+cpu$/torch==\1/'
-} > requirements.lock
+} > "$tmp/requirements.lock"
+# Replaced only by a whole environment: an install that did nothing (pip's own --help, say) must not
+# empty the lock every command installs from.
+for pkg in torch diffusers starlette pyarrow pytest ray; do
+  grep -qiE "^${pkg}==" "$tmp/requirements.lock" || { echo "ops/lock.sh: no ${pkg} was installed; requirements.lock left as it was" >&2; exit 1; }
+done
+mv "$tmp/requirements.lock" requirements.lock
 echo "requirements.lock: $(grep -vc '^#' requirements.lock) packages" >&2

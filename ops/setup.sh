@@ -5,6 +5,7 @@
 #   server: `sigmaflight serve` and its model stack; test: the test tools (includes server);
 #   ray: --backend ray (the server with Ray); plot: `sigmaflight plot`; none: the client alone.
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;; esac
 cd "$(dirname "$0")/.."
 extras="${1:-server,test}"
 py="${PYTHON:-python3.11}"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set everything up (.venv, pinned dependencies) and run the whole test suite:
 # ruff, mypy, then pytest. Extra arguments go to pytest (e.g. ops/test.sh -k flight -x).
+# Usage: ops/test.sh [pytest arguments]
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;; esac
 cd "$(dirname "$0")/.."
 ops/setup.sh server,test,ray  # ray: tests/ray start a local 2-CPU Ray cluster (~30 s)
 echo "== ruff" >&2
