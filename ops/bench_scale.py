@@ -53,11 +53,13 @@ def main() -> None:
         """Submit n rollouts at once, wait for all; wall seconds from first submit to last finish.
         Appends each rollout's run latency (JobManager started -> finished) to `latencies`."""
         t0 = time.perf_counter()
-        submitted = [jobs.submit(spec(seed), {})[0] for seed in range(n)]
-        for job in submitted:
-            while job.status not in ("succeeded", "failed", "cancelled"):
+        ids = [jobs.submit(spec(seed))[0].id for seed in range(n)]
+        submitted = []
+        for job_id in ids:  # a JobView is a snapshot: ask for the latest
+            while (job := jobs.get(job_id)) is not None and job.status not in ("succeeded", "failed", "cancelled"):
                 time.sleep(0.002)
-            assert job.status == "succeeded", job.error
+            assert job is not None and job.status == "succeeded", job
+            submitted.append(job)
         wall = time.perf_counter() - t0
         for job in submitted:
             if latencies is not None:
