@@ -144,6 +144,15 @@ def check_ports(host: str, port: int, flight_port: int) -> None:
 
 # ---------------------------------------------------------------------------------------- TLS
 
+class _Encrypted(Exception):
+    pass
+
+
+def _no_passphrase() -> bytes:
+    """The passphrase callback of a key that asks for one: refused, never read from the terminal."""
+    raise _Encrypted
+
+
 def check_tls(cert: Path | None, key: Path | None) -> None:
     """Both or neither of --tls-cert and --tls-key, each a readable file, together a PEM certificate
     and its private key (loaded as uvicorn will load them)."""
@@ -162,7 +171,10 @@ def check_tls(cert: Path | None, key: Path | None) -> None:
         except OSError as exc:
             raise StartupError(unreadable(flag, path, exc)) from None
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key, password=_no_passphrase)
+    except _Encrypted:  # else OpenSSL asks on the terminal (uvicorn again, and Flight cannot load it)
+        raise StartupError(f"--tls-key {key}: the key is encrypted (it asks for a passphrase); give the unencrypted "
+                           f"PEM key (openssl pkey -in {key} -out key.pem), readable by this user only") from None
     except (ssl.SSLError, OSError) as exc:
         raise StartupError(f"--tls-cert {cert} --tls-key {key}: not a PEM certificate and its private key "
                            f"({exc.reason if isinstance(exc, ssl.SSLError) and exc.reason else exc})") from None

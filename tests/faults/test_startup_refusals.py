@@ -237,6 +237,18 @@ def test_tls_files_that_are_not_a_certificate_and_its_key_are_refused(tmp_path, 
     assert f"--tls-cert {cert} --tls-key {cert}: not a PEM certificate and its private key" in line
 
 
+def test_a_key_that_asks_for_a_passphrase_is_refused_naming_the_flag(tmp_path, certificate):
+    """OpenSSL asked for the passphrase on the terminal (twice: the check, then uvicorn); with none
+    the refusal said only "[Errno 22] Invalid argument", and with one typed, start-up went on to a
+    Flight traceback (exit 3)."""
+    cert, key = certificate
+    encrypted = tmp_path / "encrypted.pem"
+    subprocess.run(["openssl", "pkey", "-in", str(key), "-out", str(encrypted), "-aes256", "-passout", "pass:s3cret"],
+                   check=True, capture_output=True)
+    line = serve_refused("--port", "0", "--flight-port", "0", "--tls-cert", str(cert), "--tls-key", str(encrypted))
+    assert f"--tls-key {encrypted}: the key is encrypted (it asks for a passphrase)" in line, line
+
+
 @pytest.mark.parametrize("given, missing", [("--tls-cert", "--tls-key"), ("--tls-key", "--tls-cert")])
 def test_half_a_tls_pair_is_refused_instead_of_serving_plain_http(certificate, given, missing):
     cert, key = certificate
