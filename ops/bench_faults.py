@@ -11,7 +11,7 @@ load: POST /v1/rollouts latency (p50/p99) and GET/DELETE p99 while small rollout
     .venv/bin/python ops/bench_faults.py                 # both, small-sd3 push, 4 rollouts/s
     .venv/bin/python ops/bench_faults.py --only load --seconds 20
 
-Starts its own servers (control/launcher.py: `sigmaflight serve` on free loopback ports).
+Starts its own servers (sigmaflight/launcher.py: `sigmaflight serve` on free loopback ports).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ constants). The last column is the pre-fix numerator substitution vs Flow-GRPO, 
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -62,6 +63,7 @@ def _old_density(sig, i, x, v, x_next):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     registry = ModelRegistry()
     print("model      kernel log_prob  | vs Flow-GRPO | vs SGLang (ULPs of max(|lp|, 1)) | old formula vs Flow-GRPO")
     for model_id in ("tiny-sd3", "tiny-flux"):
