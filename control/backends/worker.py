@@ -152,8 +152,11 @@ class RolloutWorker:
                 for job_id in job_ids:
                     self._running.pop(job_id, None)
         missing = Outcome.failure("internal_error", "the worker's backend returned without an outcome")
-        return {ctx.job_id: {**outcome_to_json(ctx.outcome or missing), "progress": self._progress.pop(ctx.job_id, None)}
-                for ctx in contexts}
+        with self._lock:  # handed over here: what `poll` has not taken yet is not kept
+            for ctx in contexts:
+                self._outcomes.pop(ctx.job_id, None)
+            return {ctx.job_id: {**outcome_to_json(ctx.outcome or missing), "progress": self._progress.pop(ctx.job_id, None)}
+                    for ctx in contexts}
 
     def _set_progress(self, contexts: Sequence[RunContext], done: int, total: int) -> None:
         for ctx in contexts:
@@ -206,8 +209,9 @@ class RolloutWorker:
         """Flight `release` sent here, where the rollout's ticket points: refused for a queued or
         running rollout as the control plane's Flight refuses it; a finished one is freed and
         reported (`take_events`), so REST and the metrics follow."""
-        with self._lock:
-            active = "running" if job_id in self._running else "queued" if job_id in self._queued else None
+        with self._lock:  # running here, or ended and not yet handed to the control plane (its `poll`)
+            running = job_id in self._running or job_id in self._progress
+            active = "running" if running else "queued" if job_id in self._queued else None
         if active is not None:
             raise flight.FlightServerError(str(NotFinished(job_id, active)))
         released = self.store.release(job_id)
