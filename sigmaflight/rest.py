@@ -352,7 +352,7 @@ def parse(call: Call[T], r: httpx.Response) -> T:
                        f"that is not a sigmaflight answer ({type(exc).__name__})") from exc
 
 
-def unreachable_reason(exc: httpx.TransportError, timeout: float | None) -> str:
+def unreachable_reason(exc: httpx.TransportError, timeout: float | None, url: str = "") -> str:
     """Why a REST call got no HTTP answer, in words that say what to check."""
     if isinstance(exc, httpx.TimeoutException) and timeout is not None:
         return f"no answer within {timeout:g} s ({type(exc).__name__})"
@@ -360,8 +360,9 @@ def unreachable_reason(exc: httpx.TransportError, timeout: float | None) -> str:
         return (f"{exc} (the server's certificate is not trusted: pass the CA that signed it, or a self-signed "
                 "server's own cert.pem, as ca_file= / --ca-file / SIGMAFLIGHT_CA_FILE)")
     if isinstance(exc, httpx.RemoteProtocolError):
+        https = f"; if it serves https (--tls-cert), use https://{url[len('http://'):]}" if url.startswith("http://") else ""
         return (f"what answers there does not speak HTTP/1.1 ({exc}); is this the Flight port? The REST port is "
-                "`sigmaflight serve --port` (default 8000), Flight's is --flight-port (default 8815)")
+                f"`sigmaflight serve --port` (default 8000), Flight's is --flight-port (default 8815){https}")
     return f"{exc or type(exc).__name__} (is `sigmaflight serve` running there?)"
 
 
@@ -391,7 +392,7 @@ def send(http: httpx.Client, call: Call[T], *, url: str, timeout: float | None,
         try:
             r = http.request(call.method, call.path, **call.options)
         except httpx.TransportError as exc:
-            raise ServerUnreachable(url, unreachable_reason(exc, timeout)) from exc
+            raise ServerUnreachable(url, unreachable_reason(exc, timeout, url)) from exc
         pause = retry_delay(r, attempt) if call.retry else None
         if pause is None:
             return parse(call, check_answer(r, pushed))
@@ -407,7 +408,7 @@ async def send_async(http: httpx.AsyncClient, call: Call[T], *, url: str, timeou
         try:
             r = await http.request(call.method, call.path, **call.options)
         except httpx.TransportError as exc:
-            raise ServerUnreachable(url, unreachable_reason(exc, timeout)) from exc
+            raise ServerUnreachable(url, unreachable_reason(exc, timeout, url)) from exc
         pause = retry_delay(r, attempt) if call.retry else None
         if pause is None:
             return parse(call, check_answer(r, pushed))

@@ -121,3 +121,13 @@ def test_the_ready_lines_command_works_against_a_tls_server_as_given(server, cap
     rc, out, err = cli(capsys, *argv[1:])
     assert rc == 0, err
     assert json.loads(out)["status"] == "succeeded"
+
+
+def test_plain_http_to_the_tls_port_says_to_use_https(server, capsys):
+    """It said only "is this the Flight port?", though the port was the REST one, serving https."""
+    plain = server.rest_url.replace("https://", "http://", 1)
+    with pytest.raises(ServerUnreachable) as info, Client(plain) as client:
+        client.models()
+    assert f"if it serves https (--tls-cert), use {server.rest_url}" in str(info.value), str(info.value)
+    rc, _, err = cli(capsys, "list", "--url", plain)
+    assert rc == 1 and f"use {server.rest_url}" in err, err
