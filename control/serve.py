@@ -45,15 +45,26 @@ SERVE_DESCRIPTION = (
 )
 
 
+_RULES = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+"""annotated_types' bound attributes (a Field's ge=, gt=, le=, lt=) and how help writes each."""
+
+
+def _bounds(metadata: list[Any]) -> list[str]:
+    """">= 1024", "<= 10000", ... of a Settings field's constraints, as pydantic checks them."""
+    return [f"{op} {value:g}" if isinstance(value, float) else f"{op} {value}"
+            for m in metadata for name, op in _RULES.items() if (value := getattr(m, name, None)) is not None]
+
+
 def _add_setting_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> argparse.Action:
     """pydantic-settings' `add_argument_method`: its flag for a Settings field, with our help line
-    ("<description> [env SIGMAFLIGHT_<NAME>; default <value>]") and an upper-case metavar."""
+    ("<description> [env SIGMAFLIGHT_<NAME>; default <value>; <its bounds>]") and an upper-case metavar."""
     field = Settings.model_fields.get(kwargs.get("dest", ""))
     if field is not None:
         name = kwargs["dest"]
         default = field.default
         shown = "none" if default is None else ("<secret>" if name == "token" else default)
-        kwargs["help"] = f"{field.description} [env SIGMAFLIGHT_{name.upper()}; default {shown}]".replace("%", "%%")
+        bounds = "; " + " and ".join(_bounds(field.metadata)) if _bounds(field.metadata) else ""
+        kwargs["help"] = f"{field.description} [env SIGMAFLIGHT_{name.upper()}; default {shown}{bounds}]".replace("%", "%%")
         if "metavar" in kwargs and not str(kwargs["metavar"]).startswith("{"):  # {a,b}: a Literal's choices
             kwargs["metavar"] = name.upper()
     return parser.add_argument(*names, **kwargs)

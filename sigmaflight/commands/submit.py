@@ -121,8 +121,8 @@ def _add_request_flag(p: argparse.ArgumentParser, path: tuple[str, ...], field: 
     """One flag for one wire field, its type, choices and help taken from the field."""
     names = FLAG_NAMES.get(path, ("--" + "-".join(path).replace("_", "-"),))
     where = ".".join(path)
-    help_ = f"{field.description} [{where}]" if field.description else f"RolloutRequest field {where}"
     kind = _optional(field.annotation)
+    help_ = f"{field.description} [{where}{_default(field, kind)}]" if field.description else f"RolloutRequest field {where}"
     kw: dict[str, Any] = {"dest": DEST + where, "default": None, "help": help_}
     if typing.get_origin(kind) is typing.Literal:
         kw["choices"] = list(typing.get_args(kind))
@@ -137,6 +137,16 @@ def _add_request_flag(p: argparse.ArgumentParser, path: tuple[str, ...], field: 
     else:
         kw.update(type=kind, metavar=METAVARS.get(path, path[-1].upper()))
     p.add_argument(*names, **kw)
+
+
+def _default(field: Any, kind: Any) -> str:
+    """"; default X" for a field the server fills with a fixed value when the request leaves it out
+    (the ones that default to the model's or the server's say so in their description)."""
+    value = field.get_default()
+    if value is None or field.is_required():
+        return ""
+    shown = ("on" if value else "off") if kind is bool else value
+    return f"; default {shown}"
 
 
 def _bare(kind: Any) -> Any:

@@ -5,10 +5,12 @@ which beats the default."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+from pydantic import ValidationError
 from sigmaflight.control.serve import build_parser, settings_from_args, settings_from_argv
 from sigmaflight.control.settings import Settings
 
@@ -89,8 +91,8 @@ def test_serve_help_keeps_every_flag_its_help_its_variable_and_its_default():
     done = _serve("--help")
     assert done.returncode == 0, done.stderr
     text = " ".join(done.stdout.split())  # argparse wraps and indents; the words and their order stay
-    for flag, help_ in BEFORE.items():
-        assert f" {flag} {help_}" in text, (flag, done.stdout)
+    for flag, help_ in BEFORE.items():  # a bounded flag's bounds follow its default, inside the brackets
+        assert f" {flag} {help_.removesuffix(']')}" in text, (flag, done.stdout)
     for name in Settings.model_fields:  # flags added since keep the same form
         assert f"[env SIGMAFLIGHT_{name.upper()}; default " in text, name
 
@@ -120,3 +122,31 @@ def test_a_bad_value_is_one_line_naming_the_flag_and_exit_2(argv, env, line):
     done = _serve(*argv, env=env)
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith(line), done.stderr
+
+
+def test_serve_help_states_each_bound_that_start_up_then_enforces():
+    """Every bound the help gives (`; >= 1024]`) is the edge of what `serve` takes: the bound itself
+    (or the number just past it) is taken, the number on the wrong side refused naming the flag."""
+    text = " ".join(build_parser().format_help().split())
+    for flag, needed in (("--max-body-bytes", ">= 1024"), ("--batch-wait-ms", ">= 0 and <= 10000"),
+                         ("--port", ">= 0 and <= 65535"), ("--ttl-s", "> 0")):
+        name = flag.removeprefix("--").replace("-", "_").upper()
+        assert f"[env SIGMAFLIGHT_{name}; default " in text
+        assert text.split(f"[env SIGMAFLIGHT_{name}; default ", 1)[1].split("]", 1)[0].endswith(f"; {needed}"), flag
+    stated = re.findall(r"\[env SIGMAFLIGHT_(\w+); default [^;\]]*; ([^\]]+)\]", text)
+    assert len(stated) >= 20, stated
+    for name, rules in stated:
+        flag = "--" + name.lower().replace("_", "-")
+        for op, edge in (rule.split(" ") for rule in rules.split(" and ")):
+            bound = float(edge)
+            step = 1 if bound == int(bound) and "." not in edge else 1e-3
+            taken = {">=": bound, "<=": bound, ">": bound + step, "<": bound - step}[op]
+            refused = {">=": bound - step, "<=": bound + step, ">": bound, "<": bound}[op]
+            settings_from_argv([flag, _number(taken)])
+            with pytest.raises(ValidationError) as err:
+                settings_from_argv([flag, _number(refused)])
+            assert err.value.errors()[0]["loc"] == (name.lower(),), (flag, refused)
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if x == int(x) else repr(x)

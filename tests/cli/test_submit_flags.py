@@ -108,3 +108,42 @@ def test_flags_override_the_json_base(tmp_path):
     body = body_for(["--json", str(base), "--noise-level", "0.9", "--return-outputs", "-p", "b", "-p", "c"])
     assert body == {"prompts": ["b", "c"], "sampler": {"type": "ode", "noise_level": 0.9},
                     "return": {"steps": [0], "outputs": True}}
+
+
+def test_submit_help_gives_the_defaults_a_server_applies_to_a_request_that_leaves_them_out():
+    """`submit --help` states "; default X" for the fields the server fills in; a request with
+    none of them set runs with exactly those (read back from the trajectory the server wrote)."""
+    import re
+
+    from sigmaflight import Client
+    from tests.servers import InProcessServer
+
+    text = " ".join(_help("submit").split())
+    said = dict(re.findall(r"\[([a-z_.]+); default ([^\]]+)\]", text))
+    assert set(said) == {"num_outputs_per_prompt", "sampler.type", "sampler.noise_level", "sampler.log_prob",
+                         "return.log_probs", "return.latent_dtype", "return.outputs", "return.velocities",
+                         "return.conditioning"}, said
+    with InProcessServer() as server, Client(server.rest_url) as client:
+        ticket = client.submit(prompts=["a red cube"], num_inference_steps=2)
+        traj = client.pull(ticket)
+        table = client.pull_stream(ticket, "trajectory")
+    meta = traj.metadata
+    ran = {
+        "num_outputs_per_prompt": str(meta["num_outputs_per_prompt"]),
+        "sampler.type": meta["sampler"]["type"],
+        "sampler.noise_level": str(meta["sampler"]["noise_level"]),
+        "sampler.log_prob": meta["sampler"]["log_prob"],
+        "return.log_probs": "on" if "log_prob" in table.column_names else "off",
+        "return.latent_dtype": "native" if meta["latent_dtype"] == meta["native_dtype"] else meta["latent_dtype"],
+        "return.outputs": "on" if "outputs" in meta["streams"] else "off",
+        "return.velocities": "on" if "velocity" in table.column_names else "off",
+        "return.conditioning": "on" if "conditioning" in meta["streams"] else "off",
+    }
+    assert ran == said
+
+
+def _help(command: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    return out.getvalue()
