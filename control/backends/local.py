@@ -126,6 +126,9 @@ class LocalBackend:
         except KeyError:
             return None
 
+    def stored_ids(self) -> list[str]:
+        return self.store.ids()
+
     def locations_for(self, job_id: str) -> list[str]:
         return self.locations()
 

@@ -212,6 +212,15 @@ class RayBackend(WeightsFanout):
                 return ResultInfo.from_json(info)
         return None
 
+    def stored_ids(self) -> list[str]:
+        """What every live worker holds; each is remembered as its holder (a release goes there)."""
+        held: list[str] = []
+        for slot, ids in self._fan_out("stored_ids"):
+            with self._lock:
+                self._where.update(dict.fromkeys(ids, slot))
+            held += ids
+        return held
+
     def locations_for(self, job_id: str) -> list[str]:
         slot = self._slot_of(job_id)
         return list(slot.locations) if slot is not None else []

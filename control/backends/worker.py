@@ -201,6 +201,9 @@ class RolloutWorker:
         info = self.backend.result_info(job_id)
         return None if info is None else info.to_json()
 
+    def stored_ids(self) -> list[str]:
+        return self.backend.stored_ids()
+
     def _result_lost(self, job_id: str, reason: str) -> None:
         with self._lock:
             self._lost.append((job_id, reason))

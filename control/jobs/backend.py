@@ -235,6 +235,11 @@ class Backend(Protocol):
         """The result of a finished, valid trajectory held here; None if none is held."""
         ...
 
+    def stored_ids(self) -> list[str]:
+        """Every rollout whose trajectory is held here (the restart scan frees those the journal
+        has no row for)."""
+        ...
+
     def locations_for(self, job_id: str) -> list[str]:
         """Flight URIs where the rollout's streams are served."""
         ...

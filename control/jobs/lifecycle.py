@@ -171,20 +171,25 @@ class Lifecycle:
     def recover(self) -> None:
         """Register every journaled job, with what a restart changed written back.
 
-        A rollout that was running when the process died is failed ("server_restarted"), unless the
-        backend holds its finished, valid trajectory: the process died between the file's rename
-        into place and the journal's "succeeded" row (or that row could not be written), so it is a
-        succeeded rollout. A queued one is failed too. A succeeded one whose trajectory the backend
-        no longer holds is expired; a failed one whose served copy was found changed
-        (result_unavailable) has what the backend still holds of it released. A row that cannot be
-        written back now is retried later."""
+        A rollout that was queued or running when the process died is failed ("server_restarted"),
+        unless the backend holds its finished, valid trajectory: the process died between the file's
+        rename into place and the journal's "succeeded" row (or that row, and the "running" one
+        before it, could not be written), so it is a succeeded rollout. A succeeded one whose
+        trajectory the backend no longer holds is expired; a failed one whose served copy was found
+        changed (result_unavailable) has what the backend still holds of it released. A trajectory
+        the journal has no row for is released: REST cannot name it, so Flight must not serve it.
+        A row that cannot be written back now is retried later."""
         if self.journal is None:
             return
+        journaled = set()
         for rec in self.journal.load():
             job = Job.from_record(rec)
+            journaled.add(job.id)
             was = job.state
-            result = self.backend.result_info(job.id) if was is RolloutState.RUNNING else None
+            result = self.backend.result_info(job.id) if was.active else None
             if result is not None:
+                if was is RolloutState.QUEUED:
+                    job.move(RolloutState.RUNNING)
                 job.move(RolloutState.SUCCEEDED, result=result)
                 job.steps_done = job.steps_total
                 self._persist(job)
@@ -210,3 +215,6 @@ class Lifecycle:
                 log.warning("trajectory of an ended rollout found after restart; released",
                             extra={"rollout": job.id, "status": was})
             self.table.add(job)
+        for rollout_id in sorted(set(self.backend.stored_ids()) - journaled):
+            self.backend.release(rollout_id)
+            log.warning("trajectory with no journal row found after restart; released", extra={"rollout": rollout_id})

@@ -205,9 +205,11 @@ def test_delete_of_a_cancelled_rollout_keeps_it_cancelled(registry):
     jobs.stop()
 
 
-def test_restart_reconciles_a_finished_file_the_journal_calls_running(registry, tmp_path):
+@pytest.mark.parametrize("was", ["running", "queued"])
+def test_restart_reconciles_a_finished_file_the_journal_calls_unfinished(registry, tmp_path, was):
     """kill -9 between the trajectory's rename and the journal's success row: the row (edited
-    with plain sqlite3) says running, the file is complete, so the rollout is succeeded."""
+    with plain sqlite3) says running, the file is complete, so the rollout is succeeded. Queued:
+    the journal could not write the running row either (a full disk); the file is as complete."""
     jobs, store = manager(registry, tmp_path)
     jobs.start()
     done, _ = jobs.submit(spec())
@@ -216,7 +218,9 @@ def test_restart_reconciles_a_finished_file_the_journal_calls_running(registry, 
     store.close()
     db = sqlite3.connect(str(tmp_path / "jobs.sqlite3"))
     record = json.loads(db.execute("SELECT record FROM jobs WHERE id = ?", (done.id,)).fetchone()[0])
-    record.update(status="running", result=None, finished_at=None)
+    record.update(status=was, result=None, finished_at=None, steps_done=0)
+    if was == "queued":
+        record.update(started_at=None)
     db.execute("UPDATE jobs SET record = ? WHERE id = ?", (json.dumps(record), done.id))
     db.commit()
     db.close()
@@ -227,8 +231,38 @@ def test_restart_reconciles_a_finished_file_the_journal_calls_running(registry, 
     assert info is not None
     assert job.result is not None
     assert job.result.to_json() == {"num_rows": info.num_rows, "num_bytes": info.num_bytes, "steps": [0, 1, 2]}
+    assert job.steps_done == job.steps_total
+    assert job.started_at is not None and job.finished_at is not None
     again.stop()
     store2.close()
+
+
+def test_restart_releases_a_trajectory_file_the_journal_has_no_row_for(registry, tmp_path):
+    """A file with no journal row (its row deleted, its file left: a reaper's record-cap drop whose
+    unlink failed, a journal put back from a backup) is no rollout REST knows: the restart scan
+    frees it rather than Flight serving it for good; the rollouts the journal knows stay served."""
+    jobs, store = manager(registry, tmp_path)
+    jobs.start()
+    kept, _ = jobs.submit(spec())
+    orphan, _ = jobs.submit(spec())
+    wait(jobs, kept.id, {"succeeded"})
+    wait(jobs, orphan.id, {"succeeded"})
+    jobs.stop()
+    store.close()
+    db = sqlite3.connect(str(tmp_path / "jobs.sqlite3"))
+    db.execute("DELETE FROM jobs WHERE id = ?", (orphan.id,))
+    db.commit()
+    db.close()
+    assert (tmp_path / "trajectories" / f"{orphan.id}.arrow").exists()
+    again, store2 = manager(registry, tmp_path)
+    try:
+        assert again.get(orphan.id) is None
+        assert orphan.id not in store2.ids()
+        assert not (tmp_path / "trajectories" / f"{orphan.id}.arrow").exists()
+        assert known(again.get(kept.id)).status == "succeeded" and store2.result(kept.id) is not None
+    finally:
+        again.stop()
+        store2.close()
 
 
 def test_a_reader_never_sees_a_failed_rollout_without_its_error(registry):

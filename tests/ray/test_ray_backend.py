@@ -255,6 +255,19 @@ def test_a_weights_push_one_worker_refuses_changes_no_worker_and_a_good_one_then
     assert [s["digest"] for s in served] == [d_new, d_new] and [s["staged"] for s in served] == [0, 0]
 
 
+def test_stored_ids_names_what_the_workers_hold_and_a_release_then_reaches_the_holder(jobs, backend):
+    """After a restart the control plane does not know which worker adopted a file: `stored_ids`
+    asks them all (the restart scan frees what the journal has no row for), and remembers the
+    holder, so the release it sends frees the trajectory there."""
+    job, _ = jobs.submit(spec(num_inference_steps=2))
+    wait(jobs, job.id, {"succeeded"})
+    with backend._lock:
+        backend._where.pop(job.id)  # as after a restart: nobody knows where it is held
+    assert job.id in backend.stored_ids()
+    backend.release(job.id)
+    assert job.id not in backend.stored_ids() and backend.result_info(job.id) is None
+
+
 def test_a_killed_worker_fails_its_rollout_naming_it_and_a_replacement_takes_new_ones(jobs, backend):
     before = {w["actor"] for w in backend.workers()}
     job, _ = jobs.submit(long_spec())
