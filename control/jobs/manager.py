@@ -146,11 +146,12 @@ class JobManager:
             return job is not None and self._lifecycle.cancel_active(job)
 
     def release(self, job_id: str) -> bool:
-        """Flight `release`: free a finished rollout's result (as DELETE does); False if unknown
-        or already expired. Raises NotFinished for a queued or running one: cancel it first."""
+        """Flight `release`: free a finished rollout's result (as DELETE does); False if unknown,
+        expired or already released (nothing is left to free). Raises NotFinished for a queued or
+        running one: cancel it first."""
         with self._table.lock:
             job = self._table.jobs.get(job_id)
-            if job is None or job.state is RolloutState.EXPIRED:
+            if job is None or job.state is RolloutState.EXPIRED or job.released:
                 return False
             self._lifecycle.release(job)
             return True
