@@ -134,7 +134,7 @@ def to_spec(request: RolloutRequest, *, model_id: str, default_steps: int, seed:
             sde_steps=tuple(request.sampler.sde_steps) if request.sampler.sde_steps is not None else None,
             log_prob=request.sampler.log_prob,
         ),
-        return_steps=tuple(r.steps) if r.steps is not None else None,
+        return_steps=tuple(sorted(r.steps)) if r.steps is not None else None,  # any order; streamed ascending
         return_log_probs=r.log_probs,
         latent_dtype=r.latent_dtype,
         return_outputs=r.outputs,
