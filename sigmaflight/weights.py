@@ -261,9 +261,10 @@ def _checked(state_dict: Mapping[str, torch.Tensor], *, chunk_bytes: int, retrie
 
 
 def push_weights_file(client: Client, model_id: str, path: str, *, partial: bool = False) -> PushResult:
-    """A same-host push without a socket: the server memory-maps `path` (a safetensors file of the
+    """A same-host push without a socket: the server reads `path` (a safetensors file of the
     transformer's state dict, inside its --weights-file-dir or --shm-dir) and stages it with the
-    stream's checks, then swaps it in. Refusals are ApiErrors (422 naming the key or the path)."""
+    stream's checks, then swaps it in. Refusals are ApiErrors (422 naming the key or the path; a file
+    rewritten while it is read is one: save to a new name)."""
     import os
 
     r = client._send("POST", rest.model_path(model_id, "weights/file"), json={"path": os.path.abspath(path),

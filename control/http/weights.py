@@ -27,13 +27,13 @@ routes keep `--max-body-bytes`); at most `--max-weights-pushes` of them are take
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import stat
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from pydantic_core import from_json
 from sigmaflight.control.http.errors import HttpError
 from sigmaflight.dataplane.weights import PushRefused, dtype_name
 from sigmaflight.pipeline.safetensors_io import (
@@ -285,65 +285,82 @@ def _allowed_dirs(settings: Any) -> list[str]:
     return [os.path.realpath(d) for d in (settings.weights_file_dir, settings.shm_dir) if d is not None]
 
 
+def _inside(path: str, roots: list[str]) -> bool:
+    return any(path.startswith(r + os.sep) for r in roots)
+
+
 def _open_allowed(settings: Any, path: object) -> int:
-    """An fd of `path`, a regular file inside --weights-file-dir or --shm-dir (checked on the
-    opened file itself, so a symlink swapped in meanwhile cannot lead outside); 422 otherwise."""
+    """An fd of `path`, a regular file inside --weights-file-dir or --shm-dir; 422 otherwise.
+    The name is judged (symlinks resolved) before anything is opened, so nothing outside is
+    opened or said to exist; the open never blocks (O_NONBLOCK: a FIFO there is refused, not
+    waited on) and follows no symlink swapped in since; what was opened is checked again."""
     roots = _allowed_dirs(settings)
     if not roots:
         raise HttpError(422, "validation_error", "this server takes no weights files: start it with "
                         "--weights-file-dir (or --shm-dir)", [{"loc": ["body", "path"], "msg": "not allowed",
                                                              "type": "value_error"}])
-    if not isinstance(path, str) or not os.path.isabs(path):
+    if not isinstance(path, str) or not os.path.isabs(path) or "\0" in path:
         raise RolloutInputError("path", "must be an absolute path to a safetensors file", loc=("path",))
+    outside = RolloutInputError("path", f"{path!r} is not a regular file inside {' or '.join(roots)} "
+                                "(--weights-file-dir, --shm-dir)", loc=("path",))
+    resolved = os.path.realpath(path)
+    if not _inside(resolved, roots):
+        raise outside
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(resolved, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW)
     except OSError as exc:
         raise RolloutInputError("path", f"cannot open {path!r}: {exc.strerror}", loc=("path",)) from None
-    real = os.path.realpath(f"/proc/self/fd/{fd}")
-    if not stat.S_ISREG(os.fstat(fd).st_mode) or not any(real.startswith(r + os.sep) for r in roots):
+    if not stat.S_ISREG(os.fstat(fd).st_mode) or not _inside(os.path.realpath(f"/proc/self/fd/{fd}"), roots):
         os.close(fd)
-        raise RolloutInputError("path", f"{path!r} is not a regular file inside {' or '.join(roots)} "
-                                "(--weights-file-dir, --shm-dir)", loc=("path",))
+        raise outside
     return fd
 
 
+def _read_at(fd: int, view: memoryview, offset: int) -> memoryview:
+    """`view` filled from the file at `offset` (pread: a file cut short meanwhile is a 422, where
+    a memory map of it would kill the process with SIGBUS)."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got == 0:
+            raise _body_key(RolloutInputError("body", f"the file ended at byte {offset + done} while it was read, "
+                                              f"short of the {offset + len(view)} its header needs (was it rewritten "
+                                              "meanwhile? push a file nobody writes to)"))
+        done += got
+    return view
+
+
 def _push_file(service: Any, model_id: str, path: object, partial: bool) -> JSONResponse:
-    """The file memory-mapped and staged tensor by tensor with the stream's checks, then one swap."""
+    """The file read and staged piece by piece with the stream's checks, then one swap."""
     _known_model(service, model_id)
     fd = _open_allowed(service.settings, path)
     try:
         size = os.fstat(fd).st_size
         if size < 8:
             raise _body_key(RolloutInputError("body", f"not a safetensors file: {size} bytes"))
-        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        n = int.from_bytes(_read_at(fd, memoryview(bytearray(8)), 0), "little")
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise _body_key(RolloutInputError("body", f"not a safetensors file: header size {n} does not fit "
+                                              f"the file of {size} bytes"))
         try:
-            n = int.from_bytes(mm[:8], "little")
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise _body_key(RolloutInputError("body", f"not a safetensors file: header size {n} does not fit "
-                                                  f"the file of {size} bytes"))
-            try:
-                entries, _ = parse_header(mm[8:8 + n], size - 8 - n)
-            except RolloutInputError as exc:
-                raise _body_key(exc) from None
-            header = _push_header(model_id, "file", entries, partial=partial)
-            pushes = service.weights_pushes
-            try:
-                staging = pushes.begin(header)
-            except PushRefused as exc:
-                raise _refused(exc) from None
-            view = memoryview(mm)
-            with _aborted_on_error(pushes, staging, "commit_failed"):
-                for key, (dtype, _, start, end) in entries.items():
-                    step = max(dtype.itemsize, _FILE_PIECE - _FILE_PIECE % dtype.itemsize)
-                    for off in range(0, end - start, step):
-                        piece = view[8 + n + start + off:8 + n + min(start + off + step, end)]
-                        pushes.write(staging, key, off, piece)
-                        del piece
-                view.release()
-                answer = pushes.commit(staging)
-        finally:
-            with contextlib.suppress(BufferError):  # a refusal's traceback still holds a view: the map goes with it
-                mm.close()
+            entries, _ = parse_header(bytes(_read_at(fd, memoryview(bytearray(n)), 8)), size - 8 - n)
+        except RolloutInputError as exc:
+            raise _body_key(exc) from None
+        header = _push_header(model_id, "file", entries, partial=partial)
+        pushes = service.weights_pushes
+        try:
+            staging = pushes.begin(header)
+        except PushRefused as exc:
+            raise _refused(exc) from None
+        buffer = memoryview(bytearray(min(_FILE_PIECE, max((end - start for _, _, start, end in entries.values()),
+                                                             default=0))))
+        with _aborted_on_error(pushes, staging, "commit_failed"):
+            for key, (dtype, _, start, end) in entries.items():
+                step = max(dtype.itemsize, len(buffer) - len(buffer) % dtype.itemsize)
+                for off in range(0, end - start, step):
+                    piece = buffer[:min(step, end - start - off)]
+                    pushes.write(staging, key, off, _read_at(fd, piece, 8 + n + start + off))
+            answer = pushes.commit(staging)
     finally:
         os.close(fd)
     return _committed(model_id, answer, tensors=len(entries), bytes_sent=answer["bytes_sent"])
@@ -351,13 +368,13 @@ def _push_file(service: Any, model_id: str, path: object, partial: bool) -> JSON
 
 async def post_weights_file(request: Request) -> Response:
     """POST .../weights/file {"path": "/abs/file.safetensors", "partial": false}: a same-host push
-    without a socket; the file is memory-mapped and checked as a stream's chunks are."""
+    without a socket; the file is read piece by piece and checked as a stream's chunks are."""
     media = (request.headers.get("content-type") or "").split(";", 1)[0].strip().lower()
     if media != "application/json":
         raise HttpError(415, "unsupported_media_type", "the body must be JSON sent with Content-Type: "
                         "application/json")
-    try:
-        body = await request.json()
+    try:  # pydantic-core's parser, as a POST's: a nesting too deep for Python is refused, not a 500
+        body = from_json(await request.body())
     except ValueError:
         raise RolloutInputError("body", "must be a JSON object {\"path\": ..., \"partial\": false}") from None
     if not isinstance(body, dict) or set(body) - {"path", "partial"}:
@@ -365,8 +382,14 @@ async def post_weights_file(request: Request) -> Response:
     partial = body.get("partial", False)
     if not isinstance(partial, bool):
         raise RolloutInputError("partial", "must be true or false", loc=("partial",))
-    return await run_in_threadpool(_push_file, request.state.service, request.path_params["model_id"],
-                                   body.get("path"), partial)
+    slots: PushSlots = request.app.state.push_slots
+    if not slots.try_take():  # a file push holds a thread and staging as a streamed one does
+        raise too_many_pushes(slots)
+    try:
+        return await run_in_threadpool(_push_file, request.state.service, request.path_params["model_id"],
+                                       body.get("path"), partial)
+    finally:
+        slots.give_back()
 
 
 async def put_weights(request: Request) -> Response:

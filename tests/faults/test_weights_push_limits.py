@@ -89,8 +89,8 @@ def test_huge_content_length_with_a_tiny_body_allocates_nothing_and_times_out() 
 
 
 @pytest.mark.timeout(120)
-def test_only_max_weights_pushes_bodies_at_once_and_a_slot_comes_back() -> None:
-    with InProcessServer("--body-timeout-s", "4", "--max-weights-pushes", "1") as server:
+def test_only_max_weights_pushes_bodies_at_once_and_a_slot_comes_back(tmp_path) -> None:
+    with InProcessServer("--body-timeout-s", "4", "--max-weights-pushes", "1", "--weights-file-dir", str(tmp_path)) as server:
         with stalled_push(server, "lora") as held, server.client() as c:
             deadline = time.monotonic() + 30
             while True:  # the stalled push holds the one slot once its route runs
@@ -103,6 +103,9 @@ def test_only_max_weights_pushes_bodies_at_once_and_a_slot_comes_back() -> None:
             assert r.json()["error"]["type"] == "too_many_pushes"
             assert "1" in r.json()["error"]["message"]
             assert r.headers["retry-after"] == "1"
+            # a same-host file push holds a thread and staging as a PUT does: it takes a slot too
+            r = c.post("/v1/models/tiny-sd3/weights/file", json={"path": str(tmp_path / "w.safetensors")})
+            assert r.status_code == 429 and r.json()["error"]["type"] == "too_many_pushes", r.text
             assert c.get("/healthz").status_code == 200  # other routes are not limited
             status, _, body = response(held)
             assert status == 408, body
