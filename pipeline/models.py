@@ -71,6 +71,7 @@ __all__ = [
     "component_digests",
     "hub_model_dir",
     "max_image_size",
+    "max_num_frames",
     "missing_pipeline_file",
     "parse_hub_id",
     "resolve_hub_model",
@@ -82,13 +83,32 @@ __all__ = [
 
 
 def max_image_size(pipeline: Any) -> int | None:
-    """Largest height/width the transformer can place (SD3's learned position embedding covers
-    pos_embed_max_size patches a side); None where positions are unbounded (RoPE: FLUX, Wan)."""
+    """Largest height/width the transformer can place: SD3's learned position embedding covers
+    pos_embed_max_size patches a side, Wan's RoPE table rope_max_seq_len; None where positions are
+    unbounded (FLUX computes its RoPE for any size)."""
     cfg = getattr(getattr(pipeline, "transformer", None), "config", None)
-    pos = getattr(cfg, "pos_embed_max_size", None)
-    if cfg is None or pos is None:
+    if cfg is None:
         return None
-    return int(pos) * int(getattr(cfg, "patch_size", 1)) * int(getattr(pipeline, "vae_scale_factor", 8))
+    pos = getattr(cfg, "pos_embed_max_size", None)
+    if pos is not None:
+        return int(pos) * int(getattr(cfg, "patch_size", 1)) * int(getattr(pipeline, "vae_scale_factor", 8))
+    rope = getattr(cfg, "rope_max_seq_len", None)
+    spatial = getattr(pipeline, "vae_scale_factor_spatial", None)
+    if rope is None or spatial is None:
+        return None
+    patch = cfg.patch_size  # (frames, height, width)
+    return int(rope) * int(patch[1]) * int(spatial)
+
+
+def max_num_frames(pipeline: Any) -> int | None:
+    """Most frames a video transformer can place (Wan: rope_max_seq_len latent frames of its RoPE
+    table, each patch_size[0] of them from vae_scale_factor_temporal frames); None for no bound."""
+    cfg = getattr(getattr(pipeline, "transformer", None), "config", None)
+    rope = getattr(cfg, "rope_max_seq_len", None)
+    temporal = getattr(pipeline, "vae_scale_factor_temporal", None)
+    if cfg is None or rope is None or temporal is None:
+        return None
+    return (int(rope) * int(cfg.patch_size[0]) - 1) * int(temporal) + 1
 
 
 def _prepare(pipeline: Any, device: torch.device, dtype: torch.dtype) -> Any:

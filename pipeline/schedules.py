@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import (
@@ -68,14 +69,21 @@ class RolloutScheduler(_FlowMatchBase):
         mu: float | None = None,
         timesteps: list[float] | None = None,
     ) -> None:
-        # 1. Run the stock schedule computation.
-        super().set_timesteps(num_inference_steps, device, sigmas=sigmas, mu=mu, timesteps=timesteps)
+        # 1. Run the stock schedule computation (numpy's overflow warnings held: a schedule that
+        #    overflowed is refused below, by name; errstate is thread-local, unlike warnings filters).
+        with np.errstate(over="ignore", invalid="ignore"):
+            super().set_timesteps(num_inference_steps, device, sigmas=sigmas, mu=mu, timesteps=timesteps)
         # 2. Record how it was called (JSON-able, device dropped, None omitted).
         given = {"num_inference_steps": num_inference_steps, "sigmas": sigmas, "mu": mu, "timesteps": timesteps}
         self.set_timesteps_kwargs = {k: _jsonable(v) for k, v in given.items() if v is not None}
         # 3. Snapshot the schedule that will run: float32, CPU, cloned (`.to` may return the same object).
         self.sigmas_snapshot = self.sigmas.detach().to("cpu", torch.float32).clone()  # [T+1]
         self.timesteps_snapshot = self.timesteps.detach().to("cpu", torch.float32).clone()  # [T]
+        if not (torch.isfinite(self.sigmas_snapshot).all() and torch.isfinite(self.timesteps_snapshot).all()):
+            # FLUX's shift (mu) grows with the image's tokens; past what the scheduler's config was
+            # made for, exp(mu) overflows float32 and the schedule is NaN: the size is what to change
+            raise RolloutInputError("height", f"the scheduler's schedule for this height x width is not finite "
+                                    f"(set_timesteps mu={mu!r}: the shift grows with the image's size); ask a smaller size")
         if self.driver is not None:
             self.driver.on_set_timesteps(self)
 

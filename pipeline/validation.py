@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from sigmaflight.pipeline.conditioning import check_conditioning
 from sigmaflight.pipeline.families import family_named
-from sigmaflight.pipeline.models import LoadedModel, max_image_size
+from sigmaflight.pipeline.models import LoadedModel, max_image_size, max_num_frames
 from sigmaflight.pipeline.seeds import SEED_MASK
 from sigmaflight.pipeline.spec import RolloutInputError, RolloutSpec
 
@@ -97,6 +97,10 @@ def _validate_size(model: LoadedModel, spec: RolloutSpec) -> None:
             raise RolloutInputError("num_frames", f"{model.id} is an image model")
         if spec.num_frames < 1 or (spec.num_frames - 1) % 4:
             raise RolloutInputError("num_frames", "must be 4k + 1")
+        frames = max_num_frames(model.pipeline)
+        if frames is not None and spec.num_frames > frames:
+            raise RolloutInputError("num_frames", f"{spec.num_frames} exceeds {frames}, the most frames {model.id}'s "
+                                    "position embedding covers")
 
 
 def _validate_seeds(spec: RolloutSpec) -> None:

@@ -194,3 +194,26 @@ def test_a_low_precision_wan_stores_the_float32_x0_its_loop_consumed(dtype):
     got = Replayer(model).log_probs(spec, latents=_latents(res), steps=res.snapshot.steps, sigmas=res.snapshot.sigmas,
                                     timesteps=res.snapshot.timesteps, seeds=res.seeds)
     assert torch.isfinite(res.log_probs).all() and torch.equal(got, res.log_probs)
+
+
+@pytest.mark.parametrize(("height", "width", "frames"),
+                         [(512, 32, 1), (528, 32, 1), (32, 512, 1), (32, 528, 1), (32, 32, 125), (32, 32, 129)])
+def test_the_sizes_and_frames_taken_are_those_the_stock_pipeline_can_place(registry, height, width, frames):
+    """Wan's RoPE table covers rope_max_seq_len positions an axis: past it the stock WanPipeline
+    raises a shape error. A request the stock call cannot run is a RolloutInputError naming the
+    field (it was accepted, then failed at run time as internal_error); one it can run is taken."""
+    model = registry.get(WAN)
+    try:
+        model.pipeline(prompt="x", height=height, width=width, num_frames=frames, num_inference_steps=1,
+                       output_type="latent")
+        stock_runs = True
+    except RuntimeError:
+        stock_runs = False
+    spec = _spec(height=height, width=width, num_frames=frames, num_inference_steps=1)
+    if stock_runs:
+        validate_spec(model, spec)
+    else:
+        with pytest.raises(RolloutInputError) as err:
+            validate_spec(model, spec)
+        assert err.value.field == ("height" if height > 32 else "width" if width > 32 else "num_frames")
+        assert "position embedding covers" in str(err.value)
