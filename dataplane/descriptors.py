@@ -86,7 +86,7 @@ def action_rollout(body: bytes) -> str:
     if text.startswith("{"):
         try:
             obj: Any = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past Python's stack: refused as any bad JSON is
             raise flight_error("bad_request", "action body is not valid JSON") from None
         text = obj.get("id", "") if isinstance(obj, dict) else ""
         if not isinstance(text, str):

@@ -131,7 +131,7 @@ def chunk_batch(name: str, offset: int, data: memoryview | np.ndarray) -> pa.Rec
 def parse_header(raw: bytes) -> dict[str, Any]:
     try:
         header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError; nesting past the stack too
         raise PushRefused("bad_header", "the do_put command is not a JSON weights push header") from None
     if not isinstance(header, dict) or header.get(HEADER_KEY) != 1:
         raise PushRefused("bad_header", f"the do_put command is not a weights push header ({HEADER_KEY!r}: 1)")

@@ -106,6 +106,32 @@ def test_random_actions_get_typed_errors_or_answers(live, kind, body):
     assert time.monotonic() - t0 < 3.0  # at once, not at the 60 s deadline (slack for a loaded box: pytest runs a worker per core)
 
 
+def test_json_nested_past_pythons_stack_is_a_typed_refusal(live):
+    """An action body or a do_put header nested 5000 deep raised RecursionError inside the
+    server: an untyped error (no extra_info) with a Python traceback. It is bad input, typed."""
+    import json
+
+    from sigmaflight.dataplane.weights_wire import SCHEMA
+
+    server, client, ticket = live
+    deep = b"[" * 5000 + b"]" * 5000
+    for kind in ("cancel", "release"):
+        err = _refused(lambda kind=kind: list(client.do_action(flight.Action(kind, b'{"id": ' + deep + b"}"))))
+        assert json.loads(err.extra_info)["type"] == "bad_request", err
+        assert "Traceback" not in str(err)
+    header = flight.FlightDescriptor.for_command(b'{"sigmaflight.weights": 1, "tensors": ' + deep + b"}")
+    with pytest.raises(flight.FlightError) as caught:
+        writer, reader = client.do_put(header, SCHEMA)
+        try:
+            writer.done_writing()
+            reader.read()
+        finally:
+            writer.close()
+    info = json.loads(caught.value.extra_info)
+    assert (info["type"], info["reason"]) == ("bad_weights", "bad_header"), info
+    _still_serves(client, ticket)
+
+
 def test_server_still_serves_after_fuzzing(live):
     server, client, ticket = live
     _still_serves(client, ticket)
