@@ -12,8 +12,9 @@ This module is also the import path of the model API: what a served model is
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -121,6 +122,21 @@ def _prepare(pipeline: Any, device: torch.device, dtype: torch.dtype) -> Any:
             module.requires_grad_(False)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
+
+
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """Build on one torch thread. Built with two, SD3's sin/cos position embedding (a float64
+    torch.sin over 4096 elements, computed in the constructor) came out one float32 ulp off in
+    some elements in about 1 server start in 5: the part of the op an OpenMP worker ran did not
+    always give the caller's bits. The built-in's weights, and so its digest, must be the same in
+    every process (a restart must not make every trainer's expected_digest stale)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 class ModelRegistry:
@@ -315,10 +331,10 @@ class ModelRegistry:
 
     def _build_builtin(self, model_id: str) -> LoadedModel:
         spec = _BUILTINS[model_id]
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), _one_torch_thread():
             torch.manual_seed(spec.seed)
             pipeline = spec.build()
-        _prepare(pipeline, self._device, self._dtype)
+            _prepare(pipeline, self._device, self._dtype)
         components = component_digests(pipeline)
         return LoadedModel(
             id=model_id,
