@@ -117,7 +117,7 @@ def test_json_nested_past_pythons_stack_is_a_typed_refusal(live):
     deep = b"[" * 5000 + b"]" * 5000
     for kind in ("cancel", "release"):
         err = _refused(lambda kind=kind: list(client.do_action(flight.Action(kind, b'{"id": ' + deep + b"}"))))
-        assert json.loads(err.extra_info)["type"] == "bad_request", err
+        assert isinstance(err, flight.FlightError) and json.loads(err.extra_info)["type"] == "bad_request", err
         assert "Traceback" not in str(err)
     header = flight.FlightDescriptor.for_command(b'{"sigmaflight.weights": 1, "tensors": ' + deep + b"}")
     with pytest.raises(flight.FlightError) as caught:
