@@ -33,6 +33,28 @@ from sigmaflight.dataplane.tickets import is_minted
 
 log = logging.getLogger("sigmaflight.dataplane.store")
 
+ORPHAN_SUFFIX = ".orphan"
+"""What a trajectory file (and its stream files) no journal row names is renamed with at the
+restart scan: never served, kept for a look (as `.corrupt` ones are)."""
+
+
+def discard_files(rollout_id: str, copies: list[Path | None], *, durable: list[Path | None], aside: bool) -> None:
+    """Delete a released rollout's files: its `copies` (shared memory) and its `durable` ones, or,
+    `aside`, rename those `<name>.orphan`. A file that cannot be deleted (a read-only or failing
+    disk) is logged, not raised: the rollout is released either way and no longer served; its
+    journal row says so, and the restart scan deletes the file if it is still there."""
+    for path in [*copies, *durable]:
+        if path is None:
+            continue
+        try:
+            if aside and path in durable:
+                os.replace(path, path.with_name(path.name + ORPHAN_SUFFIX))
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.error("released rollout's file could not be deleted (no longer served)",
+                      extra={"rollout": rollout_id, "path": str(path), "reason": exc.strerror or str(exc)})
+
 FOOTER_TICKET = "sigmaflight.ticket"
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from sigmaflight.dataplane.budget import MemoryBudget, malloc_trim, trim_if_large
 from sigmaflight.dataplane.codec import DEFAULT_MAX_BATCH_BYTES
-from sigmaflight.dataplane.durable import DurableDir, serve_from_durable
+from sigmaflight.dataplane.durable import DurableDir, discard_files, serve_from_durable
 from sigmaflight.dataplane.entry import Entry, RolloutEnded, StopCheck
 from sigmaflight.dataplane.files import CorruptTrajectoryFile, FileStamp, verify_batches
 from sigmaflight.dataplane.record import TrajectoryHeader
@@ -368,9 +368,10 @@ class ResultStore:
             e.wake()
 
     # -- end of life ---------------------------------------------------------------------
-    def release(self, rollout_id: str) -> bool:
-        """Drop a finished (or failed/cancelled) rollout and delete its file; False if
-        unknown or still running (cancel it first)."""
+    def release(self, rollout_id: str, *, aside: bool = False) -> bool:
+        """Drop a finished (or failed/cancelled) rollout and delete its files (`aside`: rename its
+        durable files `.orphan`, never served, kept for a look); False if unknown or still running
+        (cancel it first). A file that cannot be deleted is logged (durable.discard_files)."""
         with self._lock:
             e = self._entries.get(rollout_id)
             if e is None or e.state is RolloutState.RUNNING:
@@ -384,9 +385,7 @@ class ResultStore:
             self.budget.add(-freed)
         stream_files = list(e.stream_paths.values())
         e.end(RolloutState.RELEASED, "rollout was released")
-        for path in (e.path, e.shm_path, *stream_files):
-            if path is not None:
-                path.unlink(missing_ok=True)
+        discard_files(rollout_id, [e.shm_path], durable=[e.path, *stream_files], aside=aside)
         trim_if_large(freed)
         return True
 

@@ -117,8 +117,8 @@ class LocalBackend:
     def abandon(self, job_id: str, kind: str, message: str) -> None:
         self.store.abandon(job_id, kind, message)
 
-    def release(self, job_id: str) -> None:
-        self.store.release(job_id)
+    def release(self, job_id: str, *, aside: bool = False) -> None:
+        self.store.release(job_id, aside=aside)
 
     def result_info(self, job_id: str) -> ResultInfo | None:
         try:

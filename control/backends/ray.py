@@ -190,12 +190,12 @@ class RayBackend(WeightsFanout):
             except WorkerDied:
                 pass  # its reservation died with it
 
-    def release(self, job_id: str) -> None:
+    def release(self, job_id: str, *, aside: bool = False) -> None:
         with self._lock:
             slot = self._where.pop(job_id, None)
         if slot is not None and slot.alive:
             try:
-                self._call(slot, "release", job_id)
+                self._call(slot, "release", job_id, aside)
             except WorkerDied:
                 pass  # its result died with it
 

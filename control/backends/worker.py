@@ -194,8 +194,8 @@ class RolloutWorker:
             self._queued.discard(job_id)
         self.backend.abandon(job_id, kind, message)
 
-    def release(self, job_id: str) -> None:
-        self.backend.release(job_id)
+    def release(self, job_id: str, aside: bool = False) -> None:
+        self.backend.release(job_id, aside=aside)
 
     def result_info(self, job_id: str) -> dict[str, Any] | None:
         info = self.backend.result_info(job_id)

@@ -227,8 +227,9 @@ class Backend(Protocol):
         """End a reserved rollout that never ran (cancelled while queued, shutdown)."""
         ...
 
-    def release(self, job_id: str) -> None:
-        """Drop a finished rollout's result (and its files)."""
+    def release(self, job_id: str, *, aside: bool = False) -> None:
+        """Drop a finished rollout's result and delete its files (`aside`: rename its durable files
+        `.orphan` instead, the restart scan's way with a trajectory no journal row names)."""
         ...
 
     def result_info(self, job_id: str) -> ResultInfo | None:

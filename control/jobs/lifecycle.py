@@ -175,18 +175,23 @@ class Lifecycle:
         unless the backend holds its finished, valid trajectory: the process died between the file's
         rename into place and the journal's "succeeded" row (or that row, and the "running" one
         before it, could not be written), so it is a succeeded rollout. A succeeded one whose
-        trajectory the backend no longer holds is expired; a failed one whose served copy was found
-        changed (result_unavailable) has what the backend still holds of it released. A trajectory
-        the journal has no row for is released: REST cannot name it, so Flight must not serve it.
-        A row that cannot be written back now is retried later."""
+        trajectory the backend no longer holds is expired. An ended one that is not succeeded
+        (expired, failed, cancelled) has whatever trajectory the backend still holds of it deleted:
+        Flight must not serve what REST does not call succeeded (a file whose delete failed at its
+        release; a failed one whose served copy was found changed, result_unavailable). A
+        trajectory the journal has no row for is set aside (`.orphan`): REST cannot name it, so
+        Flight must not serve it, and it is not ours to delete. A row that cannot be written back
+        now is retried later. What the backend holds is asked once (under Ray, a call to every
+        worker), not once a row: the journal holds thousands of ended rollouts."""
         if self.journal is None:
             return
+        held = set(self.backend.stored_ids())
         journaled = set()
         for rec in self.journal.load():
             job = Job.from_record(rec)
             journaled.add(job.id)
             was = job.state
-            result = self.backend.result_info(job.id) if was.active else None
+            result = self.backend.result_info(job.id) if was.active and job.id in held else None
             if result is not None:
                 if was is RolloutState.QUEUED:
                     job.move(RolloutState.RUNNING)
@@ -200,21 +205,17 @@ class Lifecycle:
                     type="server_restarted", message=f"server restarted while the rollout was {was}"))
                 self._persist(job)
                 log.warning("rollout marked failed after restart", extra={"rollout": job.id, "was": was})
-            elif was is RolloutState.SUCCEEDED and self.backend.result_info(job.id) is None:
+            elif was is RolloutState.SUCCEEDED and job.id not in held:
                 job.move(RolloutState.EXPIRED, keep_time=True)
                 self._persist(job)
                 log.warning("finished rollout has no stored trajectory; marked expired", extra={"rollout": job.id})
-            elif (job.error is not None and job.error.type == "result_unavailable"
-                  and self.backend.result_info(job.id) is not None):
-                # the one ended, not-succeeded rollout that can leave a whole trajectory file behind:
-                # its served copy was found changed, its durable copy stayed intact. Flight must not
-                # serve what REST calls failed (asked of these alone: under Ray each ask is a call
-                # to every worker, and the journal holds thousands of ended rollouts)
+            elif was is not RolloutState.SUCCEEDED and job.id in held:
                 self.backend.release(job.id)
                 job.released = True
-                log.warning("trajectory of an ended rollout found after restart; released",
+                log.warning("trajectory of an ended rollout found after restart; deleted",
                             extra={"rollout": job.id, "status": was})
             self.table.add(job)
-        for rollout_id in sorted(set(self.backend.stored_ids()) - journaled):
-            self.backend.release(rollout_id)
-            log.warning("trajectory with no journal row found after restart; released", extra={"rollout": rollout_id})
+        for rollout_id in sorted(held - journaled):
+            self.backend.release(rollout_id, aside=True)
+            log.warning("trajectory with no journal row found after restart; set aside, never served",
+                        extra={"rollout": rollout_id})

@@ -200,9 +200,12 @@ def test_delete_of_a_cancelled_rollout_keeps_it_cancelled(registry):
     jobs, _ = manager(registry)  # not started
     job, _ = jobs.submit(spec())
     assert known(jobs.cancel(job.id)).status == "cancelled"
-    assert known(jobs.cancel(job.id)).status == "cancelled"
-    assert jobs.release(job.id) is True
+    assert known(jobs.cancel(job.id)).status == "cancelled"  # the second DELETE releases it
+    assert jobs.release(job.id) is False  # Flight release: nothing left to free
     assert known(jobs.get(job.id)).status == "cancelled"
+    other, _ = jobs.submit(spec(seed=2))
+    jobs.cancel(other.id)
+    assert jobs.release(other.id) is True and jobs.release(other.id) is False
     jobs.stop()
 
 
@@ -238,10 +241,10 @@ def test_restart_reconciles_a_finished_file_the_journal_calls_unfinished(registr
     store2.close()
 
 
-def test_restart_releases_a_trajectory_file_the_journal_has_no_row_for(registry, tmp_path):
-    """A file with no journal row (its row deleted, its file left: a reaper's record-cap drop whose
-    unlink failed, a journal put back from a backup) is no rollout REST knows: the restart scan
-    frees it rather than Flight serving it for good; the rollouts the journal knows stay served."""
+def test_restart_sets_aside_a_trajectory_file_the_journal_has_no_row_for(registry, tmp_path):
+    """A file with no journal row (a journal put back from a backup, or moved away) is no rollout
+    REST knows: the restart scan sets it aside (`.orphan`, kept, never served) rather than Flight
+    serving it for good; the rollouts the journal knows stay served."""
     jobs, store = manager(registry, tmp_path)
     jobs.start()
     kept, _ = jobs.submit(spec())
@@ -260,6 +263,7 @@ def test_restart_releases_a_trajectory_file_the_journal_has_no_row_for(registry,
         assert again.get(orphan.id) is None
         assert orphan.id not in store2.ids()
         assert not (tmp_path / "trajectories" / f"{orphan.id}.arrow").exists()
+        assert (tmp_path / "trajectories" / f"{orphan.id}.arrow.orphan").exists()
         assert known(again.get(kept.id)).status == "succeeded" and store2.result(kept.id) is not None
     finally:
         again.stop()

@@ -277,3 +277,43 @@ def test_a_second_flight_server_on_the_same_store_serves_live_streams() -> None:
             second.stop()
     finally:
         store.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_release_whose_file_cannot_be_deleted_still_releases_and_the_restart_deletes_it(tmpfs) -> None:
+    """DELETE, Flight release and the TTL on a rollout whose trajectory file cannot be unlinked (its
+    directory turned read-only): each used to raise after the store had forgotten the rollout, so
+    DELETE was a 500 (REST said succeeded, Flight said released), Flight's answer a traceback, and
+    the reaper's pass died. Each releases it now, logging the file it could not delete; the
+    journal says expired, and the restart scan, on a writable disk, deletes the file instead of
+    serving an expired rollout again."""
+    data = tmpfs("data", "8m")
+    traj = tmpfs("trajectories", "8m", under=data.path)
+    flags = ("--data-dir", str(data.path), "--workers", "1", "--ttl-s", "3")
+    with InProcessServer(*flags) as server, server.client() as c:
+        deleted, released, timed_out = (c.post("/v1/rollouts", json={**SMALL, "seed": s}).json() for s in (1, 2, 3))
+        for t in (deleted, released, timed_out):
+            wait_for_status(c, t["id"], {"succeeded"}, timeout=60)
+        traj.read_only()
+        r = c.delete(f"/v1/rollouts/{deleted['id']}")
+        assert r.status_code == 200 and r.json()["status"] == "expired", r.text
+        with flight.FlightClient(server.flight_url) as fc:
+            (answer,) = fc.do_action(flight.Action("release", released["id"].encode()), options=options(10))
+            assert b'"released": true' in answer.body.to_pybytes()
+        wait_for_status(c, timed_out["id"], {"expired"}, timeout=30)  # the TTL's pass went through
+        for t in (deleted, released, timed_out):
+            assert c.get(f"/v1/rollouts/{t['id']}").json()["status"] == "expired"
+            with pytest.raises(flight.FlightError, match="released"):
+                pull(server.flight_url, t["flight"]["ticket"], timeout=5)
+        wait_for_log(server, "released rollout's file could not be deleted", timeout=10)
+        assert "reaper error" not in server.log_text
+        assert {p.name for p in traj.path.iterdir()} >= {f"{t['id']}.arrow" for t in (deleted, released, timed_out)}
+    traj.read_write()
+    with InProcessServer(*flags) as again, again.client() as c:
+        for t in (deleted, released, timed_out):
+            assert c.get(f"/v1/rollouts/{t['id']}").json()["status"] == "expired"
+            with pytest.raises(flight.FlightError):
+                pull(again.flight_url, t["flight"]["ticket"], timeout=5)
+            assert not (traj.path / f"{t['id']}.arrow").exists()
+        assert _listed(again.flight_url) == set()
+        assert "trajectory of an ended rollout found after restart; deleted" in again.log_text
