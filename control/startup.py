@@ -84,6 +84,7 @@ def preflight(settings: Settings) -> None:
     check_models(settings)
     if settings.data_dir is not None:
         lock_data_dir(settings.data_dir)
+        check_data_dir_contents(settings.data_dir)
 
 
 # ---------------------------------------------------------------------------------------- ports
@@ -262,6 +263,25 @@ def lock_data_dir(path: Path) -> None:
     except OSError as exc:
         raise StartupError(f"--data-dir {path}: cannot open its lock file {path / LOCK_NAME} "
                            f"({exc.strerror or exc})") from None
+
+
+def check_data_dir_contents(path: Path) -> None:
+    """What a previous server left in --data-dir is what this one can read: its subdirectories are
+    directories, and every row of its journal reads (else the restart scan would end start-up in a
+    traceback, and no trajectory would be served)."""
+    from sigmaflight.control.jobs.journal import JOURNAL_NAME, JournalUnreadable, check_journal
+
+    for name in ("trajectories", "streams"):
+        sub = path / name
+        if sub.exists() and not sub.is_dir():
+            raise StartupError(f"--data-dir {path}: {sub} is not a directory (the server keeps its {name} there); "
+                               "move it away")
+    try:
+        check_journal(path / JOURNAL_NAME)
+    except JournalUnreadable as exc:
+        raise StartupError(f"--data-dir {path}: its job journal cannot be read: {exc}. Repair it, or move "
+                           f"{JOURNAL_NAME} aside to start without its records (the trajectories it named are then "
+                           "set aside as <id>.arrow.orphan, never deleted)") from None
 
 
 def check_weights_file_dir(path: Path) -> None:

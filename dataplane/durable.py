@@ -38,6 +38,16 @@ ORPHAN_SUFFIX = ".orphan"
 restart scan: never served, kept for a look (as `.corrupt` ones are)."""
 
 
+def _remove_left_over(path: Path) -> None:
+    """Delete a file the restart scan does not serve; one it cannot (a directory at its name, a
+    read-only disk) is logged and left, and start-up goes on."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.error("cannot remove a left-over file in the data dir; left as it is",
+                  extra={"path": str(path), "reason": exc.strerror or str(exc)})
+
+
 def discard_files(rollout_id: str, copies: list[Path | None], *, durable: list[Path | None], aside: bool) -> None:
     """Delete a released rollout's files: its `copies` (shared memory) and its `durable` ones, or,
     `aside`, rename those `<name>.orphan`. A file that cannot be deleted (a read-only or failing
@@ -148,7 +158,7 @@ class DurableDir:
         for p in sorted(self.stream_dir.iterdir()):
             if p.name.endswith(".arrow" + TEMP_SUFFIX):
                 log.warning("discarding half-written stream file (never finished)", extra={"path": str(p)})
-                p.unlink(missing_ok=True)
+                _remove_left_over(p)
                 continue
             if p.suffix != ".arrow":  # not ours (.corrupt ones are kept for a look)
                 continue
@@ -156,7 +166,7 @@ class DurableDir:
             e = by_id.get(rollout_id)
             if e is None or name not in e.streams_requested:
                 log.warning("discarding stream file (no finished rollout of that id asked for it)", extra={"path": str(p)})
-                p.unlink(missing_ok=True)
+                _remove_left_over(p)
                 continue
             try:
                 table, footer = map_stream(p, FORMATS[name])
@@ -179,7 +189,7 @@ class DurableDir:
         for p in sorted(self.trajectory_dir.iterdir()):
             if p.name.endswith(TEMP_SUFFIX):
                 log.warning("discarding half-written trajectory file (never finished)", extra={"path": str(p)})
-                p.unlink(missing_ok=True)
+                _remove_left_over(p)
                 continue
             if p.suffix != ".arrow":
                 continue

@@ -32,6 +32,39 @@ CREATE TABLE IF NOT EXISTS probe (
 """
 
 
+JOURNAL_NAME = "jobs.sqlite3"
+
+
+class JournalUnreadable(Exception):
+    """An existing journal the restart scan could not read whole (names the row and why)."""
+
+
+def check_journal(path: Path) -> None:
+    """Every row of the journal at `path` (if there is one) read as the restart scan reads them;
+    JournalUnreadable naming the first that cannot be, or the file sqlite cannot open. Read-only:
+    nothing is changed."""
+    from sigmaflight.control.jobs.job import Job
+
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise JournalUnreadable(f"{path} is not a file")
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            rows = db.execute("SELECT id, record FROM jobs").fetchall() if "jobs" in tables else []
+        finally:
+            db.close()
+    except sqlite3.Error as exc:
+        raise JournalUnreadable(f"{path}: {exc}") from None
+    for row_id, text in rows:
+        try:
+            Job.from_record(json.loads(text))
+        except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
+            raise JournalUnreadable(f"{path}: row {str(row_id)[:80]!r}: {type(exc).__name__}: {str(exc)[:200]}") from None
+
+
 class Journal:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

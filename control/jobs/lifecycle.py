@@ -15,7 +15,7 @@ from pathlib import Path
 
 from sigmaflight.control.jobs.backend import Backend
 from sigmaflight.control.jobs.job import Job, NotFinished
-from sigmaflight.control.jobs.journal import Journal
+from sigmaflight.control.jobs.journal import JOURNAL_NAME, Journal
 from sigmaflight.control.jobs.table import JobTable
 
 from sigmaflight.records import ErrorInfo, ResultInfo, RolloutState
@@ -31,7 +31,7 @@ class Lifecycle:
     def __init__(self, table: JobTable, backend: Backend, data_dir: Path | None) -> None:
         self.table = table
         self.backend = backend
-        self.journal = Journal(data_dir / "jobs.sqlite3") if data_dir is not None else None
+        self.journal = Journal(data_dir / JOURNAL_NAME) if data_dir is not None else None
         self.journal_error: str | None = None
         """Why the last journal write failed; None while the journal is writable."""
         self._unjournaled_deletes: set[str] = set()

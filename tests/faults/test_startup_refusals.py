@@ -4,14 +4,17 @@ status 2, before any model loads; and a SIGHUP during start-up does not kill the
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
+import sqlite3
 import stat
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import psutil
@@ -321,6 +324,60 @@ def test_a_data_dir_that_is_a_file_or_cannot_be_made_is_refused_and_no_parent_is
     line = serve_refused("--port", "0", "--flight-port", "0", "--data-dir", str(typo))
     assert f"--data-dir {typo}: its parent {typo.parent} does not exist" in line, line
     assert not (tmp_path / "no-such-parent").exists()
+
+
+@pytest.fixture(scope="module")
+def used_data_dir(tmp_path_factory) -> Path:
+    """A data dir a server left: its journal with one succeeded rollout, and that trajectory."""
+    data = tmp_path_factory.mktemp("used") / "data"
+    with InProcessServer("--data-dir", str(data)) as s, s.client() as c:
+        rid = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 1, "seed": 1}).json()["id"]
+        while c.get(f"/v1/rollouts/{rid}").json()["status"] != "succeeded":
+            time.sleep(0.02)
+    return data
+
+
+def _row(db: Path, row_id: str, record: str) -> None:
+    with sqlite3.connect(db) as conn:
+        conn.execute("INSERT INTO jobs (id, record) VALUES (?, ?)", (row_id, record))
+
+
+def _status(db: Path, status: str) -> None:
+    with sqlite3.connect(db) as conn:
+        (rid, text), = conn.execute("SELECT id, record FROM jobs").fetchall()
+        conn.execute("INSERT INTO jobs (id, record) VALUES (?, ?)", ("newer", text.replace('"succeeded"', f'"{status}"')))
+
+
+DAMAGE = {
+    "row-not-json": (lambda d: _row(d / "jobs.sqlite3", "bad", "{{{not json"), "row 'bad': JSONDecodeError"),
+    "row-missing-fields": (lambda d: _row(d / "jobs.sqlite3", "bad", '{"id": "bad"}'), "row 'bad': KeyError"),
+    "row-of-an-unknown-status": (lambda d: _status(d / "jobs.sqlite3", "archived"), "row 'newer': ValueError"),
+    "not-a-database": (lambda d: (d / "jobs.sqlite3").write_bytes(b"not sqlite at all " * 100), "not a database"),
+    "journal-a-directory": (lambda d: ((d / "jobs.sqlite3").unlink(), (d / "jobs.sqlite3").mkdir()), "is not a file"),
+    "trajectories-a-file": (lambda d: (shutil.rmtree(d / "trajectories"), (d / "trajectories").write_text("x")),
+                            "trajectories is not a directory"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_data_dir_whose_journal_or_layout_cannot_be_read_is_refused_in_one_line_and_left_as_it_is(
+        used_data_dir, tmp_path, damage):
+    """Each ended start-up in a traceback (exit 3) from the restart scan, and no trajectory was
+    served again: refused before anything loads, naming the journal row or the path, and what to do."""
+    data = tmp_path / "data"
+    shutil.copytree(used_data_dir, data)
+    (data / ".sigmaflight.lock").unlink(missing_ok=True)
+    make, says = DAMAGE[damage]
+    make(data)
+    def files() -> dict[Path, bytes]:  # sqlite's shared-memory index (-shm) changes on any read
+        return {p.relative_to(data): p.read_bytes() for p in data.rglob("*")
+                if p.is_file() and not p.name.endswith("-shm") and p.name != ".sigmaflight.lock"}
+
+    before = files()
+    line = serve_refused("--port", "0", "--flight-port", "0", "--data-dir", str(data))
+    assert f"--data-dir {data}: " in line and says in line, line
+    assert "jobs.sqlite3" in line or "trajectories" in line, line
+    assert files() == before  # nothing changed
 
 
 def test_a_weights_file_dir_that_is_missing_or_not_a_directory_is_refused(tmp_path):
