@@ -380,6 +380,24 @@ def test_a_data_dir_whose_journal_or_layout_cannot_be_read_is_refused_in_one_lin
     assert files() == before  # nothing changed
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="drops root's DAC override with setpriv")
+def test_a_trajectory_file_the_server_cannot_read_is_refused_not_set_aside_as_corrupt(used_data_dir, tmp_path):
+    """A good file this user cannot read (mode 000; root without CAP_DAC_OVERRIDE, so the mode
+    bits count) was taken for corrupt: renamed .corrupt and its rollout journaled expired, for
+    good. Start-up is refused naming it, and it stays where it is."""
+    data = tmp_path / "data"
+    shutil.copytree(used_data_dir, data)
+    (data / ".sigmaflight.lock").unlink(missing_ok=True)
+    (traj,) = (data / "trajectories").glob("*.arrow")
+    traj.chmod(0)
+    drop = ["setpriv", "--inh-caps=-dac_override,-dac_read_search", "--bounding-set=-dac_override,-dac_read_search"]
+    done = subprocess.run([*drop, *SERVE, "--port", "0", "--flight-port", "0", "--data-dir", str(data)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"cannot read {traj} (Permission denied)" in done.stderr, done.stderr
+    assert traj.exists() and not list((data / "trajectories").glob("*.corrupt"))
+
+
 def test_a_weights_file_dir_that_is_missing_or_not_a_directory_is_refused(tmp_path):
     missing = tmp_path / "no-such-dir"
     line = serve_refused("--port", "0", "--flight-port", "0", "--weights-file-dir", str(missing))
