@@ -1,4 +1,4 @@
-"""One live server a --data-dir: an exclusive flock on `<data_dir>/.sigmaflight.lock`.
+"""One live server a --data-dir: an exclusive flock on the directory and on `<data_dir>/.sigmaflight.lock`.
 
 Two servers on one data dir would each take the other's files and rows for a dead process's
 leftovers: the second's restart scan deletes the first's half-written trajectory files and marks
@@ -6,7 +6,8 @@ its running rollouts failed in the shared journal. So `sigmaflight serve`'s pref
 (control/startup.py) takes this lock before anything in the directory is read or changed and
 before the model loads; a second server is refused, naming the flag. The lock is the kernel's
 (flock on an open file, close-on-exec): a server that dies, by kill -9 too, leaves the directory
-free; the file itself stays and means nothing.
+free; the file itself stays and means nothing (deleting it while a server runs does not free the
+directory: the directory's own lock holds).
 
 The preflight's lock waits here (`take`) until the server's job journal adopts it (`adopt`,
 control/jobs/journal.py), which lets go of it when it closes: a server run in a test's process
@@ -36,26 +37,35 @@ class DataDirInUse(RuntimeError):
 
 
 class DataDirLock:
-    """The flock on `<data_dir>/.sigmaflight.lock`, held until `release` (or the process ends).
+    """The flocks on `<data_dir>` and `<data_dir>/.sigmaflight.lock`, held until `release` (or the process ends).
     Raises DataDirInUse when it is held, OSError when the file cannot be opened."""
 
     def __init__(self, data_dir: Path) -> None:
         self.path = Path(data_dir) / LOCK_NAME
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise DataDirInUse(self.path) from None
-        except OSError:
-            os.close(fd)
-            raise
-        self._fd: int | None = fd
+        self._fds: list[int] = []
+        # The directory itself is locked too: a lock file someone deleted (or replaced) while a
+        # server ran would let a second one lock a new file of the same name.
+        for name, flags in ((Path(data_dir), os.O_RDONLY | os.O_DIRECTORY),
+                            (self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW)):
+            try:
+                fd = os.open(name, flags | os.O_CLOEXEC, 0o600)
+            except OSError:
+                self.release()
+                raise
+            self._fds.append(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.release()
+                raise DataDirInUse(self.path) from None
+            except OSError:
+                self.release()
+                raise
 
     def release(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)  # the flock goes with the last descriptor of its open file
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)  # a flock goes with the last descriptor of its open file
 
 
 _taken: dict[str, DataDirLock] = {}

@@ -31,6 +31,12 @@ def test_a_second_server_on_a_live_servers_data_dir_is_refused_and_a_killed_serv
             assert f"--data-dir {data}: in use by another live server" in line, line
             assert c.get(f"/v1/rollouts/{running['id']}").json()["status"] == "running"
             assert partial.exists()  # the refused server removed nothing
+            # the lock file deleted under the live server (the docs say it means nothing by
+            # itself): a second server used to lock a new file of that name and start
+            (data / ".sigmaflight.lock").unlink()
+            line = serve_refused("--port", "0", "--flight-port", "0", "--data-dir", str(data))
+            assert f"--data-dir {data}: in use by another live server" in line, line
+            assert partial.exists()
 
             # the first server goes on: it ends its rollout as it would have (cancelled here, not
             # waited out) and journals that
