@@ -348,14 +348,22 @@ def _status(db: Path, status: str) -> None:
         conn.execute("INSERT INTO jobs (id, record) VALUES (?, ?)", ("newer", text.replace('"succeeded"', f'"{status}"')))
 
 
+def _replace(path: Path, *, directory: bool) -> None:
+    """`path` (a file or a directory) becomes an empty directory, or a small file."""
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if directory:
+        path.mkdir()
+    else:
+        path.write_text("x")
+
+
 DAMAGE = {
     "row-not-json": (lambda d: _row(d / "jobs.sqlite3", "bad", "{{{not json"), "row 'bad': JSONDecodeError"),
     "row-missing-fields": (lambda d: _row(d / "jobs.sqlite3", "bad", '{"id": "bad"}'), "row 'bad': KeyError"),
     "row-of-an-unknown-status": (lambda d: _status(d / "jobs.sqlite3", "archived"), "row 'newer': ValueError"),
     "not-a-database": (lambda d: (d / "jobs.sqlite3").write_bytes(b"not sqlite at all " * 100), "not a database"),
-    "journal-a-directory": (lambda d: ((d / "jobs.sqlite3").unlink(), (d / "jobs.sqlite3").mkdir()), "is not a file"),
-    "trajectories-a-file": (lambda d: (shutil.rmtree(d / "trajectories"), (d / "trajectories").write_text("x")),
-                            "trajectories is not a directory"),
+    "journal-a-directory": (lambda d: _replace(d / "jobs.sqlite3", directory=True), "is not a file"),
+    "trajectories-a-file": (lambda d: _replace(d / "trajectories", directory=False), "trajectories is not a directory"),
 }
 
 
