@@ -95,7 +95,8 @@ class Job(RunContext):
     model: str
     request: RolloutSpec | None
     """The spec as submitted; None for a job restored from the journal (it never runs again)."""
-    spec_json: dict[str, Any]
+    spec_json: dict[str, Any] | None
+    """The spec as the journal keeps it; None once an ended job let go of it (`forget_request`)."""
     streams: tuple[str, ...]
     steps_total: int
     created_at: float
@@ -129,6 +130,14 @@ class Job(RunContext):
         """The spec of a job that runs (never one restored from the journal)."""
         assert self.request is not None, f"job {self.id} was restored from the journal and never runs"
         return self.request
+
+    def forget_request(self) -> None:
+        """An ended job that no worker holds lets go of its request: the prompts (up to
+        --max-prompts x --max-prompt-chars a record) stay in its journal row and its trajectory's
+        metadata, not in memory for each of --max-records ended rollouts."""
+        assert not self.state.active, f"job {self.id} is {self.state}"
+        self.request = None
+        self.spec_json = None
 
     @property
     def samples(self) -> int:

@@ -80,9 +80,16 @@ class Journal:
             raise
 
     def put(self, job_id: str, record: dict[str, Any]) -> None:
+        """Write the job's row. A record whose "spec" is None (an ended job that let go of its
+        request, `Job.forget_request`) keeps the spec its row already holds."""
         text = json.dumps(record, separators=(",", ":"))
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO jobs (id, record) VALUES (?, ?)", (job_id, text))
+            if record.get("spec") is None:
+                self._db.execute("INSERT INTO jobs (id, record) VALUES (?, ?) ON CONFLICT(id) DO UPDATE SET "
+                                 "record = json_set(excluded.record, '$.spec', json(json_extract(jobs.record, '$.spec')))",
+                                 (job_id, text))
+            else:
+                self._db.execute("INSERT OR REPLACE INTO jobs (id, record) VALUES (?, ?)", (job_id, text))
 
     def delete(self, job_id: str) -> None:
         with self._lock:

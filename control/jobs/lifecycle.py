@@ -132,6 +132,7 @@ class Lifecycle:
         """Under the lock: a queued job that never runs (cancelled, shutdown)."""
         self.table.unqueue(job)
         self.change(job, state, error=error)
+        job.forget_request()  # out of every queue and batch: nothing runs it
         self.backend.abandon(job.id, state, error.message if error else "cancelled by client")
         if error is not None:  # the end line a running rollout gets from its worker (Workers.settle)
             log.error("rollout failed", extra={"rollout": job.id, "type": error.type, "reason": error.message,
@@ -214,6 +215,7 @@ class Lifecycle:
                 job.released = True
                 log.warning("trajectory of an ended rollout found after restart; deleted",
                             extra={"rollout": job.id, "status": was})
+            job.forget_request()  # restored records never run; the journal keeps their specs
             self.table.add(job)
         for rollout_id in sorted(held - journaled):
             self.backend.release(rollout_id, aside=True)

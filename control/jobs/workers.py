@@ -109,3 +109,7 @@ class Workers:
         for run in runs:
             if run.outcome is None:
                 run.settle(Outcome.failure("internal_error", "the backend returned without the rollout's outcome"))
+        with self.table.lock:
+            for run in runs:
+                if not run.state.active:  # ended, and no worker holds it any more
+                    run.forget_request()

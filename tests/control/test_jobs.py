@@ -501,3 +501,39 @@ def test_a_rollout_whose_step_outlasts_the_shutdowns_budget_is_journaled_as_shut
     assert failed.status == "failed" and failed.error is not None and failed.error.type == "shutdown", failed
     assert "server shutting down" in failed.error.message
     again.stop()
+
+
+def test_ended_records_do_not_keep_their_prompts_in_memory_and_the_journal_keeps_them(registry, tmp_path):
+    """Each ended rollout's record kept its whole request: 64 prompts of 4000 characters are about
+    a quarter MiB a record, some 2.5 GiB at --max-records' 10000, reached by POST and DELETE alone.
+    The prompts stay in the journal (and in the trajectory's metadata), through later rows too."""
+    import gc
+    import tracemalloc
+
+    jobs, store = manager(registry, tmp_path)
+    prompts = tuple(f"{i} " + "x" * 4000 for i in range(64))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        ids = []
+        for i in range(40):  # never started (the manager is not): cancelled while queued
+            job, _ = jobs.submit(spec(prompts=tuple(p + str(i) for p in prompts)))
+            assert known(jobs.cancel(job.id)).status == "cancelled"
+            ids.append(job.id)
+        gc.collect()
+        grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    finally:
+        tracemalloc.stop()
+    assert grown < 2 * 2**20, f"{grown / 2**20:.1f} MiB held for 40 ended records of 64 x 4000 characters"
+    jobs.cancel(ids[0])  # a later row (the release) is written without the spec in memory
+    db = sqlite3.connect(str(tmp_path / "jobs.sqlite3"))
+    rows = dict(db.execute("SELECT id, record FROM jobs").fetchall())
+    db.close()
+    for rid in ids:
+        assert json.loads(rows[rid])["spec"]["prompts"][0] == "0 " + "x" * 4000 + str(ids.index(rid))
+    jobs.stop()
+    store.close()
+    again, store2 = manager(registry, tmp_path)  # the restart reads them back as they were
+    assert known(again.get(ids[0])).status == "cancelled"
+    again.stop()
+    store2.close()
