@@ -297,7 +297,7 @@ class FlightDataServer(flight.FlightServerBase):
         call = context.get_middleware("slots")
         done = entry.served_table(start, stride) if isinstance(call, CallSlot) else None
         if done is not None:  # finished: the whole table at once
-            return self._send_table(call, slot, *done)
+            return self._send_table(context, slot, *done)
         return flight.GeneratorStream(entry.schema, self._serve(entry, start, stride, slot, should_stop))
 
     def _do_get_stream(
@@ -314,16 +314,19 @@ class FlightDataServer(flight.FlightServerBase):
         except BaseException:
             slot.free()
             raise
-        return self._send_table(context.get_middleware("slots"), slot, table, int(table.nbytes))
+        return self._send_table(context, slot, table, int(table.nbytes))
 
-    def _send_table(self, call: object, slot: StreamSlot, table: pa.Table, nbytes: int) -> flight.RecordBatchStream:
+    def _send_table(self, context: flight.ServerCallContext, slot: StreamSlot, table: pa.Table,
+                    nbytes: int) -> flight.RecordBatchStream:
         """Stream a whole table by a C++ table reader, with no Python (and no GIL) per batch; the
-        slot is freed when gRPC says the call is over (the slots middleware), else at once."""
+        slot is freed, and the bytes counted if the consumer took them all, when gRPC says the
+        call is over (the slots middleware); without it, at once."""
+        call = context.get_middleware("slots")
         if isinstance(call, CallSlot):
-            call.slot = slot
+            call.slot, call.whole = slot, (self.slots, nbytes, context)
         else:
             slot.free()
-        self.slots.count_bytes(nbytes)
+            self.slots.count_bytes(nbytes)
         return flight.RecordBatchStream(table, options=_IPC_OPTIONS)
 
     def get_flight_info(

@@ -67,12 +67,21 @@ class StreamSlot:
 
 class CallSlot(flight.ServerMiddleware):
     """Frees a do_get's stream slot when gRPC says the call is over (finished, failed or the
-    client went away): one Python call per stream, none per batch."""
+    client went away): one Python call per stream, none per batch. A whole table handed to C++
+    (`whole`: its slots, bytes and the call's context) is counted as served once the call ends
+    neither failed nor cancelled: a consumer that stopped or went away part-way did not get it
+    (Arrow ends such a call without an error; its context, still alive here, says it was cancelled)."""
 
     def __init__(self) -> None:
         self.slot: StreamSlot | None = None
+        self.whole: tuple[StreamSlots, int, flight.ServerCallContext] | None = None
 
     def call_completed(self, exception: BaseException | None) -> None:
+        whole, self.whole = self.whole, None  # the context is not touched after its call
+        if whole is not None and exception is None:
+            slots, nbytes, context = whole
+            if not context.is_cancelled():
+                slots.count_bytes(nbytes)
         if self.slot is not None:
             self.slot.free()
 

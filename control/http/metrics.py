@@ -109,7 +109,8 @@ class ServiceCollector(Collector):
         yield CounterMetricFamily("sigmaflight_steps", "Denoising steps completed since start (rate() gives "
                                   "steps/s).", value=jobs.counters.get("steps", 0))
         yield CounterMetricFamily("sigmaflight_flight_bytes_served", "Bytes of record batches streamed over "
-                                  "Flight.", value=service.flight.bytes_served)
+                                  "Flight (a finished rollout's table once its stream ends whole).",
+                                  value=service.flight.bytes_served)
         yield GaugeMetricFamily("sigmaflight_flight_streams", "Flight do_get streams open now.",
                                 value=service.flight.active_streams)
         store_bytes = GaugeMetricFamily("sigmaflight_store_bytes", "Trajectory bytes held by the result store.",

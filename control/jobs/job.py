@@ -114,6 +114,8 @@ class Job(RunContext):
     """What it must share with the rollouts it runs with (pipeline/batch.py); None: it runs alone."""
     unjournaled: bool = False
     """Its latest state could not be written to the journal; retried until it is."""
+    finished_here: bool = False
+    """It ended in this process (counted in rollouts_finished_total), not before a restart."""
     released: bool = False
     """What it held was freed (DELETE, Flight release or the TTL). A succeeded job is then expired;
     a failed or cancelled one keeps its status and error, and the reaper does not free it again."""

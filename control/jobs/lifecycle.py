@@ -102,10 +102,17 @@ class Lifecycle:
 
     def change(self, job: Job, state: RolloutState, *, error: ErrorInfo | None = None,
                result: ResultInfo | None = None, keep_time: bool = False) -> None:
-        """Under the lock: move, count, journal, publish."""
+        """Under the lock: move, count, journal, publish. A rollout is counted once as it ends (a
+        succeeded one that later turns failed, result_unavailable, is not counted again), and once
+        more as `expired` when it succeeded in this process (the counters start at the process's
+        start: the identity expired <= succeeded holds for each process's counters)."""
+        was = job.state
         job.move(state, error=error, result=result, keep_time=keep_time)
-        if not state.active:
+        if was.active and not state.active:
             self.table.counters[f"rollouts_{state}"] += 1
+            job.finished_here = True
+        elif state is RolloutState.EXPIRED and was is RolloutState.SUCCEEDED and job.finished_here:
+            self.table.counters["rollouts_expired"] += 1
         self._persist(job)
         self.table.publish(job)
 
@@ -121,8 +128,10 @@ class Lifecycle:
                 self.journal_failed(exc)
                 message = f"the job journal cannot be written ({_words(exc)})"
                 self.change(job, RolloutState.FAILED, error=ErrorInfo(type="journal_unavailable", message=message))
+                job.forget_request()  # it never runs
                 self.backend.abandon(job.id, RolloutState.FAILED, message)
-                log.error("rollout failed: journal unwritable", extra={"rollout": job.id})
+                log.error("rollout failed", extra={"rollout": job.id, "type": "journal_unavailable", "reason": message,
+                                                   "steps_done": 0, "was": "queued"})
                 return message
         job.move(RolloutState.RUNNING)
         self.table.publish(job)

@@ -57,7 +57,7 @@ class Reaper:
                     # nor a DELETE could release it, and Flight would serve what REST calls unknown
                     if j.state.finished:
                         self.lifecycle.backend.release(j.id)
-                    if j.state is RolloutState.SUCCEEDED:  # counted as the TTL's and a DELETE's are
+                    if j.state is RolloutState.SUCCEEDED and j.finished_here:  # counted as the TTL's and a DELETE's are
                         table.counters["rollouts_expired"] += 1
                     table.forget(j)
                     self.lifecycle.delete_row(j.id)

@@ -97,9 +97,10 @@ class Workers:
             log.info("rollout cancelled", extra={"rollout": job.id, "steps_done": view.steps_done})
 
     def _run(self, runs: Sequence[Job]) -> None:
-        log.info("rollouts started" if len(runs) > 1 else "rollout started",
-                 extra={"rollouts": [r.job_id for r in runs], "model": runs[0].model,
-                        "samples": sum(r.spec.num_samples for r in runs)})
+        batch = [r.job_id for r in runs]
+        for r in runs:  # a line each, with its `rollout` (and its batch's, when co-batched)
+            log.info("rollout started", extra={"rollout": r.job_id, "model": r.model, "samples": r.spec.num_samples,
+                                               **({"batch": batch} if len(runs) > 1 else {})})
         try:
             self.backend.run(runs)
         except Exception as exc:  # a failing backend must never take the server down

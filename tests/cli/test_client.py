@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from typing import Any
@@ -19,7 +20,7 @@ from sigmaflight import AsyncClient, Replayer, Trajectory, step_log_prob
 from sigmaflight import Client as ReExported
 from sigmaflight.client import ApiError, Client, NotFound, RolloutFailed, replay_log_probs, rollout_spec
 from sigmaflight.wire import Ticket
-from tests.servers import BLOCKER, InProcessServer
+from tests.servers import BLOCKER, InProcessServer, wait_for
 
 
 def _stock_velocity(model, spec, x, t):
@@ -157,6 +158,11 @@ def _bytes_served(server: InProcessServer) -> float:
     return float(m.group(1))
 
 
+def _served_more(server: InProcessServer, than: float) -> bool:
+    """The server counted more bytes served than `than` (it counts a stream once its call ended)."""
+    return _bytes_served(server) > than
+
+
 def test_transport_and_host_reach_the_flight_client(tmp_path):
     """With --shm-dir, Client's default reads the same-host file (no gRPC bytes); transport="flight"
     and a foreign host id stream over gRPC: the arguments reach the TrajectoryClient."""
@@ -169,7 +175,7 @@ def test_transport_and_host_reach_the_flight_client(tmp_path):
         for kwargs in ({"transport": "flight"}, {"host": "another-host"}):
             with Client(server.rest_url, **kwargs) as other:  # type: ignore[arg-type]
                 assert torch.equal(other.pull(ticket).latents, local.latents)
-            assert _bytes_served(server) > served, kwargs
+            wait_for(functools.partial(_served_more, server, served), f"bytes served over gRPC with {kwargs}")
             served = _bytes_served(server)
     with pytest.raises(ValueError, match="transport"):
         Client("http://127.0.0.1:1", transport="grpc")  # type: ignore[arg-type]

@@ -22,7 +22,7 @@ from sigmaflight.pipeline.models import ModelRegistry
 
 from sigmaflight.client import Client, RolloutCancelled, RolloutFailed
 from tests.pipeline.test_kernels import flow_grpo_step
-from tests.servers import BLOCKER, InProcessServer, ServerProcess, wait_for
+from tests.servers import BLOCKER, InProcessServer, ServerProcess, log_entries, wait_for
 
 T = 4
 BASE: dict[str, Any] = {"num_inference_steps": T, "guidance_scale": 4.5, "sampler": {"type": "sde", "noise_level": 0.7}}
@@ -89,6 +89,11 @@ def test_compatible_requests_share_one_call_and_each_keeps_its_own(server, model
         after = histogram_counts(c)
     members = [batch(t) for t in tables[:3]]
     assert len({m["id"] for m in members}) == 1 and {m["requests"] for m in members} == {3}
+    # each member's own "rollout started" line, found by its id as every line about it is (the
+    # batch's one line named them in a list only), with the batch it started in
+    for t in tickets[:3]:
+        (line,) = log_entries(server, "rollout started", rollout=t.id)
+        assert sorted(line["batch"]) == sorted(x.id for x in tickets[:3]), line
     rows = sorted(tuple(m["rows"]) for m in members)
     assert rows == [(0, 2), (2, 4), (4, 5)] and {m["samples"] for m in members} == {5}
     for alone in tables[3:]:

@@ -537,3 +537,31 @@ def test_ended_records_do_not_keep_their_prompts_in_memory_and_the_journal_keeps
     assert known(again.get(ids[0])).status == "cancelled"
     again.stop()
     store2.close()
+
+
+def test_a_rollout_is_counted_once_as_it_ends_and_expired_only_when_it_succeeded_in_this_process(registry, tmp_path):
+    """rollouts_finished_total: a succeeded rollout that later turned failed (result_unavailable)
+    was counted failed as well; one that succeeded before a restart and was released after it
+    counted expired with no succeeded (expired <= succeeded, as docs/control.md says, broke)."""
+    jobs, store = manager(registry, tmp_path)
+    jobs.start()
+    kept, lost = (jobs.submit(spec(seed=s))[0] for s in (1, 2))
+    for job in (kept, lost):
+        wait(jobs, job.id, {"succeeded"})
+    assert jobs.result_lost(lost.id, "its file changed") is True
+    assert known(jobs.get(lost.id)).status == "failed"
+    assert (jobs.counters["rollouts_succeeded"], jobs.counters["rollouts_failed"]) == (2, 0)
+    jobs.stop()
+    store.close()
+    again, store2 = manager(registry, tmp_path)
+    try:
+        assert known(again.cancel(kept.id)).status == "expired"  # released after the restart
+        assert again.counters["rollouts_expired"] <= again.counters["rollouts_succeeded"] == 0
+        done, _ = again.submit(spec(seed=3))
+        again.start()
+        wait(again, done.id, {"succeeded"})
+        assert known(again.cancel(done.id)).status == "expired"
+        assert (again.counters["rollouts_succeeded"], again.counters["rollouts_expired"]) == (1, 1)
+    finally:
+        again.stop()
+        store2.close()

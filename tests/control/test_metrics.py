@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.servers import InProcessServer, wait_for_status
+from tests.servers import InProcessServer, wait_for, wait_for_status
 
 DOCUMENTED = {  # docs/control.md, "Logs and metrics": family name -> (type, label names)
     "sigmaflight_queue_depth": ("gauge", set()),
@@ -64,6 +64,8 @@ def test_metrics_parse_and_follow_a_rollout(server):
             table = fc.do_get(flight.Ticket(ticket["flight"]["ticket"].encode())).read_all()
         pulled = sum(b.nbytes for b in table.to_batches())
 
+        # counted once the server's call has ended well, a moment after the client read the end
+        wait_for(lambda: value(scrape(c)[1], "sigmaflight_flight_bytes_served_total") == pulled, "the bytes counted")
         _, after = scrape(c)
     assert value(after, "sigmaflight_steps_total") == 3
     assert value(after, "sigmaflight_rollouts", status="succeeded") == 1
@@ -74,3 +76,27 @@ def test_metrics_parse_and_follow_a_rollout(server):
     assert value(after, "sigmaflight_flight_bytes_served_total") == pulled > 0
     assert value(after, "sigmaflight_http_responses_total", method="POST", code="202") == 1
     assert value(after, "sigmaflight_http_responses_total", method="GET", code="200") >= 2
+
+
+def test_a_stream_read_part_way_is_not_counted_as_served(server):
+    """A finished rollout's whole table was counted as served the moment its do_get began: a
+    consumer that read one batch and went away showed as the whole rollout streamed."""
+    with server.client() as c:
+        # about 11 MiB: far past what gRPC's buffers take before the consumer reads
+        r = c.post("/v1/rollouts", json={"prompts": [f"p{i}" for i in range(16)], "num_inference_steps": 10,
+                                         "height": 128, "width": 128, "seed": 2})
+        ticket = r.json()
+        assert wait_for_status(c, ticket["id"], {"succeeded", "failed"})["status"] == "succeeded"
+        before = value(scrape(c)[1], "sigmaflight_flight_bytes_served_total")
+        with flight.FlightClient(ticket["flight"]["locations"][0]) as fc:
+            reader = fc.do_get(flight.Ticket(ticket["flight"]["ticket"].encode()))
+            first = reader.read_chunk().data
+            reader.cancel()
+        wait_for(lambda: value(scrape(c)[1], "sigmaflight_flight_streams") == 0, "the stream ended")
+        served = value(scrape(c)[1], "sigmaflight_flight_bytes_served_total") - before
+        assert served == 0, (served, first.nbytes, ticket["id"])
+        with flight.FlightClient(ticket["flight"]["locations"][0]) as fc:
+            whole = fc.do_get(flight.Ticket(ticket["flight"]["ticket"].encode())).read_all()
+        assert whole.num_rows > first.num_rows  # there was more than one batch to stop after
+        pulled = sum(b.nbytes for b in whole.to_batches())
+        wait_for(lambda: value(scrape(c)[1], "sigmaflight_flight_bytes_served_total") - before == pulled, "counted whole")

@@ -14,7 +14,15 @@ import time
 import pytest
 
 from tests.faults.conftest import LONG_FLAGS, SMALL, pull, wait_running
-from tests.servers import AnyServer, InProcessServer, ServerProcess, wait_for, wait_for_log, wait_for_status
+from tests.servers import (
+    AnyServer,
+    InProcessServer,
+    ServerProcess,
+    log_entries,
+    wait_for,
+    wait_for_log,
+    wait_for_status,
+)
 
 # Short rollouts that still write a journal row at each state change.
 QUICK = {**SMALL, "num_inference_steps": 2}
@@ -132,3 +140,26 @@ def test_finished_file_and_journal_agree_after_kill_9(tmpfs) -> None:
         # REST and Flight tell the same story: succeeded and served.
         table = pull(again.flight_url, running["flight"]["ticket"], timeout=10)
         assert table.num_rows == status["result"]["num_rows"]
+
+
+@pytest.mark.timeout(180)
+def test_a_rollout_whose_start_cannot_be_journaled_gets_the_failed_line_every_rollout_gets(tmpfs) -> None:
+    """Its running row refused (the disk full), a queued rollout fails journal_unavailable at its
+    start. Its one line was "rollout failed: journal unwritable" with only its id: a filter on
+    msg == "rollout failed", or on its type, missed it."""
+    data = tmpfs("data", "8m")
+    tmpfs("trajectories", "16m", under=data.path)
+    with InProcessServer("--data-dir", str(data.path), "--workers", "1", *LONG_FLAGS) as server, server.client() as c:
+        running = c.post("/v1/rollouts", json=MID).json()
+        wait_running(c, running["id"], steps=2)
+        queued = c.post("/v1/rollouts", json=QUICK).json()  # its queued row is written
+        data.fill()
+        try:
+            status = wait_for_status(c, queued["id"], {"succeeded", "failed"}, timeout=90)
+            assert status["status"] == "failed" and status["error"]["type"] == "journal_unavailable", status
+            (line,) = log_entries(server, "rollout failed", rollout=queued["id"])
+            assert (line["level"], line["type"], line["was"], line["steps_done"]) == (
+                "error", "journal_unavailable", "queued", 0), line
+            assert "cannot be written" in line["reason"], line
+        finally:
+            data.free()

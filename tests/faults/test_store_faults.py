@@ -20,6 +20,7 @@ from tests.faults.conftest import BIG, BIG_FLAGS, LONG_FLAGS, SMALL, Pull, alive
 from tests.servers import (
     InProcessServer,
     ServerProcess,
+    metric,
     wait_for,
     wait_for_entry,
     wait_for_log,
@@ -163,6 +164,11 @@ def test_corrupted_spilled_file_is_not_served_silently(tmp_path) -> None:
         assert status["error"]["type"] == "result_unavailable", status
         assert big["id"] not in _listed(server.flight_url)
         assert c.get("/healthz").status_code == 200
+        # one rollout finished once: it was counted succeeded, then failed too (1 + 1 for 1)
+        text = c.get("/metrics").text
+        finished = {s: metric(text, f'sigmaflight_rollouts_finished_total{{status="{s}"}}')
+                    for s in ("succeeded", "failed", "cancelled")}
+        assert finished == {"succeeded": 1, "failed": 0, "cancelled": 0}, finished
 
 
 @pytest.mark.timeout(180)
