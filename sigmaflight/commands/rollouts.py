@@ -32,7 +32,9 @@ MAX_LIMIT = 1000
 def run_status(args: argparse.Namespace) -> int:
     rollout = rollout_ref(args.id)
     with connect(args) as client:
-        st = client.wait(rollout, timeout=args.timeout, raise_on_failure=False) if args.wait else client.status(rollout)
+        st = client._status_by_id_or_ticket(rollout)  # a Flight ticket names its rollout, as pull takes it
+        if args.wait:
+            st = client.wait(st.id, timeout=args.timeout, raise_on_failure=False)
     print_json(st.model_dump(mode="json", by_alias=True))
     return exit_status(st.status)
 
@@ -60,12 +62,12 @@ def run_cancel(args: argparse.Namespace) -> int:
     which frees its stored result (DELETE releases a finished rollout; it then reads "expired")."""
     rollout = rollout_ref(args.id)
     with connect(args) as client:
-        before = client.status(rollout)
+        before = client._status_by_id_or_ticket(rollout)  # a Flight ticket names its rollout, as pull takes it
         if before.status in TERMINAL and not args.release:
             print(f"sigmaflight cancel: rollout {before.id} already {before.status}: nothing to cancel "
                   "(--release frees a finished rollout's stored result)", file=sys.stderr)
             return 1
-        after = client.cancel(rollout)
+        after = client.cancel(before.id)
     print_json(after.model_dump(mode="json", by_alias=True))
     if before.status in TERMINAL or after.status == "expired":  # --release, or it finished meanwhile
         print(f"sigmaflight cancel: rollout {after.id} had finished; released (its stored result is freed)",

@@ -240,3 +240,22 @@ def test_inspect_flags_a_batch_whose_bytes_changed_after_the_pull_wrote_them(ser
     flags = json.loads(out)["flags"]
     assert rc == 1 and any(f.startswith("batch 0: checksum mismatch (crc32c ") for f in flags), flags
     assert any(f.endswith("the file changed after it was written") for f in flags), flags
+
+
+def test_status_and_cancel_take_the_flight_ticket_as_pull_does(server, capsys):
+    """`status`, `status --wait` and `cancel` said "no rollout 'sft1_...'" for a Flight ticket,
+    though their help (and trainers.md) says they take one, as `pull` and `inspect` do."""
+    url = server.rest_url
+    with Client(url) as c:
+        done = c.submit(prompts=["a red cube"], num_inference_steps=2, seed=4)
+        c.wait(done, timeout=60)
+    flight_ticket = done.flight.ticket
+    for args in (["status", flight_ticket], ["status", flight_ticket, "--wait", "--timeout", "60"]):
+        rc, out, err = cli(capsys, *args, "--url", url)
+        assert rc == 0, err
+        assert json.loads(out)["id"] == done.id and json.loads(out)["status"] == "succeeded"
+    rc, out, err = cli(capsys, "cancel", flight_ticket, "--release", "--url", url)
+    assert rc == 0, err
+    assert json.loads(out)["id"] == done.id and json.loads(out)["status"] == "expired"
+    rc, _, err = cli(capsys, "status", "sft1_" + "A" * 24, "--url", url)
+    assert rc == 1 and "no rollout or ticket" in err, err
