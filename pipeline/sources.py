@@ -186,6 +186,8 @@ def resolve_hub_model(model_id: str) -> HubSnapshot:
                              f"{_shown(_cached_ref(storage, ref))!r}, not a snapshot in it") from None
     else:
         directory = str(Path(index).parent)
+        # the index alone says whether it can be served: never ask for files of one refused anyway
+        check_flow_match(directory, label=model_id)
         missing = missing_pipeline_file(directory)
         if missing is None:
             return HubSnapshot(directory, cached=True)

@@ -173,6 +173,20 @@ def test_a_cached_model_index_without_the_pipelines_files_is_refused_at_start(hu
     assert ("and the hub cannot be reached (" if online else "and HF_HUB_OFFLINE is set") in line
 
 
+def test_a_cached_index_of_a_scheduler_not_flow_match_is_refused_for_that_not_for_missing_files(hub):
+    """A cached model_index.json naming PNDMScheduler, its component folders absent: the refusal
+    was "not all of its pipeline's files", sending the user to download a model refused anyway."""
+    repo = Path(hub["HF_HUB_CACHE"]) / "models--org--pndm-index-only"
+    snapshot = repo / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(COMMIT)
+    (snapshot / "model_index.json").write_bytes((_snapshot(hub, "pndm") / "model_index.json").read_bytes())
+    line = serve_refused("--port", "0", "--flight-port", "0", "--model", "org/pndm-index-only", env=hub)
+    assert line.startswith("sigmaflight serve: --model org/pndm-index-only: scheduler 'PNDMScheduler' is not a "
+                           "flow-match"), line
+
+
 def test_a_hub_model_with_the_hub_unreachable_is_refused_at_once_without_retries(hub):
     """Online mode, but the hub's address refuses connections: one attempt, one line. huggingface_hub
     alone retries 5 times with backoff (about 20 s) and puts 11 warning lines on stderr, which
