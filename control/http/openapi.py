@@ -137,7 +137,7 @@ def openapi_document(*, auth: bool = False) -> dict[str, Any]:
                 "operationId": "delete_rollout",
                 "summary": "Cancel a queued or running rollout, or release a finished one's result.",
                 "parameters": [rid],
-                "responses": {"200": _json("RolloutStatus", "Status after the request."), **_errors(*secured, 404)},
+                "responses": {"200": _json("RolloutStatus", "Status after the request."), **_errors(*secured, 404, 422)},
             },
         },
         "/v1/models": {
@@ -180,13 +180,13 @@ def openapi_document(*, auth: bool = False) -> dict[str, Any]:
             "post": {
                 "operationId": "post_weights_file",
                 "summary": "Same host: push the safetensors file at `path` (inside --weights-file-dir or --shm-dir), "
-                           "memory-mapped and checked as a streamed push; `partial` keeps the tensors it lacks.",
+                           "read and checked as a streamed push; `partial` keeps the tensors it lacks.",
                 "parameters": [mid],
                 "requestBody": {"required": True, "content": {"application/json": {"schema": {
                     "type": "object", "required": ["path"],
                     "properties": {"path": {"type": "string"}, "partial": {"type": "boolean"}}}}}},
                 "responses": {"200": _change("Loaded; the next rollouts run on these weights.", "tensors"),
-                              **_errors(*secured, 404, 409, 415, 422)},
+                              **_errors(*secured, 404, 409, 415, 422, 429)},
             }
         },
         "/v1/models/{model_id}/lora": {

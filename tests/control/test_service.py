@@ -288,6 +288,10 @@ def test_openapi_validates_and_matches_what_endpoints_return(client):
     gone = client.delete("/v1/models/tiny-sd3/lora")  # no adapter on: 404 lora_not_loaded, documented
     assert gone.status_code == 404 and "404" in doc["paths"]["/v1/models/{model_id}/lora"]["delete"]["responses"]
     check(gone.json(), "ErrorBody")
+    odd = client.delete(f"/v1/rollouts/{ticket['id']}?force=1")  # an unknown query parameter: 422, documented
+    assert odd.status_code == 422 and "422" in doc["paths"]["/v1/rollouts/{rollout_id}"]["delete"]["responses"]
+    # a file push past --max-weights-pushes is a 429 (tests/faults/test_weights_push_limits.py)
+    assert "429" in doc["paths"]["/v1/models/{model_id}/weights/file"]["post"]["responses"]
     assert set(doc["paths"]) == {"/v1/rollouts", "/v1/rollouts/{rollout_id}", "/v1/models", "/v1/models/{model_id}/weights",
                                  "/v1/models/{model_id}/weights/manifest", "/v1/models/{model_id}/weights/file",
                                  "/v1/models/{model_id}/lora", "/healthz", "/readyz", "/metrics", "/openapi.json",
