@@ -34,6 +34,8 @@ def check_url(url: str) -> str:
         raise SettingError("url", f"not a URL ({exc})", shown=url) from None
     if parsed.scheme not in ("http", "https") or not parsed.host:
         raise SettingError("url", "the REST URL is http://HOST:PORT or https://HOST:PORT", shown=url)
+    if parsed.port is not None and not 0 < parsed.port < 65536:  # httpx takes any number; a socket does not
+        raise SettingError("url", f"port {parsed.port} is not a TCP port (1..65535)", shown=url)
     return url.rstrip("/")
 
 

@@ -25,7 +25,7 @@ def guarded(tmp_path_factory):
 
 
 @pytest.mark.parametrize("make", [Client, AsyncClient])
-@pytest.mark.parametrize("url", ["http://127.0.0.1:abc", "http://[::1"])
+@pytest.mark.parametrize("url", ["http://127.0.0.1:abc", "http://[::1", "http://127.0.0.1:70000", "http://h:0"])
 def test_a_url_httpx_cannot_parse_is_a_value_error_naming_url(make, url):
     with pytest.raises(ValueError, match=r"^url .*: "):
         make(url)
@@ -59,6 +59,7 @@ def test_no_limit_is_none_or_inf(guarded):
 @pytest.mark.parametrize(("flags", "named"), [
     (("--url", "http://127.0.0.1:abc"), "--url http://127.0.0.1:abc: "),
     (("--url", "http://[::1"), "--url http://[::1: "),
+    (("--url", "http://127.0.0.1:70000"), "--url http://127.0.0.1:70000: port 70000 is not a TCP port"),
     (("--url", "http://127.0.0.1:9", "--token", "sé"), "--token: "),
 ])
 def test_the_cli_says_so_in_one_line_naming_the_flag_with_exit_2(capsys, flags, named):
