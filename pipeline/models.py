@@ -131,12 +131,16 @@ def _one_torch_thread() -> Iterator[None]:
     some elements in about 1 server start in 5: the part of the op an OpenMP worker ran did not
     always give the caller's bits. The built-in's weights, and so its digest, must be the same in
     every process (a restart must not make every trainer's expected_digest stale)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    with _ONE_THREAD_BUILDS:  # one at a time, process-wide: two interleaved would restore each other's 1
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
+
+
+_ONE_THREAD_BUILDS = threading.Lock()
 
 
 class ModelRegistry:

@@ -73,3 +73,22 @@ def test_a_model_built_in_memory_is_served_under_its_id_and_an_id_is_taken_once(
     for taken in ("mine", "tiny-sd3"):
         with pytest.raises(ValueError, match=f"model id '{taken}' is taken"):
             registry.add(dataclasses.replace(mine, id=taken))
+
+
+def test_builds_on_many_threads_leave_torch_its_thread_count():
+    """Built-ins are built on one torch thread (their weights the same in every process); builds
+    in several registries at once must each give torch back the count it had, not each other's 1."""
+    import threading
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        builds = [threading.Thread(target=ModelRegistry().get, args=(m,))
+                  for m in ("tiny-sd3", "tiny-flux", "tiny-wan", "tiny-sd3", "tiny-flux", "tiny-wan")]
+        for b in builds:
+            b.start()
+        for b in builds:
+            b.join()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
