@@ -155,14 +155,20 @@ def _closed_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("online", [False, True], ids=["offline", "hub-unreachable"])
-def test_a_cached_model_index_without_the_pipelines_files_is_refused_at_start(hub, online):
-    repo = Path(hub["HF_HUB_CACHE"]) / "models--org--index-only"
+def _index_only(hub: dict[str, str], name: str, *, of: str) -> Path:
+    """A cache entry org/NAME holding only model `of`'s model_index.json (its snapshot returned)."""
+    repo = Path(hub["HF_HUB_CACHE"]) / f"models--org--{name}"
     snapshot = repo / "snapshots" / COMMIT
     snapshot.mkdir(parents=True, exist_ok=True)
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text(COMMIT)
-    (snapshot / "model_index.json").write_bytes((_snapshot(hub, "tiny-sd3") / "model_index.json").read_bytes())
+    (snapshot / "model_index.json").write_bytes((_snapshot(hub, of) / "model_index.json").read_bytes())
+    return snapshot
+
+
+@pytest.mark.parametrize("online", [False, True], ids=["offline", "hub-unreachable"])
+def test_a_cached_model_index_without_the_pipelines_files_is_refused_at_start(hub, online):
+    snapshot = _index_only(hub, "index-only", of="tiny-sd3")
     (snapshot / "scheduler").mkdir(exist_ok=True)
     (snapshot / "scheduler" / "scheduler_config.json").write_bytes(
         (_snapshot(hub, "tiny-sd3") / "scheduler" / "scheduler_config.json").read_bytes())
@@ -176,12 +182,7 @@ def test_a_cached_model_index_without_the_pipelines_files_is_refused_at_start(hu
 def test_a_cached_index_of_a_scheduler_not_flow_match_is_refused_for_that_not_for_missing_files(hub):
     """A cached model_index.json naming PNDMScheduler, its component folders absent: the refusal
     was "not all of its pipeline's files", sending the user to download a model refused anyway."""
-    repo = Path(hub["HF_HUB_CACHE"]) / "models--org--pndm-index-only"
-    snapshot = repo / "snapshots" / COMMIT
-    snapshot.mkdir(parents=True, exist_ok=True)
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(COMMIT)
-    (snapshot / "model_index.json").write_bytes((_snapshot(hub, "pndm") / "model_index.json").read_bytes())
+    _index_only(hub, "pndm-index-only", of="pndm")
     line = serve_refused("--port", "0", "--flight-port", "0", "--model", "org/pndm-index-only", env=hub)
     assert line.startswith("sigmaflight serve: --model org/pndm-index-only: scheduler 'PNDMScheduler' is not a "
                            "flow-match"), line
