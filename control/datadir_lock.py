@@ -52,15 +52,19 @@ class DataDirLock:
             except OSError:
                 self.release()
                 raise
-            self._fds.append(fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                os.close(fd)
                 self.release()
                 raise DataDirInUse(self.path) from None
             except OSError:
-                self.release()
-                raise
+                os.close(fd)
+                if name == self.path:
+                    self.release()
+                    raise
+                continue  # a file system that cannot lock a directory (NFS emulates flock with write locks): the file's lock alone
+            self._fds.append(fd)
 
     def release(self) -> None:
         fds, self._fds = self._fds, []

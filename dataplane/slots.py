@@ -69,8 +69,9 @@ class CallSlot(flight.ServerMiddleware):
     """Frees a do_get's stream slot when gRPC says the call is over (finished, failed or the
     client went away): one Python call per stream, none per batch. A whole table handed to C++
     (`whole`: its slots, bytes and the call's context) is counted as served once the call ends
-    neither failed nor cancelled: a consumer that stopped or went away part-way did not get it
-    (Arrow ends such a call without an error; its context, still alive here, says it was cancelled)."""
+    neither failed nor cancelled, that is once the server wrote it all to gRPC (Arrow ends a
+    cancelled call without an error; its context, still alive here, says it was cancelled). A
+    table gRPC buffered whole for a consumer that then stopped reading counts: it was sent."""
 
     def __init__(self) -> None:
         self.slot: StreamSlot | None = None

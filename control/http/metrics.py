@@ -109,7 +109,7 @@ class ServiceCollector(Collector):
         yield CounterMetricFamily("sigmaflight_steps", "Denoising steps completed since start (rate() gives "
                                   "steps/s).", value=jobs.counters.get("steps", 0))
         yield CounterMetricFamily("sigmaflight_flight_bytes_served", "Bytes of record batches streamed over "
-                                  "Flight (a finished rollout's table once its stream ends whole).",
+                                  "Flight (a finished rollout's table once it was all written and its call not cancelled).",
                                   value=service.flight.bytes_served)
         yield GaugeMetricFamily("sigmaflight_flight_streams", "Flight do_get streams open now.",
                                 value=service.flight.active_streams)

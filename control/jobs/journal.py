@@ -50,7 +50,7 @@ def check_journal(path: Path) -> None:
     if not path.is_file():
         raise JournalUnreadable(f"{path} is not a file")
     try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        db = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)  # as_uri escapes %, ? and #
         try:
             tables = {name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             rows = db.execute("SELECT id, record FROM jobs").fetchall() if "jobs" in tables else []

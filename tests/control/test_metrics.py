@@ -78,13 +78,13 @@ def test_metrics_parse_and_follow_a_rollout(server):
     assert value(after, "sigmaflight_http_responses_total", method="GET", code="200") >= 2
 
 
-def test_a_stream_read_part_way_is_not_counted_as_served(server):
+def test_a_stream_cancelled_before_the_server_wrote_it_all_is_not_counted_as_served(server):
     """A finished rollout's whole table was counted as served the moment its do_get began: a
     consumer that read one batch and went away showed as the whole rollout streamed."""
     with server.client() as c:
-        # about 11 MiB: far past what gRPC's buffers take before the consumer reads
-        r = c.post("/v1/rollouts", json={"prompts": [f"p{i}" for i in range(16)], "num_inference_steps": 10,
-                                         "height": 128, "width": 128, "seed": 2})
+        # about 23 MiB: far past what gRPC buffers for a consumer that has read one batch
+        r = c.post("/v1/rollouts", json={"prompts": [f"p{i}" for i in range(16)], "num_outputs_per_prompt": 2,
+                                         "num_inference_steps": 10, "height": 128, "width": 128, "seed": 2})
         ticket = r.json()
         assert wait_for_status(c, ticket["id"], {"succeeded", "failed"})["status"] == "succeeded"
         before = value(scrape(c)[1], "sigmaflight_flight_bytes_served_total")

@@ -388,6 +388,22 @@ def test_a_data_dir_whose_journal_or_layout_cannot_be_read_is_refused_in_one_lin
     assert files() == before  # nothing changed
 
 
+@pytest.mark.parametrize("name", ["run%41", "run?mode=rw", "run#1"])
+def test_the_journal_check_reads_a_data_dir_whose_name_holds_uri_characters(used_data_dir, tmp_path, name):
+    """The check opened the journal by a file: URI built by hand: "%41" in the path was a good
+    data dir refused, "?" and "#" cut the path short (sqlite made an empty file beside it and a bad
+    row went through)."""
+    from sigmaflight.control.startup import StartupError, check_data_dir_contents
+
+    data = tmp_path / name / "data"
+    shutil.copytree(used_data_dir, data)
+    check_data_dir_contents(data)  # a good one
+    _row(data / "jobs.sqlite3", "bad", "{{{not json")
+    with pytest.raises(StartupError, match="row 'bad': JSONDecodeError"):
+        check_data_dir_contents(data)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # nothing made beside it
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="drops root's DAC override with setpriv")
 def test_a_trajectory_file_the_server_cannot_read_is_refused_not_set_aside_as_corrupt(used_data_dir, tmp_path):
     """A good file this user cannot read (mode 000; root without CAP_DAC_OVERRIDE, so the mode
