@@ -126,11 +126,13 @@ def _prepare(pipeline: Any, device: torch.device, dtype: torch.dtype) -> Any:
 
 @contextlib.contextmanager
 def _one_torch_thread() -> Iterator[None]:
-    """Build on one torch thread. Built with two, SD3's sin/cos position embedding (a float64
-    torch.sin over 4096 elements, computed in the constructor) came out one float32 ulp off in
-    some elements in about 1 server start in 5: the part of the op an OpenMP worker ran did not
-    always give the caller's bits. The built-in's weights, and so its digest, must be the same in
-    every process (a restart must not make every trainer's expected_digest stale)."""
+    """Build on one torch thread. Built with two, SD3's sin/cos position embedding (float64 ops
+    over 4096 elements, computed in the constructor) came out one float32 ulp off in 16 elements
+    in about 1 server start in 5; never on one thread. Which op and why is not pinned down (the
+    part an OpenMP worker runs, it seems). The built-in's weights, and so its digest, must be the
+    same in every process: a restart must not make every trainer's expected_digest stale. A thread
+    whose first parallel torch op runs meanwhile keeps one thread (torch sets a thread's count at
+    its first use): at start-up nothing else runs torch yet."""
     with _ONE_THREAD_BUILDS:  # one at a time, process-wide: two interleaved would restore each other's 1
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
