@@ -182,6 +182,7 @@ class Job(RunContext):
             "idempotency_key": self.idempotency_key,
             "body_digest": self.body_digest,
             "ticket": self.ticket,
+            "released": self.released,
         }
 
     @classmethod
@@ -203,6 +204,7 @@ class Job(RunContext):
             idempotency_key=rec["idempotency_key"],
             body_digest=rec["body_digest"],
             ticket=rec["ticket"],
+            released=bool(rec.get("released", False)),  # rows written before it was kept: not known, not released
         )
 
 

@@ -167,6 +167,8 @@ class Lifecycle:
             job.released = True
         if job.state is RolloutState.SUCCEEDED:
             self.change(job, RolloutState.EXPIRED, keep_time=True)
+        elif job.state.finished:
+            self._persist(job)  # a failed or cancelled one keeps its status: its row keeps that it was released
 
     def result_lost(self, job: Job, reason: str) -> bool:
         """Under the lock: a succeeded job whose trajectory the store lost becomes failed."""
@@ -222,6 +224,7 @@ class Lifecycle:
             elif was is not RolloutState.SUCCEEDED and job.id in held:
                 self.backend.release(job.id)
                 job.released = True
+                self._persist(job)
                 log.warning("trajectory of an ended rollout found after restart; deleted",
                             extra={"rollout": job.id, "status": was})
             job.forget_request()  # restored records never run; the journal keeps their specs

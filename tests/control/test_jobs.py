@@ -565,3 +565,21 @@ def test_a_rollout_is_counted_once_as_it_ends_and_expired_only_when_it_succeeded
     finally:
         again.stop()
         store2.close()
+
+
+def test_a_released_failed_or_cancelled_rollout_stays_released_across_a_restart(registry, tmp_path):
+    """Flight release answers false once nothing is left to free; the journal did not keep that a
+    cancelled (or failed) rollout was released, so after a restart it answered true again."""
+    jobs, store = manager(registry, tmp_path)
+    job, _ = jobs.submit(spec())
+    assert known(jobs.cancel(job.id)).status == "cancelled"
+    assert jobs.release(job.id) is True and jobs.release(job.id) is False
+    jobs.stop()
+    store.close()
+    again, store2 = manager(registry, tmp_path)
+    try:
+        assert known(again.get(job.id)).status == "cancelled"
+        assert again.release(job.id) is False
+    finally:
+        again.stop()
+        store2.close()
