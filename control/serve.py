@@ -30,6 +30,8 @@ from pydantic_settings import CliSettingsSource, SettingsError
 from sigmaflight.control.settings import Settings, TokenFileError, token_file_exposed
 from sigmaflight.control.startup import StartupError, preflight, prepare_shm_dir
 
+from sigmaflight.fields import bounds
+
 if TYPE_CHECKING:
     import uvicorn
 
@@ -45,16 +47,6 @@ SERVE_DESCRIPTION = (
 )
 
 
-_RULES = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
-"""annotated_types' bound attributes (a Field's ge=, gt=, le=, lt=) and how help writes each."""
-
-
-def _bounds(metadata: list[Any]) -> list[str]:
-    """">= 1024", "<= 10000", ... of a Settings field's constraints, as pydantic checks them."""
-    return [f"{op} {value:g}" if isinstance(value, float) else f"{op} {value}"
-            for m in metadata for name, op in _RULES.items() if (value := getattr(m, name, None)) is not None]
-
-
 def _add_setting_argument(parser: argparse.ArgumentParser, *names: str, **kwargs: Any) -> argparse.Action:
     """pydantic-settings' `add_argument_method`: its flag for a Settings field, with our help line
     ("<description> [env SIGMAFLIGHT_<NAME>; default <value>; <its bounds>]") and an upper-case metavar."""
@@ -63,8 +55,10 @@ def _add_setting_argument(parser: argparse.ArgumentParser, *names: str, **kwargs
         name = kwargs["dest"]
         default = field.default
         shown = "none" if default is None else ("<secret>" if name == "token" else default)
-        bounds = "; " + " and ".join(_bounds(field.metadata)) if _bounds(field.metadata) else ""
-        kwargs["help"] = f"{field.description} [env SIGMAFLIGHT_{name.upper()}; default {shown}{bounds}]".replace("%", "%%")
+        rules = [f"{op} {bound:g}" if isinstance(bound, float) else f"{op} {bound}"
+                 for op, _, bound in bounds(field.metadata)]
+        limits = "; " + " and ".join(rules) if rules else ""
+        kwargs["help"] = f"{field.description} [env SIGMAFLIGHT_{name.upper()}; default {shown}{limits}]".replace("%", "%%")
         if "metavar" in kwargs and not str(kwargs["metavar"]).startswith("{"):  # {a,b}: a Literal's choices
             kwargs["metavar"] = name.upper()
     return parser.add_argument(*names, **kwargs)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import operator
 import sys
 import types
 import typing
@@ -26,6 +25,7 @@ from sigmaflight.commands.common import (
     print_rollout,
     seconds,
 )
+from sigmaflight.fields import bounds
 
 FLAG_NAMES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("prompts",): ("--prompt", "-p"),
@@ -47,24 +47,10 @@ DEST = "request:"
 """argparse dest prefix of a request flag: "request:sampler.noise_level"."""
 
 
-_TESTS: dict[str, tuple[str, Any]] = {"ge": (">=", operator.ge), "gt": (">", operator.gt), "le": ("<=", operator.le),
-                                      "lt": ("<", operator.lt)}
-"""annotated_types' bound attributes: how a message writes each, and its test."""
-
-
-def _bounds(metadata: typing.Iterable[Any]) -> list[tuple[str, Any, Any]]:
-    """(">=", test, 1), ... of a field's constraints (also inside `Annotated[int, Field(ge=0)]`'s FieldInfo)."""
-    out = []
-    for m in metadata:
-        out += _bounds(m.metadata) if isinstance(getattr(m, "metadata", None), list) else []
-        out += [(op, test, getattr(m, name)) for name, (op, test) in _TESTS.items() if getattr(m, name, None) is not None]
-    return out
-
-
 def _number(kind: type, metadata: typing.Iterable[Any]) -> Any:
     """An argparse type for an int or float wire field: the number within the field's own bounds, else bad
     usage naming them before any request (a NaN or inf, which JSON cannot carry, included)."""
-    bounds = _bounds(metadata)
+    limits = bounds(metadata)
     what = "an integer" if kind is int else "a finite number"
 
     def parse(text: str) -> Any:
@@ -74,8 +60,8 @@ def _number(kind: type, metadata: typing.Iterable[Any]) -> Any:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if kind is float and not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        if not all(test(value, bound) for _, test, bound in bounds):
-            rule = " and ".join(f"{op} {bound}" for op, _, bound in bounds)
+        if not all(test(value, bound) for _, test, bound in limits):
+            rule = " and ".join(f"{op} {bound}" for op, _, bound in limits)
             raise argparse.ArgumentTypeError(f"must be {what} {rule}, got {text}")
         return value
 
