@@ -38,14 +38,21 @@ ORPHAN_SUFFIX = ".orphan"
 restart scan: never served, kept for a look (as `.corrupt` ones are)."""
 
 
-def _remove_left_over(path: Path) -> None:
-    """Delete a file the restart scan does not serve; one it cannot (a directory at its name, a
-    read-only disk) is logged and left, and start-up goes on."""
+def _remove(path: Path, failed: str, *, aside: bool = False, **fields: str) -> None:
+    """Delete `path` (`aside`: rename it `<name>.orphan`); one that cannot be (a directory at its
+    name, a read-only or failing disk) is logged as `failed` and left: the caller goes on."""
     try:
-        path.unlink(missing_ok=True)
+        if aside:
+            os.replace(path, path.with_name(path.name + ORPHAN_SUFFIX))
+        else:
+            path.unlink(missing_ok=True)
     except OSError as exc:
-        log.error("cannot remove a left-over file in the data dir; left as it is",
-                  extra={"path": str(path), "reason": exc.strerror or str(exc)})
+        log.error(failed, extra={**fields, "path": str(path), "reason": exc.strerror or str(exc)})
+
+
+def _remove_left_over(path: Path) -> None:
+    """A file the restart scan does not serve: start-up goes on whether it goes or not."""
+    _remove(path, "cannot remove a left-over file in the data dir; left as it is")
 
 
 def discard_files(rollout_id: str, copies: list[Path | None], *, durable: list[Path | None], aside: bool) -> None:
@@ -53,17 +60,13 @@ def discard_files(rollout_id: str, copies: list[Path | None], *, durable: list[P
     `aside`, rename those `<name>.orphan`. A file that cannot be deleted (a read-only or failing
     disk) is logged, not raised: the rollout is released either way and no longer served; its
     journal row says so, and the restart scan deletes the file if it is still there."""
-    for path in [*copies, *durable]:
-        if path is None:
-            continue
-        try:
-            if aside and path in durable:
-                os.replace(path, path.with_name(path.name + ORPHAN_SUFFIX))
-            else:
-                path.unlink(missing_ok=True)
-        except OSError as exc:
-            log.error("released rollout's file could not be deleted (no longer served)",
-                      extra={"rollout": rollout_id, "path": str(path), "reason": exc.strerror or str(exc)})
+    failed = "released rollout's file could not be deleted (no longer served)"
+    for path in copies:
+        if path is not None:
+            _remove(path, failed, rollout=rollout_id)
+    for path in durable:
+        if path is not None:
+            _remove(path, failed, aside=aside, rollout=rollout_id)
 
 FOOTER_TICKET = "sigmaflight.ticket"
 
