@@ -77,6 +77,10 @@ class Entry:
         before that check), while the name still held the mapped inode; None: not verified yet."""
         self.crcs: tuple[int, ...] | None = None
         """Checksum of each batch as written (dataplane/files.batch_crc); None if unknown."""
+        self._released: list[pa.RecordBatch] | None = None
+        """The batches of a succeeded entry when it was released (a DELETE, a Flight release, the
+        TTL): the readers that had begun read them to their end; the store no longer holds the
+        entry, so they live as long as those readers. None otherwise."""
         self._served: dict[tuple[int, int], tuple[pa.Table, int]] = {}
         """served_table's cache, (start, stride) -> (table, bytes); emptied when the batches change."""
 
@@ -209,8 +213,11 @@ class Entry:
                 self.crcs = crcs
 
     def end(self, state: RolloutState, message: str) -> None:
-        """Drop the batches; every consumer (waiting or not) ends with RolloutEnded."""
+        """Drop the batches. Every consumer (waiting or not) ends with RolloutEnded, but those of a
+        succeeded rollout now released, which read to their end the batches it had."""
         with self.cond:
+            if self.state is RolloutState.SUCCEEDED and state is RolloutState.RELEASED:
+                self._released = self.batches
             self.state = state
             self.message = message
             self.batches = []
@@ -239,7 +246,8 @@ class Entry:
     ) -> Iterator[pa.RecordBatch]:
         """Batches already produced, then the rest as they come; ends after x_T.
 
-        Raises RolloutEnded if the rollout fails, is cancelled, released or expired, or
+        Raises RolloutEnded if the rollout fails, is cancelled, released or expired (once it
+        succeeded, a release lets this reader finish: it began before), or
         while waiting ``stop`` is set or ``should_stop()`` names a reason (checked every
         POLL_S). Yields the stored batches themselves (no copy), one at a time: a slow
         consumer holds no more than the batch it reads.
@@ -254,11 +262,12 @@ class Entry:
                     if why is not None:
                         raise RolloutEnded(self.rollout_id, RolloutState.CLOSED, why)
                     self.cond.wait(timeout=POLL_S if should_stop is not None else 1.0)
-                if self.state not in (RolloutState.RUNNING, RolloutState.SUCCEEDED):
+                batches = self.batches if self._released is None else self._released
+                if self.state not in (RolloutState.RUNNING, RolloutState.SUCCEEDED) and self._released is None:
                     raise RolloutEnded(self.rollout_id, self.state, self.message or self.state)
-                if idx >= len(self.batches):
+                if idx >= len(batches):
                     return
-                batch = self.batches[idx]
+                batch = batches[idx]
             yield batch
             idx += stride
 

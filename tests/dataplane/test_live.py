@@ -114,6 +114,44 @@ def test_failed_or_cancelled_rollout_ends_streams_with_reason(server, store, kin
     assert store.stats()["bytes_in_memory"] == 0
 
 
+@pytest.mark.parametrize("mapped", [False, True])
+def test_live_stream_runs_to_its_end_when_the_rollout_is_released_just_after_it_succeeds(tmp_path, mapped):
+    # a consumer that followed the rollout live wakes only after it succeeded and was released
+    # (the TTL reaper, a DELETE or a Flight release at the moment REST says succeeded): it had
+    # only to read the batches that exist, so it gets them all, as a consumer that began on
+    # the finished rollout does (docs/dataplane.md, Store); mapped: over the budget, so spilled
+    # to its file as it finishes (the batches the entry holds are replaced by the file's)
+    store = ResultStore(memory_budget_bytes=1 if mapped else 1 << 30, data_dir=tmp_path if mapped else None)
+    server = FlightDataServer(store).start()
+    try:
+        h = build_header("released-live", T=4)
+        steps = make_steps(h)
+        w = store.create(h)
+        w.append(steps[0])
+        out: dict = {}
+        th = threading.Thread(target=_consume, args=(server.locations[0], w.ticket, out, "x"))
+        th.start()
+        _waiting_streams(server, 1)
+        _wait_until(lambda: server.metrics()["bytes_served"] > 0, "the stream has sent step 0 (and waits for step 1)")
+        e = store.get(h.rollout_id)
+        with e.cond:  # the waiting stream wakes only once all of this is done
+            for i in h.steps[1:]:
+                w.append(steps[i])
+            w.finish()
+            assert (e.source is not None) is mapped
+            assert store.release(h.rollout_id)
+        th.join(timeout=10)
+        got = out["x"]
+        assert not isinstance(got, Exception), got
+        assert [s for s, _ in got] == list(h.steps)
+        assert all(torch.equal(x, steps[s].latent) for s, x in got)
+        with TrajectoryClient(server.locations[0]) as c, pytest.raises(flight.FlightServerError, match="released"):
+            list(c.iter_steps(w.ticket))  # a consumer that begins after the release is refused
+    finally:
+        server.stop()
+        store.close()
+
+
 def test_consumers_share_the_stored_buffers(store):
     h = build_header("share", T=3)
     steps = make_steps(h)
