@@ -203,6 +203,12 @@ class _Driver(Generic[R]):
         if not bool(torch.isfinite(x_next).all()):
             bad += [(r, RolloutNonFinite(i + 1, "latent")) for r in running
                     if not bool(torch.isfinite(x_next[r.first:r.end]).all())]
+        elif self.capture_dtype != x_next.dtype:  # finite here, but x_{i+1} is stored narrower (return.latent_dtype)
+            stored = [r for r in running if i + 1 in r.steps]
+            if stored and not bool(torch.isfinite(x_next.to(self.capture_dtype)).all()):
+                what = f"latent as {str(self.capture_dtype).removeprefix('torch.')} (return.latent_dtype)"
+                bad += [(r, RolloutNonFinite(i + 1, what)) for r in stored
+                        if not bool(torch.isfinite(x_next[r.first:r.end].to(self.capture_dtype)).all())]
         self.fail(bad)
 
     def step(self, scheduler: RolloutScheduler, i: int, sample: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:

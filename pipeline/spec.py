@@ -44,7 +44,8 @@ class RolloutNonFinite(RuntimeError):
 
     `step` is the first absolute step with a non-finite value: the latent index k of x_k, or the
     transition index i of log p(x_{i+1} | x_i) (the row that would hold it); `what` says which
-    ("latent" or "log_prob"). control/ reports it as `error.type` `error_type`.
+    ("latent", "log_prob", or "latent as float16 (return.latent_dtype)": finite in the loop, not
+    in the dtype it is stored in). control/ reports it as `error.type` `error_type`.
     """
 
     error_type = "non_finite"

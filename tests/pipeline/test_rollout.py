@@ -265,3 +265,27 @@ def test_non_finite_rollout_fails_naming_the_first_step(registry, log_probs):
     assert f"absolute step {err.value.step}" in str(err.value) and err.value.error_type == "non_finite"
     assert [c.step for c in seen] == [0]  # nothing non-finite was handed out
     assert all(torch.isfinite(c.latent).all() for c in seen)
+
+
+def test_latents_finite_natively_but_past_the_stored_dtypes_range_fail_non_finite(registry):
+    """return.latent_dtype float16 stores each x_k as float16: an x_k finite in float32 but past
+    float16's largest value (numpy's finfo) would be stored as Inf, so the rollout fails at that k."""
+    import numpy as np
+
+    model = registry.get("tiny-sd3")
+    base = {"model": "tiny-sd3", "prompts": ("a",), "num_inference_steps": 4, "seed": 3,
+            "sampler": SamplerSpec(type="sde", noise_level=20.0)}
+    native = run_rollout(model, RolloutSpec(**base))
+    assert all(torch.isfinite(c.latent).all() for c in native.captures)
+    with np.errstate(over="ignore"):  # numpy's own float32 -> float16 cast: the reference for what float16 holds
+        fits = [bool(np.isfinite(c.latent.numpy().astype(np.float16)).all()) for c in native.captures]
+    first = next((c.step for c, ok in zip(native.captures, fits, strict=True) if not ok), None)
+    assert first is not None, fits  # the request does leave float16's range
+    seen: list[Any] = []
+    with pytest.raises(RolloutNonFinite) as err:
+        run_rollout(model, RolloutSpec(**base, latent_dtype="float16"), on_step=seen.append)
+    assert err.value.step == first and "float16" in str(err.value) and "latent_dtype" in str(err.value)
+    # found as transition first-1 produces x_first, before that step's row is handed out (as a
+    # non-finite x_first is): nothing non-finite was handed out
+    assert [c.step for c in seen] == list(range(first - 1))
+    assert all(torch.isfinite(c.latent).all() and c.latent.dtype == torch.float16 for c in seen)
