@@ -1,3 +1,4 @@
+import dataclasses
 import threading
 from typing import Any
 
@@ -273,9 +274,9 @@ def test_latents_finite_natively_but_past_the_stored_dtypes_range_fail_non_finit
     import numpy as np
 
     model = registry.get("tiny-sd3")
-    base = {"model": "tiny-sd3", "prompts": ("a",), "num_inference_steps": 4, "seed": 3,
-            "sampler": SamplerSpec(type="sde", noise_level=20.0)}
-    native = run_rollout(model, RolloutSpec(**base))
+    base = RolloutSpec(model="tiny-sd3", prompts=("a",), num_inference_steps=4, seed=3,
+                       sampler=SamplerSpec(type="sde", noise_level=20.0))
+    native = run_rollout(model, base)
     assert all(torch.isfinite(c.latent).all() for c in native.captures)
     with np.errstate(over="ignore"):  # numpy's own float32 -> float16 cast: the reference for what float16 holds
         fits = [bool(np.isfinite(c.latent.numpy().astype(np.float16)).all()) for c in native.captures]
@@ -283,7 +284,7 @@ def test_latents_finite_natively_but_past_the_stored_dtypes_range_fail_non_finit
     assert first is not None, fits  # the request does leave float16's range
     seen: list[Any] = []
     with pytest.raises(RolloutNonFinite) as err:
-        run_rollout(model, RolloutSpec(**base, latent_dtype="float16"), on_step=seen.append)
+        run_rollout(model, dataclasses.replace(base, latent_dtype="float16"), on_step=seen.append)
     assert err.value.step == first and "float16" in str(err.value) and "latent_dtype" in str(err.value)
     # found as transition first-1 produces x_first, before that step's row is handed out (as a
     # non-finite x_first is): nothing non-finite was handed out
