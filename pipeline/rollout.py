@@ -342,6 +342,8 @@ def _call(model: LoadedModel, policy: Policy, driver: _Driver[R]) -> None:
     """The one pipeline call of a batch; ends every member that is still running."""
     pipeline = policy.pipeline
     scheduler = make_rollout_scheduler(pipeline.scheduler, driver)
+    first, d = driver.rows[0].spec, model.defaults  # members share their size (batch_key)
+    scheduler.size = (first.height or d.height, first.width or d.width)
     overrides = call_overrides(model, pipeline, driver.per_row)
     if any(r.spec.return_conditioning for r in driver.rows):  # captured once, kept by who asked
         driver.recorder = TransformerRecorder(overrides.get("transformer", pipeline.transformer))

@@ -57,6 +57,8 @@ class RolloutScheduler(_FlowMatchBase):
     timesteps_snapshot: torch.Tensor | None = None
     set_timesteps_kwargs: dict[str, Any] | None = None
     index_offset: int = 0
+    size: tuple[int, int] | None = None
+    """The call's (height, width), named when the schedule for them is not finite; None: not known."""
     sigmas: torch.Tensor
     timesteps: torch.Tensor
     """k after `start_at(k)`: the pipeline loops over timesteps[k:], step indices stay absolute."""
@@ -71,8 +73,11 @@ class RolloutScheduler(_FlowMatchBase):
     ) -> None:
         # 1. Run the stock schedule computation (numpy's overflow warnings held: a schedule that
         #    overflowed is refused below, by name; errstate is thread-local, unlike warnings filters).
-        with np.errstate(over="ignore", invalid="ignore"):
-            super().set_timesteps(num_inference_steps, device, sigmas=sigmas, mu=mu, timesteps=timesteps)
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):
+                super().set_timesteps(num_inference_steps, device, sigmas=sigmas, mu=mu, timesteps=timesteps)
+        except OverflowError:  # math.exp(mu) past float64: a shift larger still than the one below
+            raise self._not_finite(mu) from None
         # 2. Record how it was called (JSON-able, device dropped, None omitted).
         given = {"num_inference_steps": num_inference_steps, "sigmas": sigmas, "mu": mu, "timesteps": timesteps}
         self.set_timesteps_kwargs = {k: _jsonable(v) for k, v in given.items() if v is not None}
@@ -80,12 +85,21 @@ class RolloutScheduler(_FlowMatchBase):
         self.sigmas_snapshot = self.sigmas.detach().to("cpu", torch.float32).clone()  # [T+1]
         self.timesteps_snapshot = self.timesteps.detach().to("cpu", torch.float32).clone()  # [T]
         if not (torch.isfinite(self.sigmas_snapshot).all() and torch.isfinite(self.timesteps_snapshot).all()):
-            # FLUX's shift (mu) grows with the image's tokens; past what the scheduler's config was
-            # made for, exp(mu) overflows float32 and the schedule is NaN: the size is what to change
-            raise RolloutInputError("height", f"the scheduler's schedule for this height x width is not finite "
-                                    f"(set_timesteps mu={mu!r}: the shift grows with the image's size); ask a smaller size")
+            raise self._not_finite(mu)
         if self.driver is not None:
             self.driver.on_set_timesteps(self)
+
+    def _not_finite(self, mu: float | None) -> RolloutInputError:
+        """FLUX's shift (mu) grows with the image's tokens; past what the scheduler's config was
+        made for, exp(mu) overflows float32 (the schedule is NaN) or float64 (OverflowError): the
+        size is what to change, the larger side named."""
+        if self.size is None:
+            field, size = "height", "this height x width"
+        else:
+            h, w = self.size
+            field, size = "width" if w > h else "height", f"height x width {h} x {w}"
+        return RolloutInputError(field, f"the scheduler's schedule for {size} is not finite (set_timesteps "
+                                 f"mu={mu!r}: the shift grows with the image's size); ask a smaller size")
 
     def step(  # type: ignore[override]
         self,
