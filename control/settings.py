@@ -122,7 +122,8 @@ class Settings(BaseSettings):
     max_samples: int = Field(256, ge=1, description="Samples (prompts x outputs) per request.")
     max_steps: int = Field(200, ge=1, description="num_inference_steps per request.")
     max_rollout_bytes: int = Field(
-        2 * GiB, ge=1, description="Estimated captured latent bytes per rollout, refused up front beyond it."
+        2 * GiB, ge=1, description="Estimated captured latent bytes per rollout, and the latents its loop holds "
+        "(one x_i of every sample), refused up front beyond it."
     )
     max_flight_streams: int = Field(64, ge=1, description="Concurrent Flight do_get streams.")
     max_held_reads: int = Field(

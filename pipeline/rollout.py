@@ -74,13 +74,14 @@ from sigmaflight.pipeline.validation import (
     captured_steps,
     estimate_latent_bytes,
     latent_shape,
+    loop_latent_bytes,
     requested_sde_steps,
     validate_spec,
 )
 
 __all__ = [
     "BatchMember", "CallStep", "Rollout", "RolloutResult", "Rows", "Sink", "derive_seeds", "noise_seed",
-    "sample_seeds", "validate_spec", "latent_shape", "estimate_latent_bytes", "run_batch", "run_rollout",
+    "sample_seeds", "validate_spec", "latent_shape", "estimate_latent_bytes", "loop_latent_bytes", "run_batch", "run_rollout",
     "rollout_metadata", "parent_metadata",
 ]
 

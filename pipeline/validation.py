@@ -26,6 +26,7 @@ __all__ = [
     "capture_dtype",
     "latent_shape",
     "estimate_latent_bytes",
+    "loop_latent_bytes",
 ]
 
 LATENT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -178,8 +179,20 @@ def capture_dtype(model: LoadedModel, spec: RolloutSpec) -> torch.dtype:
     float32, its later x_i bfloat16: all stored as float32, each exactly)."""
     if spec.latent_dtype != "native":
         return LATENT_DTYPES[spec.latent_dtype]
+    return loop_dtype(model)
+
+
+def loop_dtype(model: LoadedModel) -> torch.dtype:
+    """The widest dtype the denoising loop holds latents in: the model's, or its family's loop
+    dtype when that is wider."""
     loop = family_named(model.family).loop_dtype
     return model.dtype if loop is None else torch.promote_types(model.dtype, loop)
+
+
+def loop_latent_bytes(model: LoadedModel, spec: RolloutSpec) -> int:
+    """Bytes of one x_i of every sample, as the loop holds it: what any rollout of this size
+    allocates, whatever it streams (`return.steps` [] captures nothing)."""
+    return math.prod(latent_shape(model, spec)) * spec.num_samples * loop_dtype(model).itemsize
 
 
 def latent_shape(model: LoadedModel, spec: RolloutSpec) -> tuple[int, ...]:

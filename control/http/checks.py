@@ -13,7 +13,7 @@ from sigmaflight.control.http.errors import HttpError, invalid
 from sigmaflight.control.policy import policy
 from sigmaflight.control.settings import Settings
 from sigmaflight.control.streams import output_bytes, validate_outputs
-from sigmaflight.pipeline.rollout import estimate_latent_bytes, validate_spec
+from sigmaflight.pipeline.rollout import estimate_latent_bytes, loop_latent_bytes, validate_spec
 from sigmaflight.pipeline.spec import RolloutSpec
 from starlette.requests import Request
 
@@ -173,4 +173,14 @@ def check_spec(settings: Settings, req: RolloutRequest, model: Any, spec: Rollou
             f"{settings.max_rollout_bytes} ({limit_flag('max_rollout_bytes')}); request fewer samples, fewer "
             "return.steps or a smaller size",
             {"estimated_bytes": estimate, "limit_bytes": settings.max_rollout_bytes},
+        )
+    loop = loop_latent_bytes(model, spec)
+    if loop > settings.max_rollout_bytes:  # whatever it streams (return.steps [] captures nothing)
+        raise HttpError(
+            413,
+            "rollout_too_large",
+            f"the denoising loop would hold about {loop} bytes of latents (x_i of its {spec.num_samples} samples), "
+            f"over the limit of {settings.max_rollout_bytes} ({limit_flag('max_rollout_bytes')}); request fewer "
+            "samples or a smaller size",
+            {"estimated_bytes": loop, "limit_bytes": settings.max_rollout_bytes},
         )

@@ -72,8 +72,8 @@ BEFORE = {
     "[env SIGMAFLIGHT_MAX_PROMPT_CHARS; default 4096]",
     "--max-samples MAX_SAMPLES": "Samples (prompts x outputs) per request. [env SIGMAFLIGHT_MAX_SAMPLES; default 256]",
     "--max-steps MAX_STEPS": "num_inference_steps per request. [env SIGMAFLIGHT_MAX_STEPS; default 200]",
-    "--max-rollout-bytes MAX_ROLLOUT_BYTES": "Estimated captured latent bytes per rollout, refused up front beyond "
-    "it. [env SIGMAFLIGHT_MAX_ROLLOUT_BYTES; default 2147483648]",
+    "--max-rollout-bytes MAX_ROLLOUT_BYTES": "Estimated captured latent bytes per rollout, and the latents its loop "
+    "holds (one x_i of every sample), refused up front beyond it. [env SIGMAFLIGHT_MAX_ROLLOUT_BYTES; default 2147483648]",
     "--max-flight-streams MAX_FLIGHT_STREAMS": "Concurrent Flight do_get streams. [env SIGMAFLIGHT_MAX_FLIGHT_STREAMS; "
     "default 64]",
     "--log-level {debug,info,warning,error}": "Log level. [env SIGMAFLIGHT_LOG_LEVEL; default info]",

@@ -95,6 +95,26 @@ def test_estimated_trajectory_bytes(limited):
     assert ok.status_code == 202
 
 
+def test_latents_the_loop_holds_count_whatever_is_streamed(limited):
+    server, c = limited
+    # return.steps [] streams no latent, but the loop holds x_i of its 6 samples: 6 x 64 KiB > 256 KiB
+    body = {"prompts": ["a", "b", "c"], "num_outputs_per_prompt": 2, "num_inference_steps": 1,
+            "height": 128, "width": 128, "return": {"steps": []}}
+    before = _ids(c)
+    error = _error(c.post("/v1/rollouts", json=body), 413, "rollout_too_large")
+    assert error["details"] == {"estimated_bytes": 6 * 65536, "limit_bytes": 256 * 1024}
+    assert "denoising loop" in error["message"] and "6 samples" in error["message"]
+    # a FLUX size no pipeline can allocate (the stock prepare_latents cannot: "Storage size calculation
+    # overflowed") was accepted and failed as internal_error
+    huge = {"model": "tiny-flux", "prompts": ["a"], "num_inference_steps": 1, "height": 4, "width": 1 << 62,
+            "return": {"steps": []}}
+    error = _error(c.post("/v1/rollouts", json=huge), 413, "rollout_too_large")
+    assert error["details"]["estimated_bytes"] > 1 << 62
+    assert _ids(c) == before  # nothing queued
+    ok = c.post("/v1/rollouts", json={**body, "prompts": ["a"], "num_outputs_per_prompt": 1})  # 64 KiB fits
+    assert ok.status_code == 202, ok.text
+
+
 def test_concurrent_flight_streams(limited):
     server, c = limited
     ticket = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 10,
