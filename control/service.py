@@ -13,7 +13,6 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-import pyarrow.flight as flight
 import torch
 from sigmaflight.control.jobs import JobManager, NotFinished
 from sigmaflight.control.jobs.backend import Backend
@@ -21,6 +20,7 @@ from sigmaflight.control.node import Node, NodeConfig
 from sigmaflight.control.settings import Settings
 from sigmaflight.control.weights_sink import ServiceWeightsSink
 from sigmaflight.dataplane.auth import TokenSet
+from sigmaflight.dataplane.errors import flight_error
 from sigmaflight.dataplane.tickets import Gone
 from sigmaflight.dataplane.weights import WeightsPushes
 from sigmaflight.pipeline.models import Policy, StagedWeights
@@ -94,7 +94,7 @@ class Service:
         try:
             return self.jobs.release(rollout_id)
         except NotFinished as exc:
-            raise flight.FlightServerError(str(exc)) from None
+            raise flight_error("conflict", str(exc), rollout=rollout_id, status=exc.status) from None
 
     def push_weights(self, model_id: str, state: Mapping[str, torch.Tensor]) -> Policy:
         """New transformer weights: checked and built in the service's registry (RolloutInputError

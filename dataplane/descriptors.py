@@ -17,6 +17,7 @@ from typing import Any
 import pyarrow.flight as flight
 from sigmaflight.dataplane.errors import flight_error
 from sigmaflight.dataplane.streams import EXTRA_STREAMS
+from sigmaflight.dataplane.tickets import ROLLOUT_ID, is_minted
 
 DESCRIPTOR_ROOT = "rollouts"
 
@@ -78,7 +79,7 @@ def _clip(message: str, limit: int) -> str:
 
 
 def action_rollout(body: bytes) -> str:
-    """The rollout id a "cancel" or "release" action's body names."""
+    """The rollout id or whole-rollout ticket a "cancel" or "release" action's body names."""
     try:
         text = body.decode("utf-8").strip()
     except UnicodeDecodeError:
@@ -93,4 +94,7 @@ def action_rollout(body: bytes) -> str:
             text = ""
     if not text:
         raise flight_error("bad_request", "action body names no rollout id")
+    if not (is_minted(text) or ROLLOUT_ID.match(text)):
+        raise flight_error("bad_request", f"action body {_clip(text, 80)!r} is neither a rollout id "
+                           f"({ROLLOUT_ID.pattern}) nor a rollout's ticket")
     return text

@@ -35,7 +35,7 @@ from sigmaflight.dataplane.descriptors import (
 from sigmaflight.dataplane.errors import flight_error, not_found, rollout_ended
 from sigmaflight.dataplane.slots import CallSlot, CallSlotFactory, StreamSlot, StreamSlots
 from sigmaflight.dataplane.store import Entry, ResultStore, RolloutEnded, StreamNotFound, TicketNotFound
-from sigmaflight.dataplane.tickets import stream_ticket
+from sigmaflight.dataplane.tickets import is_minted, stream_ticket
 from sigmaflight.dataplane.weights import WEIGHTS_STATUS_ACTION, PushRefused, WeightsPushes
 
 from sigmaflight.records import RolloutState
@@ -43,10 +43,10 @@ from sigmaflight.records import RolloutState
 log = logging.getLogger(__name__)
 
 ACTIONS = {
-    "cancel": 'Cancel a queued or running rollout. Body: the rollout id (UTF-8) or JSON {"id": ...}. '
+    "cancel": 'Cancel a queued or running rollout. Body: the rollout id or ticket (UTF-8) or JSON {"id": ...}. '
     'Answers JSON {"id", "cancelled": bool}.',
-    "release": 'Release a finished rollout (memory and file). Body: the rollout id (UTF-8) or JSON {"id": ...}. '
-    'Answers JSON {"id", "released": bool}.',
+    "release": 'Release a finished rollout (memory and file). Body: the rollout id or ticket (UTF-8) or JSON '
+    '{"id": ...}. Answers JSON {"id", "released": bool}.',
     WEIGHTS_STATUS_ACTION: "The byte ranges a weights push (do_put) has received so far, to resume it. Body: the push "
     'id (UTF-8). Answers JSON {"push_id", "model", "received": {tensor: [[start, end], ...]}, ...}.',
 }
@@ -386,7 +386,8 @@ class FlightDataServer(flight.FlightServerBase):
                 return iter([json.dumps(self.weights.status(push_id)).encode()])
             except PushRefused as exc:
                 raise flight_error("not_found", exc.message, reason=exc.reason, push_id=push_id[:200]) from None
-        rid = action_rollout(action.body.to_pybytes() if action.body is not None else b"")
+        named = action_rollout(action.body.to_pybytes() if action.body is not None else b"")
+        rid = (self.store.rollout_of(named) or named) if is_minted(named) else named  # a ticket: its rollout
         if kind == "cancel":
             if self._on_cancel is None:
                 raise flight_error("bad_request", "this server has no cancel handler (no control plane)")

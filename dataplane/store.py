@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +31,7 @@ from sigmaflight.dataplane.schema import trajectory_schema
 from sigmaflight.dataplane.shm import ShmDir
 from sigmaflight.dataplane.streams import EXTRA_STREAMS, StreamNotFound
 from sigmaflight.dataplane.tickets import (
+    ROLLOUT_ID,
     UNKNOWN,
     Gone,
     Resolved,
@@ -55,12 +55,9 @@ __all__ = [
 
 log = logging.getLogger("sigmaflight.dataplane.store")
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
 def _check_id(rollout_id: str) -> None:
-    if not _ID_RE.match(rollout_id):
-        raise ValueError(f"rollout id {rollout_id!r} must match {_ID_RE.pattern}")
+    if not ROLLOUT_ID.match(rollout_id):
+        raise ValueError(f"rollout id {rollout_id!r} must match {ROLLOUT_ID.pattern}")
 
 
 class ResultStore:
@@ -329,6 +326,11 @@ class ResultStore:
         if (start, stride) != (0, 1):
             raise TicketNotFound(f"ticket {key[:80]!r}", "a partition ticket has no extra streams")
         return entry, stream
+
+    def rollout_of(self, ticket: str) -> str | None:
+        """The rollout a whole-rollout ticket names (queued, running or finished); None if none."""
+        with self._lock:
+            return self._tickets.rollout_of(ticket)
 
     def find(self, ticket_or_id: str) -> Entry:
         """The entry a rollout id or a (whole-rollout) ticket names; never waits."""

@@ -21,10 +21,10 @@ from typing import Any
 
 import pyarrow as pa
 import torch
-from pyarrow import flight
 from sigmaflight.control.jobs.backend import Outcome, RunContext
 from sigmaflight.control.jobs.job import NotFinished
 from sigmaflight.control.node import Node, NodeConfig
+from sigmaflight.dataplane.errors import flight_error
 from sigmaflight.dataplane.streams import StreamNotFound
 from sigmaflight.pipeline.loaded import StaleWeights
 from sigmaflight.pipeline.spec import BranchStart, RolloutInputError, RolloutSpec
@@ -216,7 +216,7 @@ class RolloutWorker:
             running = job_id in self._running or job_id in self._progress
             active = "running" if running else "queued" if job_id in self._queued else None
         if active is not None:
-            raise flight.FlightServerError(str(NotFinished(job_id, active)))
+            raise flight_error("conflict", str(NotFinished(job_id, active)), rollout=job_id, status=active)
         released = self.store.release(job_id)
         if released:
             with self._lock:

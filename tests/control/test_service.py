@@ -347,6 +347,35 @@ def test_flight_actions_cancel_and_release_drive_the_rest_status(client, server)
         pull(done)
 
 
+def test_flight_actions_take_a_ticket_as_well_as_an_id_and_refuse_what_is_neither(client, server):
+    """do_get, get_flight_info and get_schema take a rollout's ticket in place of its id; cancel and
+    release answered false for it (the rollout ran on, or stayed served). A body that is neither
+    was echoed back whole (5 MB in, 5 MB out); releasing a running rollout was refused with no
+    error type in extra_info, the one Flight refusal without one."""
+    running = submit(client, num_inference_steps=400, seed=14)
+    wait_for_status(client, running["id"], {"running"})
+    done = submit(client, num_inference_steps=2, seed=15)
+    with flight.FlightClient(server.flight_url) as fc:
+        with pytest.raises(flight.FlightServerError, match="cancel it first") as refused:
+            list(fc.do_action(flight.Action("release", running["flight"]["ticket"].encode())))
+        info = json.loads(refused.value.extra_info)
+        assert (info["type"], info["rollout"], info["status"]) == ("conflict", running["id"], "running")
+        (answer,) = fc.do_action(flight.Action("cancel", running["flight"]["ticket"].encode()))
+        assert json.loads(answer.body.to_pybytes()) == {"id": running["id"], "cancelled": True}
+        assert wait_for_status(client, running["id"], {"cancelled", "succeeded", "failed"})["status"] == "cancelled"
+        wait_for_status(client, done["id"], {"succeeded"})
+        body = json.dumps({"id": done["flight"]["ticket"]}).encode()
+        (answer,) = fc.do_action(flight.Action("release", body))
+        assert json.loads(answer.body.to_pybytes()) == {"id": done["id"], "released": True}
+        assert client.get(f"/v1/rollouts/{done['id']}").json()["status"] == "expired"
+        for bad in (b"x" * 5_000_000, b"[1, 2]", b"not an id", json.dumps({"id": "a/b"}).encode()):
+            with pytest.raises(flight.FlightServerError) as err:
+                list(fc.do_action(flight.Action("cancel", bad)))
+            assert json.loads(err.value.extra_info)["type"] == "bad_request" and len(str(err.value)) < 2000
+        (answer,) = fc.do_action(flight.Action("cancel", b"no-such-rollout"))  # an id it does not know: false
+        assert json.loads(answer.body.to_pybytes()) == {"id": "no-such-rollout", "cancelled": False}
+
+
 def test_torch_threads_sets_the_threads_rollouts_run_with_and_the_ready_line_says_so():
     """--torch-threads N: the threads started from then on (the workers that run the rollouts)
     use N intra-op threads, and the ready line reports N; without it torch keeps its own count."""
