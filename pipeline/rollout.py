@@ -153,7 +153,8 @@ class _Driver(Generic[R]):
             if r.sde_steps not in stochastic:
                 stochastic[r.sde_steps] = stochastic_transitions(r.sde_steps, sigmas, sampler=self.sampler)
             r.sde_steps = stochastic[r.sde_steps]
-            batch = BatchInfo(id=self.batch_id, samples=self.samples, rows=(r.first, r.end), requests=len(self.rows))
+            batch = BatchInfo(id=self.batch_id, samples=self.samples, rows=(r.first, r.end), requests=len(self.rows),
+                              per_sample_model_calls=self.per_row)
             r.snapshot = ScheduleSnapshot(
                 **common, sde_steps=tuple(sorted(r.sde_steps)), steps=tuple(sorted(r.steps)), seeds=r.seeds,
                 num_outputs_per_prompt=spec.num_outputs_per_prompt, start_step=spec.start_step,

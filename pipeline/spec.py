@@ -252,15 +252,19 @@ class RolloutSpec:
 @dataclass(frozen=True, kw_only=True)
 class BatchInfo:
     """The contract's `sigmaflight.rollout.batch`: the model call's id, its samples, a member's rows
-    [first, end) among them, and how many rollouts shared it. Alone: samples B, rows [0, B), 1."""
+    [first, end) among them, and how many rollouts shared it. Alone: samples B, rows [0, B), 1.
+    `per_sample_model_calls`: the model ran one row at a time (`--batch-invariant`), as a replay
+    must run it to give the log-probs bit for bit (a batched call differs in the last bits)."""
 
     id: str
     samples: int
     rows: tuple[int, int]
     requests: int
+    per_sample_model_calls: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "samples": self.samples, "rows": list(self.rows), "requests": self.requests}
+        return {"id": self.id, "samples": self.samples, "rows": list(self.rows), "requests": self.requests,
+                "per_sample_model_calls": self.per_sample_model_calls}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -86,7 +86,7 @@ def replay_log_probs(
     traj: Trajectory,
     *,
     grad: bool = False,
-    per_sample_model_calls: bool = False,
+    per_sample_model_calls: bool | None = None,
     strict: bool = False,
     check_weights: bool = True,
     conditioning: Mapping[str, torch.Tensor] | None = None,
@@ -126,6 +126,10 @@ def replay_log_probs(
     kernel p(x_{i+1} | x_i), as dicts keyed by i: what a KL term against a reference policy needs
     (`((means[i] - ref_means[i]) ** 2 / (2 * stds[i] ** 2))`, the two kernels sharing the std).
 
+    `per_sample_model_calls`: call the transformer and text encoders one row at a time; None (the
+    default): as the rollout's server did (its `batch` metadata; a `--batch-invariant` server runs
+    rows one at a time, and a batched replay of such a rollout differs in the last bits).
+
     `parent`: a branch rollout's parent trajectory (`client.pull(parent_id)`), needed when the branch
     did not stream its start step k (`return.steps` without k): its x_k rows are the branch's start
     (`rollout_spec`). A branch that streamed k, or a rollout from x_0, needs none.
@@ -157,7 +161,8 @@ def replay_log_probs(
         sigmas=traj.sigmas,
         timesteps=traj.timesteps,
         seeds=[int(s) for s in traj.seeds],
-        per_sample_model_calls=per_sample_model_calls,
+        per_sample_model_calls=(bool((traj.metadata.get("batch") or {}).get("per_sample_model_calls", False))
+                                if per_sample_model_calls is None else per_sample_model_calls),
         grad=grad,
         conditioning=conditioning,
     )

@@ -63,6 +63,27 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.timeout(240)
+def test_a_rollout_of_a_batch_invariant_server_replays_bit_for_bit_as_it_ran(saved):
+    """A --batch-invariant server calls the model one row at a time (CFG's two halves too, so even
+    one sample): a replay that batches the rows differs in the last bits. The trajectory says how
+    its model was called, and replay_log_probs calls the trainer's stock pipeline the same way by
+    default (trainers.md promised bit for bit here, and a batched replay gave 1.2e-7 off)."""
+    pipe = stock(saved, "tiny-sd3")
+    with InProcessServer("--batch-invariant") as s, Client(s.rest_url) as client:
+        ticket = client.submit(prompts=["a cat"], num_inference_steps=4, seed=5,
+                               sampler={"type": "sde", "noise_level": 0.7})
+        client.wait(ticket, timeout=120)
+        traj = client.pull(ticket)
+    assert traj.metadata["batch"]["per_sample_model_calls"] is True
+    sde = list(traj.sde_steps)
+    assert sde and torch.isfinite(traj.log_probs[:, sde]).all()
+    assert same(replay_log_probs(pipe, traj, strict=True), traj.log_probs)
+    # what the replay did before: one batched call of the rows, not the rollout's own bits here
+    batched = replay_log_probs(pipe, traj, strict=True, per_sample_model_calls=False)
+    assert not torch.equal(batched[:, sde], traj.log_probs[:, sde])
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("model_id", sorted(STOCK))
 def test_a_stock_pipeline_replays_the_recorded_log_probs_bit_for_bit(server, saved, model_id):
     pipe = stock(saved, model_id)
