@@ -18,6 +18,7 @@ has the typed errors. docs/trainers.md has the whole tour. `replay_log_probs` an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -58,6 +59,10 @@ __all__ = [
 ]
 
 STREAMS = ("trajectory", "outputs", "conditioning")
+
+LOST_STREAM_WAIT_S = 10.0
+"""How long a pull whose stream broke off untyped (its connection lost) waits for REST to say how
+the rollout ended: a Ray worker's death is known to the control plane within its call timeout."""
 """The streams a rollout may have (contract, "More streams per rollout"); the last two when asked for."""
 
 
@@ -300,11 +305,21 @@ class Client:
         does not know as an id is looked up as a Flight ticket (GET /v1/rollouts?ticket=), whose
         rollout names the Flight location that holds it (under Ray, its worker's)."""
         if isinstance(ticket, Ticket):
-            return ticket.flight.locations[0], ticket.flight.ticket
+            return self._location(ticket.flight.locations, ticket), ticket.flight.ticket
         ticket = rest.ref(ticket, "ticket")
         st = self._status_by_id_or_ticket(ticket)
         # a ticket string is kept as given: it may name one of the rollout's extra streams
-        return st.flight.locations[0], (ticket if ticket != st.id else st.flight.ticket)
+        return self._location(st.flight.locations, ticket), (ticket if ticket != st.id else st.flight.ticket)
+
+    def _location(self, locations: list[str], ticket: str | Ticket) -> str:
+        """The first Flight location; none (a Ray server names none for a rollout no worker holds,
+        e.g. one that failed at a shutdown) is RolloutFailed for a rollout that ended so, else NotFound."""
+        if locations:
+            return locations[0]
+        st = self._status_of(ticket)
+        if st is not None and st.status in TERMINAL and st.status != "succeeded":
+            raise RolloutFailed.from_status(st)
+        raise NotFound(None, "not_found", f"rollout {_id(ticket)}: no Flight location holds its trajectory")
 
     def _status_by_id_or_ticket(self, ref: str) -> RolloutStatus:
         """The status of the rollout `ref` names, as a rollout id or else as a Flight ticket."""
@@ -338,7 +353,7 @@ class Client:
                    else f"the streams are {', '.join(STREAMS)}")
             raise NotFound(None, "not_found", f"rollout {_id(ticket)} has no {stream!r} stream (streams: "
                            f"{', '.join(flight_ticket.streams) or 'none'}); {ask}")
-        return flight_ticket.locations[0], found.ticket
+        return self._location(flight_ticket.locations, ticket), found.ticket
 
     def pull_stream(self, ticket: str | Ticket, stream: str) -> pa.Table:
         """One stream of a rollout as a pyarrow Table (waits while the rollout runs)."""
@@ -386,6 +401,11 @@ class Client:
         if kind == "unauthenticated" or isinstance(exc, flight.FlightUnauthenticatedError):
             return Unauthorized(401, "unauthorized", message)
         st = self._status_of(ticket)
+        if kind is None and st is not None and st.status not in TERMINAL:
+            # an untyped error is the connection (a worker that died under Ray): the server may
+            # not know yet; hold a read until the rollout ends, for the reason it gives
+            with contextlib.suppress(ApiError):
+                st = self.status(st.id, wait_s=LOST_STREAM_WAIT_S)
         if st is not None and st.status in TERMINAL and st.status != "succeeded":
             return RolloutFailed.from_status(st, message)
         if kind == "failed":
@@ -403,20 +423,24 @@ class Client:
         Flight error was the same server going away (a stream then ends with it, not item by item)."""
         try:
             return self.status(ticket)
-        except NotFound:
+        except ApiError as exc:
+            if not _unknown(exc):
+                raise
             if not isinstance(ticket, str):
                 return None
             try:
                 owners = self.rollouts(limit=1, ticket=ticket)
-            except ServerUnreachable:
-                raise
-            except ApiError:
+            except ApiError as again:
+                if not _unknown(again):
+                    raise
                 return None
             return owners[0] if owners else None
-        except ServerUnreachable:
-            raise
-        except ApiError:
-            return None
+
+
+def _unknown(exc: ApiError) -> bool:
+    """A refusal that says REST does not know the handle (404, or 422: no rollout id, perhaps a
+    Flight ticket); not a refused token, a server that is gone or busy, which are raised as they are."""
+    return exc.status in (404, 422)
 
 
 def _id(ticket: str | Ticket) -> str:

@@ -99,6 +99,12 @@ def test_pull_of_a_cancelled_rollout_raises_rollout_cancelled_with_the_servers_m
         assert str(e.value) == f"rollout {ticket.id} cancelled"
         with pytest.raises(NotFound):
             c.pull("no-such-rollout")
+        # a Ray server names no Flight location for a rollout no worker holds (one failed at a
+        # shutdown): pull and locate raised IndexError
+        nowhere = ticket.model_copy(update={"flight": ticket.flight.model_copy(update={"locations": []})})
+        for call in (c.pull, c.locate):
+            with pytest.raises(RolloutCancelled):
+                call(nowhere)
     rc, _, err = cli(capsys, "pull", ticket.id, "--url", url, "-o", str(tmp_path / "c.arrow"))
     assert rc == 1 and len(err.strip().splitlines()) == 1
     assert err.startswith("sigmaflight pull: ") and "cancelled by client" in err
@@ -246,4 +252,20 @@ def test_refused_token_and_unknown_rollout_are_typed(tmp_path):
             with Client(s.rest_url, token="wrong") as bad:  # the Flight plane refuses it too
                 with pytest.raises(Unauthorized) as fe:
                     bad.pull(ticket)  # a Ticket names its Flight location: no REST call
+                # by id or Flight ticket the rollout is looked up over REST first: a refused token
+                # said "404 no rollout or ticket", as if the rollout did not exist
+                for ref in (ticket.id, ticket.flight.ticket):
+                    for call in (bad.pull, bad.locate):
+                        with pytest.raises(Unauthorized):
+                            call(ref)
     assert "debug context" not in str(fe.value)
+
+
+def test_the_cli_says_a_token_is_refused_not_that_the_rollout_is_unknown(capsys, tmp_path):
+    with InProcessServer("--token", "s3cret") as s:
+        with Client(s.rest_url, token="s3cret") as c:
+            ticket = c.submit(prompts=["a"], num_inference_steps=2, seed=1)
+            c.wait(ticket)
+        for argv in (["pull", ticket.id, "-o", str(tmp_path / "t.arrow")], ["inspect", ticket.id], ["cancel", ticket.id]):
+            rc, _, err = cli(capsys, *argv, "--url", s.rest_url)
+            assert rc == 1 and "401" in err and "--token" in err, (argv, err)

@@ -2,7 +2,8 @@
 
 One server for the module (a Ray cluster and two workers take ~20 s to start), in this order: the
 rollouts and their shared-memory files on each worker, the outputs stream and a token reload that
-reaches the workers, then SIGTERM, which must stop every process of the Ray instance it started.
+reaches the workers, a worker killed under a trainer's pull, then SIGTERM, which must stop every
+process of the Ray instance it started.
 """
 
 from __future__ import annotations
@@ -176,6 +177,49 @@ def _alive(pid: int, since: float) -> bool:
         return p.create_time() <= since and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def test_a_pull_following_a_rollout_whose_worker_dies_raises_rollout_failed_worker_died(served):
+    """The trainer follows the rollout on its worker's Flight; the worker is killed. The stream breaks
+    off untyped ("Socket closed") before the control plane knows, and Client.pull raised that as
+    ApiError flight_error; trainers.md: a pull of a rollout that ended failed raises RolloutFailed."""
+    import threading
+
+    from sigmaflight import RolloutFailed
+
+    server, _, _ = served
+    with Client(server.rest_url, token=NEW) as c, server.client(NEW) as http:  # the token test rotated it
+        ticket = c.submit(prompts=["a"], num_inference_steps=3000, seed=5, return_={"steps": [0, 3000]})
+        wait_for_status(http, ticket.id, {"running"}, timeout=120)
+        port = int(ticket.flight.locations[0].rsplit(":", 1)[1])
+        listening = {p.pid for p in psutil.Process(server.proc.pid).children(recursive=True)
+                     for cn in _listening(p) if cn.laddr.port == port}
+        assert len(listening) == 1, listening
+        got: dict[str, BaseException | None] = {}
+
+        def follow() -> None:
+            try:
+                c.pull(ticket)
+                got["error"] = None
+            except BaseException as exc:  # for the asserting thread
+                got["error"] = exc
+
+        follower = threading.Thread(target=follow)
+        follower.start()
+        time.sleep(1.0)  # the follower's stream is open on the worker
+        os.kill(listening.pop(), 9)
+        follower.join(timeout=60)
+        error = got.get("error")
+        assert isinstance(error, RolloutFailed), repr(error)
+        assert error.rollout is not None and error.rollout.error is not None
+        assert error.rollout.error.type == "worker_died"
+
+
+def _listening(p: psutil.Process) -> list:
+    try:
+        return [cn for cn in p.net_connections(kind="tcp") if cn.status == "LISTEN"]
+    except psutil.Error:
+        return []
 
 
 def test_sigterm_stops_every_process_of_the_ray_instance_the_server_started(served):
