@@ -365,7 +365,10 @@ def check_ray(address: str) -> None:
         if target == "local":
             return
     host, _, port = target.removeprefix("ray://").rpartition(":")
-    if "://" in host or not host or not port.isdigit():  # another protocol, or no port: ray.init will say
+    if not target.startswith("ray://") and ("://" in target or not host or not port.isdigit()):
+        raise StartupError(f"--backend ray --ray-address {address}: not an address Ray joins; give auto, local, "
+                           "host:port of a cluster's head (`ray start --head` prints it) or ray://host:port")
+    if not host or not port.isdigit():  # ray://host without a port: ray.init will say
         return
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()

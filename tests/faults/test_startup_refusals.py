@@ -434,6 +434,16 @@ def test_a_weights_file_dir_that_is_missing_or_not_a_directory_is_refused(tmp_pa
 
 # ---------------------------------------------------------------------------------------- --ray-address
 
+@pytest.mark.parametrize("address", ["bogus::x", "localhost", "http://127.0.0.1:6379"])
+def test_a_ray_address_ray_cannot_take_is_one_line_naming_the_forms_it_takes(address):
+    """ray.init raised ValueError("Invalid address format") for these: a traceback and exit 3,
+    after 3 s of starting Ray."""
+    pytest.importorskip("ray", reason="the Ray backend needs `pip install sigmaflight[ray]`")
+    line = serve_refused("--port", "0", "--flight-port", "0", "--backend", "ray", "--ray-address", address)
+    assert f"--backend ray --ray-address {address}: not an address Ray joins" in line, line
+    assert "host:port" in line and "ray://host:port" in line, line
+
+
 def test_backend_ray_with_no_cluster_to_join_names_the_address_and_how_to_start_one():
     pytest.importorskip("ray", reason="the Ray backend needs `pip install sigmaflight[ray]`")
     nobody = f"127.0.0.1:{_free_port()}"  # an address where nothing listens: whatever else runs here
