@@ -127,6 +127,34 @@ def test_the_cli_pointed_at_the_flight_port_says_so(server, capsys):
     assert "is this the Flight port?" in err and "--port" in err  # was: "illegal request line" alone
 
 
+def test_a_server_that_drops_the_connection_is_not_called_the_flight_port(capsys):
+    """A REST server killed under a request (a held status read, a submit) closes the connection
+    with no answer: that was "is this the Flight port?", sending the user to check a right URL."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def drop_every_connection() -> None:  # reads the request, then closes with no answer
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            conn.close()
+
+    threading.Thread(target=drop_every_connection, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with Client(url) as c, pytest.raises(ServerUnreachable) as e:
+            c.status("x")
+        text = str(e.value)
+        assert "Flight port" not in text and "did the server stop or restart" in text, text
+    finally:
+        listener.close()
+
+
 def test_a_bad_json_file_is_named(tmp_path, capsys):
     not_json, a_list = tmp_path / "bad.json", tmp_path / "list.json"
     not_json.write_text("{prompts: [")
