@@ -26,7 +26,7 @@ from pyarrow import flight
 
 from sigmaflight import rest
 from sigmaflight.dataplane.auth import bearer_header
-from sigmaflight.errors import ApiError, NotFound
+from sigmaflight.errors import ApiError, NotFound, ServerUnreachable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -206,7 +206,8 @@ def push_weights(
               "tensors": {k: {"dtype": dtype_name(tensors[k].dtype), "shape": list(tensors[k].shape)} for k in send}}
     descriptor = flight.FlightDescriptor.for_command(json.dumps(header).encode())
     options = flight.FlightCallOptions(headers=[(k.encode(), v.encode()) for k, v in bearer_header(client.token).items()])
-    fc = client.flight(manifest["flight"]["locations"][0]).flight_client
+    location = manifest["flight"]["locations"][0]
+    fc = client.flight(location).flight_client
     from tqdm import tqdm
 
     nbytes = sum(tensors[k].nbytes for k in send)
@@ -224,17 +225,30 @@ def push_weights(
                 if err is not None and err.reason != "incomplete":
                     raise err from None
                 if attempt == retries:
-                    raise
-            except OSError:  # a connection that broke below Flight's error types
+                    raise err or _lost(location, exc) from None
+            except OSError as exc:  # a connection that broke below Flight's error types
                 if attempt == retries:
-                    raise
+                    raise _lost(location, exc) from None
             time.sleep(min(0.1 * 2 ** attempt, 2.0))
-            received = _received(fc, options, push_id)
+            try:
+                received = _received(fc, options, push_id)
+            except (flight.FlightError, OSError):  # gone meanwhile: the next attempt says so, or sends it all
+                received = {}
             bar.reset(total=nbytes)
             bar.update(sum(e - s for ranges in received.values() for s, e in ranges))
     finally:
         bar.close()
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _lost(location: str, exc: BaseException) -> ServerUnreachable:
+    """A push whose Flight connection failed on every try (the server stopped, restarted or is
+    gone): ServerUnreachable with the server's words, no gRPC debug context. The push is all or
+    none: the model keeps the weights it had."""
+    from sigmaflight.dataplane.errors import server_message
+
+    return ServerUnreachable(location, f"the weights push failed on every try ({server_message(exc) or type(exc).__name__}); "
+                                       "the model keeps the weights it had")
 
 
 def _checked(state_dict: Mapping[str, torch.Tensor], *, chunk_bytes: int, retries: int,

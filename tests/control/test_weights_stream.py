@@ -463,6 +463,34 @@ def test_a_server_killed_mid_push_restarts_on_its_weights_with_nothing_stored_lo
         assert m["sigmaflight_weights_staged_bytes"] == 0 and m["sigmaflight_weights_pushes_open"] == 0
 
 
+@pytest.mark.e2e
+def test_a_push_whose_server_dies_under_it_is_server_unreachable_without_grpc_text():
+    """trainers.md: errors carry no transport debug text, and a server that is gone is
+    ServerUnreachable. A push cut by kill -9 raised pyarrow's FlightUnavailableError with gRPC's
+    debug context, after its retries."""
+    from sigmaflight.errors import ServerUnreachable
+
+    new = _changed(_base(), _floats(_base()), 0.25)
+    with ServerProcess("--workers", "1") as s, Client(s.rest_url) as c:
+        got: dict[str, BaseException | None] = {}
+
+        def push() -> None:
+            try:  # 4-byte chunks: a push of some 10^5 messages, still under way when the server dies
+                c.push_weights(MODEL, new, only_changed=False, chunk_bytes=4, progress=False)
+                got["error"] = None
+            except BaseException as exc:  # for the asserting thread
+                got["error"] = exc
+
+        pusher = threading.Thread(target=push)
+        pusher.start()
+        wait_for(lambda: _metrics(c)["sigmaflight_weights_pushes_open"] >= 1, "the push is open at the server")
+        s.kill()
+        pusher.join(timeout=120)
+    error = got.get("error")
+    assert isinstance(error, ServerUnreachable), repr(error)
+    assert "debug context" not in str(error) and "the model keeps the weights it had" in str(error)
+
+
 def test_a_same_host_file_push_is_checked_and_swapped_like_a_stream(tmp_path):
     allowed, outside = tmp_path / "pushes", tmp_path / "elsewhere"
     allowed.mkdir()
