@@ -38,6 +38,10 @@ class WeightsFanout(RayWorkers):
         """model id -> ObjectRef of the committed state dict (a replacement worker loads it)."""
         self._lora: dict[str, tuple[Any, dict[str, Any]]] = {}
         """model id -> (ObjectRef of the adapter's tensors, its LoraConfig dict) of the adapter on now."""
+        self._versions: dict[str, int] = {}
+        """model id -> changes of weights every worker took since it loaded (a push, a LoRA on or off:
+        each +1 there and on the control plane): the weights_version a replacement takes, which
+        loads the committed weights and adapter at once (two changes at most)."""
         super().__init__(*args, **kwargs)
 
     def load_weights(self, model_id: str, state: Mapping[str, torch.Tensor], *, expected_base: str | None = None,
@@ -61,6 +65,7 @@ class WeightsFanout(RayWorkers):
             digests = [str(d) for _, d in self._fan_out("commit_weights", push_id)]
             self._weights[model_id] = ref
             self._lora.pop(model_id, None)  # a full push drops the adapter
+            self._versions[model_id] = self._versions.get(model_id, 0) + 1
         log.info("weights pushed to every ray worker", extra={"model": model_id, "workers": len(digests)})
         return digests
 
@@ -71,6 +76,7 @@ class WeightsFanout(RayWorkers):
             ref = self._ray.put(dict(tensors))
             digests = self._call_all("load_lora", model_id, ref, dict(lora_config))
             self._lora[model_id] = (ref, dict(lora_config))
+            self._versions[model_id] = self._versions.get(model_id, 0) + 1
         return self._logged("load_lora", model_id, digests)
 
     def unload_lora(self, model_id: str) -> list[str]:
@@ -78,6 +84,7 @@ class WeightsFanout(RayWorkers):
         with self._change_lock:
             digests = self._call_all("unload_lora", model_id)
             self._lora.pop(model_id, None)
+            self._versions[model_id] = self._versions.get(model_id, 0) + 1
         return self._logged("unload_lora", model_id, digests)
 
     def set_tokens(self, tokens: Sequence[str]) -> None:
@@ -90,12 +97,15 @@ class WeightsFanout(RayWorkers):
         log.info("tokens pushed to ray workers", extra={"workers": n})
 
     def _catch_up(self, slot: _Slot) -> None:
-        """The committed weights, then the adapters on now (a full push drops adapters), and the
-        tokens of now (the worker may have started with older ones)."""
+        """The committed weights, then the adapters on now (a full push drops adapters), the
+        weights_version the other workers serve, and the tokens of now (the worker may have
+        started with older ones)."""
         for model_id, ref in self._weights.items():
             self._ray.get(slot.handle.load_weights.remote(model_id, ref), timeout=self._start_timeout_s)
         for model_id, (ref, config) in self._lora.items():
             self._ray.get(slot.handle.load_lora.remote(model_id, ref, config), timeout=self._start_timeout_s)
+        for model_id, version in self._versions.items():  # the version the others serve, not its own count
+            self._ray.get(slot.handle.set_weights_version.remote(model_id, version), timeout=self._start_timeout_s)
         with self._lock:
             tokens = list(self._config.node.tokens)
         if tokens:

@@ -281,6 +281,13 @@ class RolloutWorker:
         up before it takes rollouts). Returns the model's new digest."""
         return self.registry.replace_weights(model_id, state).digest
 
+    def set_weights_version(self, model_id: str, version: int) -> None:
+        """Take the cluster's weights_version for `model_id` (a replacement that just loaded the
+        committed weights and adapter counted only its own changes)."""
+        model = self.registry.get(model_id)
+        with model.push_lock, model.lock:  # as `install` changes it: between pushes, with the policy read
+            model.weights_version = int(version)
+
     def load_lora(self, model_id: str, tensors: dict[str, torch.Tensor], lora_config: dict[str, Any]) -> str:
         """A LoRA adapter for `model_id` (checked by the control plane), replacing any; returns the digest."""
         return self.registry.load_lora(model_id, tensors, lora_config).digest

@@ -305,9 +305,10 @@ def test_pushed_weights_reach_every_worker_and_a_replacement_loads_them(jobs, ba
     the same state dict loaded by a plain in-process ModelRegistry."""
     reference = ModelRegistry()
     state = reference.get("tiny-sd3").pipeline.transformer.state_dict()
-    new = _noisy(state, 11)
-    digest = reference.replace_weights("tiny-sd3", new).digest
-    assert backend.load_weights("tiny-sd3", new) == [digest, digest]
+    for seed in (10, 11):  # two pushes: the replacement loads the last at once, as its first change
+        new = _noisy(state, seed)
+        digest = reference.replace_weights("tiny-sd3", new).digest
+        assert backend.load_weights("tiny-sd3", new) == [digest, digest]
     with pytest.raises(StaleWeights):  # refused by every worker: the replacement must not get it
         backend.load_weights("tiny-sd3", _noisy(state, 12), expected_base="0" * 64)
 
@@ -321,10 +322,15 @@ def test_pushed_weights_reach_every_worker_and_a_replacement_loads_them(jobs, ba
         assert time.monotonic() < deadline, backend.workers()
         time.sleep(0.2)
     replacement = next(w for w in backend.workers() if w["actor"] not in before)
-    placed = [jobs.submit(spec(seed=300 + k))[0] for k in range(2)]
+    placed = [jobs.submit(spec(seed=300 + k))[0] for k in range(4)]
     on_replacement = [j for j in placed if backend.locations_for(j.id) == replacement["locations"]]
     assert on_replacement
+    versions: dict[str, int] = {}
     for j in placed:
         assert wait(jobs, j.id, {"succeeded", "failed"}) == "succeeded", j.error
         traj = pull(backend.locations_for(j.id)[0], j.ticket)
         assert traj.metadata["model"]["digest"] == digest
+        versions[backend.locations_for(j.id)[0]] = traj.metadata["model"]["weights_version"]
+    # the contract's weights_version: 0 at load, +1 per accepted push, as the worker that lived
+    # through both pushes counts it; the replacement counted its one load as 1
+    assert len(versions) == 2 and len(set(versions.values())) == 1 and min(versions.values()) >= 2, versions
