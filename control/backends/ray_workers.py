@@ -149,11 +149,14 @@ class RayWorkers:
                 self._await_ready(slot)
                 with self._change_lock:  # no change of weights between its catch-up and joining
                     self._catch_up(slot)
+                    # with --data-dir it adopted the dead one's finished trajectories: served here now
+                    adopted = self._ray.get(slot.handle.stored_ids.remote(), timeout=self._start_timeout_s)
                     with self._lock:
                         if self._closed.is_set():
                             self._ray.kill(slot.handle)
                             return
                         self._slots = [slot if s is dead else s for s in self._slots]
+                        self._where.update(dict.fromkeys(adopted, slot))
             except Exception:
                 log.exception("could not replace ray worker", extra={"worker": dead.index})
                 return

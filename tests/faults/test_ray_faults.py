@@ -51,12 +51,26 @@ def _actor_pids(server: ServerProcess) -> list[int]:
     return out
 
 
+def _pid_of(server: ServerProcess, location: str) -> int | None:
+    """The worker process whose Flight server listens at `location`."""
+    port = int(location.rsplit(":", 1)[1])
+    for p in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            if any(cn.status == "LISTEN" and cn.laddr.port == port for cn in p.net_connections(kind="tcp")):
+                return p.pid
+        except psutil.Error:
+            continue
+    return None
+
+
 @pytest.fixture(scope="module")
-def ray_server():
+def ray_server(tmp_path_factory):
     """One Ray-backed server for the module's tests (a Ray cluster and two workers take ~20 s to
     start): the LoRA test first (it counts weights versions from a fresh server's 0 and leaves the
-    base weights), then the branch and weights tests, the placement test (which kills the workers) last."""
-    with ServerProcess(*RAY, "--queue-size", "2", timeout=240) as server:
+    base weights), then the branch and weights tests, the placement test (which kills the workers) last.
+    With a --data-dir: a replacement worker adopts what its predecessor finished."""
+    data = tmp_path_factory.mktemp("ray-data")
+    with ServerProcess(*RAY, "--queue-size", "2", "--data-dir", str(data), timeout=240) as server:
         yield server
 
 
@@ -123,15 +137,26 @@ def test_lora_put_and_delete_reach_every_ray_worker_and_replacements(ray_server:
         # on it fails (worker died), which starts its replacement; retry until both workers run again
         pids = _actor_pids(server)
         assert len(pids) == 2, pids
-        os.kill(pids[0], signal.SIGKILL)
-        psutil.wait_procs([psutil.Process(pids[0])], timeout=10)
+        # a rollout the victim finished: with --data-dir its replacement adopts the file; REST named
+        # the dead worker's address for it until the control plane restarted
+        finished = c.post("/v1/rollouts", json=REQ).json()
+        assert wait_for_status(c, finished["id"], {"succeeded"}, timeout=120)["status"] == "succeeded"
+        expected = latent_bytes(_pull(finished))
+        victim = _pid_of(server, finished["flight"]["locations"][0])
+        assert victim in pids, (victim, pids)
+        os.kill(victim, signal.SIGKILL)
+        psutil.wait_procs([psutil.Process(victim)], timeout=10)
         deadline = time.monotonic() + 240
         while (tables := _try_on_both(c)) is None:
             assert time.monotonic() < deadline, "the replacement worker never took rollouts"
             time.sleep(1.0)
-        assert pids[0] not in _actor_pids(server)
+        assert victim not in _actor_pids(server)
         for table in tables:
             assert _digest(table) == put.json()["digest"] and latent_bytes(table) == lora_bytes
+        adopted = c.get(f"/v1/rollouts/{finished['id']}").json()
+        assert adopted["status"] == "succeeded"
+        assert adopted["flight"]["locations"] != finished["flight"]["locations"]  # the replacement's
+        assert latent_bytes(_pull({**finished, "flight": adopted["flight"]})) == expected
 
         gone = c.delete("/v1/models/tiny-sd3/lora")
         assert gone.status_code == 200, gone.text
