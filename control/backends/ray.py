@@ -29,6 +29,7 @@ from sigmaflight.control.backends.ray_workers import (
     NoWorkers,
     WorkerDied,
     _cause,
+    _Slot,
     trajectory_ref,
 )
 from sigmaflight.control.backends.worker import WorkerConfig, outcome_from_json
@@ -257,6 +258,14 @@ class RayBackend(WeightsFanout):
 
     def on_unknown_ticket(self, callback: Callable[[str], Gone | None]) -> None:
         """Not wired: each worker's Flight server answers for its own store, in its own process."""
+
+    def _not_adopted(self, job_ids: list[str], dead: _Slot) -> None:
+        lost_to = self._lost_callback
+        if lost_to is None:
+            return
+        for job_id in job_ids:  # a running one failed worker_died already: the jobs layer ignores it
+            lost_to(job_id, f"its Ray worker, {dead.name}, died and its replacement does not hold the trajectory "
+                            "(kept across a worker's death only with --data-dir)")
 
     def _watch_events(self) -> None:
         """Every second, what happened to results on each worker that the control plane did not

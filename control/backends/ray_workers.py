@@ -157,6 +157,10 @@ class RayWorkers:
                             return
                         self._slots = [slot if s is dead else s for s in self._slots]
                         self._where.update(dict.fromkeys(adopted, slot))
+                        gone = [j for j, s in self._where.items() if s is dead]
+                        for j in gone:
+                            del self._where[j]
+                self._not_adopted(gone, dead)
             except Exception:
                 log.exception("could not replace ray worker", extra={"worker": dead.index})
                 return
@@ -166,6 +170,10 @@ class RayWorkers:
 
     def _catch_up(self, slot: _Slot) -> None:
         """Bring a replacement worker to the cluster's state before it takes rollouts (_change_lock held)."""
+
+    def _not_adopted(self, job_ids: list[str], dead: _Slot) -> None:
+        """Rollouts the dead worker held that its replacement does not (no --data-dir, or a file it
+        could not adopt): a finished one's trajectory is gone (RayBackend reports it lost)."""
 
     def _mark_dead(self, slot: _Slot, cause: BaseException | str, *, kill: bool = False) -> None:
         with self._lock:

@@ -189,6 +189,9 @@ def test_a_pull_following_a_rollout_whose_worker_dies_raises_rollout_failed_work
 
     server, _, _ = served
     with Client(server.rest_url, token=NEW) as c, server.client(NEW) as http:  # the token test rotated it
+        done = [c.submit(prompts=["b"], num_inference_steps=2, seed=6 + k) for k in range(2)]  # one on each worker
+        for t in done:
+            c.wait(t, timeout=120)
         ticket = c.submit(prompts=["a"], num_inference_steps=3000, seed=5, return_={"steps": [0, 3000]})
         wait_for_status(http, ticket.id, {"running"}, timeout=120)
         port = int(ticket.flight.locations[0].rsplit(":", 1)[1])
@@ -213,6 +216,12 @@ def test_a_pull_following_a_rollout_whose_worker_dies_raises_rollout_failed_work
         assert isinstance(error, RolloutFailed), repr(error)
         assert error.rollout is not None and error.rollout.error is not None
         assert error.rollout.error.type == "worker_died"
+        # what the dead worker had finished is gone with it (no --data-dir): once its replacement is
+        # up, REST stops saying succeeded (it did until the TTL, while every pull failed)
+        held = [t for t in done if t.flight.locations == ticket.flight.locations]
+        assert held, (done, ticket)
+        gone = wait_for_status(http, held[0].id, {"failed"}, timeout=120)
+        assert gone["error"]["type"] == "result_unavailable" and "--data-dir" in gone["error"]["message"]
 
 
 def _listening(p: psutil.Process) -> list:
