@@ -359,11 +359,11 @@ def unreachable_reason(exc: httpx.TransportError, timeout: float | None, url: st
     if "CERTIFICATE_VERIFY_FAILED" in str(exc):
         return (f"{exc} (the server's certificate is not trusted: pass the CA that signed it, or a self-signed "
                 "server's own cert.pem, as ca_file= / --ca-file / SIGMAFLIGHT_CA_FILE)")
+    https = f"; if it serves https (--tls-cert), use https://{url[len('http://'):]}" if url.startswith("http://") else ""
     if isinstance(exc, httpx.RemoteProtocolError) and "without sending a response" in str(exc):
         return (f"{exc} (the connection was closed with no answer: did the server stop or restart? is "
-                "`sigmaflight serve` running there?)")
+                f"`sigmaflight serve` running there?{https})")
     if isinstance(exc, httpx.RemoteProtocolError):
-        https = f"; if it serves https (--tls-cert), use https://{url[len('http://'):]}" if url.startswith("http://") else ""
         return (f"what answers there does not speak HTTP/1.1 ({exc}); is this the Flight port? The REST port is "
                 f"`sigmaflight serve --port` (default 8000), Flight's is --flight-port (default 8815){https}")
     return f"{exc or type(exc).__name__} (is `sigmaflight serve` running there?)"
