@@ -132,6 +132,9 @@ class LocalBackend:
     def locations_for(self, job_id: str) -> list[str]:
         return self.locations()
 
+    def can_place(self) -> bool:
+        return True
+
     def parent(self, rollout_id: str) -> ParentTrajectory | None:
         """The store's succeeded trajectory `rollout_id`, with its conditioning stream when it
         published one and it is still held (no intact file after a restart: None, and the branch

@@ -211,6 +211,11 @@ class RayWorkers:
             self._mark_dead(slot, why, kill=True)
             raise WorkerDied(why) from None
 
+    def can_place(self) -> bool:
+        """A live worker can take a rollout (none while every worker is dead and not replaced yet)."""
+        with self._lock:
+            return any(s.alive for s in self._slots)
+
     def _slot_of(self, job_id: str) -> _Slot | None:
         with self._lock:
             return self._where.get(job_id)

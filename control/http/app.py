@@ -230,7 +230,7 @@ async def healthz(request: Request) -> Response:
 async def readyz(request: Request) -> Response:
     service = _service(request)
     checks = {"models_loaded": service.ready, "flight_serving": service.ready and service.flight.port > 0,
-              "journal_writable": service.jobs.journal_error() is None}
+              "journal_writable": service.jobs.journal_error() is None, "workers_live": service.backend.can_place()}
     failed = service.registry.failed()
     checks["weights_sound"] = not failed
     ok = all(checks.values())

@@ -245,6 +245,10 @@ class Backend(Protocol):
         """Flight URIs where the rollout's streams are served."""
         ...
 
+    def can_place(self) -> bool:
+        """Whether a rollout could be placed now (with Ray: a live worker; /readyz says so)."""
+        ...
+
     def parent(self, rollout_id: str) -> ParentTrajectory | None:
         """A succeeded rollout's trajectory for a branch; None when none is held here. Raises
         RolloutInputError ("branch_from.rollout") when it is held but cannot be read now."""

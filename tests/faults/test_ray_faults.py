@@ -252,6 +252,8 @@ def test_failed_placement_leaves_no_queued_job(ray_server: ServerProcess) -> Non
         assert r.status_code == 503, r.text  # no worker can take it now: say so
         assert r.json()["error"]["type"] != "internal_error", r.text
         assert c.get("/v1/rollouts", params={"status": "queued"}).json()["rollouts"] == []
+        ready = c.get("/readyz")  # it answered 200 while every POST was a 503
+        assert ready.status_code == 503 and ready.json()["checks"]["workers_live"] is False, ready.text
         # Once the replacements are up, the same key makes a new rollout that runs.
         deadline = time.monotonic() + 180
         while True:
@@ -261,3 +263,4 @@ def test_failed_placement_leaves_no_queued_job(ray_server: ServerProcess) -> Non
             assert again.status_code == 503 and time.monotonic() < deadline, again.text
             time.sleep(1.0)
         assert wait_for_status(c, again.json()["id"], {"succeeded", "failed"}, timeout=120)["status"] == "succeeded"
+        assert c.get("/readyz").json()["checks"]["workers_live"] is True
