@@ -157,9 +157,7 @@ class RayWorkers:
                             return
                         self._slots = [slot if s is dead else s for s in self._slots]
                         self._where.update(dict.fromkeys(adopted, slot))
-                        gone = [j for j, s in self._where.items() if s is dead]
-                        for j in gone:
-                            del self._where[j]
+                        gone = [j for j, s in self._where.items() if s is dead]  # kept: a queued one fails naming it
                 self._not_adopted(gone, dead)
             except Exception:
                 log.exception("could not replace ray worker", extra={"worker": dead.index})
