@@ -28,6 +28,8 @@ __all__ = ["END", "FATAL", "LIVE_PULLS", "Driver", "Rollout", "cancel_or_release
 LIVE_PULLS = 32
 """At most this many pull threads, each following one rollout's Flight stream live (a Flight
 stream slot each on the server, of its --max-flight-streams, default 64)."""
+PULLS_END_S = 2.0
+"""How long `close` waits for the pull threads, which end with the cancels it sends."""
 FATAL = (Unauthorized, ServerUnreachable)
 """Errors that end the whole stream: no later request could do better."""
 
@@ -333,6 +335,10 @@ class Driver:
         for ticket in left:  # the pulls following them end with the cancel
             if not cancel_or_release(self.client, ticket):
                 break
+        until = time.monotonic() + PULLS_END_S  # so none still reads when the caller closes its Client
+        for t in self.pullers:
+            if t is not threading.current_thread():
+                t.join(timeout=max(0.0, until - time.monotonic()))
         self.out.put(END)  # whoever still waits on the queue sees the end
 
 
