@@ -59,11 +59,10 @@ __all__ = [
 ]
 
 STREAMS = ("trajectory", "outputs", "conditioning")
-
+"""The streams a rollout may have (contract, "More streams per rollout"); the last two when asked for."""
 LOST_STREAM_WAIT_S = 10.0
 """How long a pull whose stream broke off untyped (its connection lost) waits for REST to say how
 the rollout ended: a Ray worker's death is known to the control plane within its call timeout."""
-"""The streams a rollout may have (contract, "More streams per rollout"); the last two when asked for."""
 
 
 def _flight_message(exc: Exception) -> str:
