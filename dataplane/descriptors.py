@@ -17,7 +17,9 @@ from typing import Any
 import pyarrow.flight as flight
 from sigmaflight.dataplane.errors import flight_error
 from sigmaflight.dataplane.streams import EXTRA_STREAMS
-from sigmaflight.dataplane.tickets import ROLLOUT_ID, is_minted
+from sigmaflight.dataplane.tickets import is_minted
+
+from sigmaflight.records import ROLLOUT_ID
 
 DESCRIPTOR_ROOT = "rollouts"
 
@@ -94,7 +96,7 @@ def action_rollout(body: bytes) -> str:
             text = ""
     if not text:
         raise flight_error("bad_request", "action body names no rollout id")
-    if not (is_minted(text) or ROLLOUT_ID.match(text)):
+    if not (is_minted(text) or ROLLOUT_ID.fullmatch(text)):
         raise flight_error("bad_request", f"action body {_clip(text, 80)!r} is neither a rollout id "
                            f"({ROLLOUT_ID.pattern}) nor a rollout's ticket")
     return text

@@ -31,7 +31,6 @@ from sigmaflight.dataplane.schema import trajectory_schema
 from sigmaflight.dataplane.shm import ShmDir
 from sigmaflight.dataplane.streams import EXTRA_STREAMS, StreamNotFound
 from sigmaflight.dataplane.tickets import (
-    ROLLOUT_ID,
     UNKNOWN,
     Gone,
     Resolved,
@@ -41,7 +40,7 @@ from sigmaflight.dataplane.tickets import (
 )
 from sigmaflight.dataplane.writer import TrajectoryWriter
 
-from sigmaflight.records import ResultInfo, RolloutState
+from sigmaflight.records import ROLLOUT_ID, ResultInfo, RolloutState
 
 __all__ = [
     "Entry",
@@ -56,7 +55,7 @@ __all__ = [
 log = logging.getLogger("sigmaflight.dataplane.store")
 
 def _check_id(rollout_id: str) -> None:
-    if not ROLLOUT_ID.match(rollout_id):
+    if not ROLLOUT_ID.fullmatch(rollout_id):
         raise ValueError(f"rollout id {rollout_id!r} must match {ROLLOUT_ID.pattern}")
 
 

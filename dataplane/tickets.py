@@ -7,7 +7,6 @@ and, for a while, why a ticket or id is gone ("released", "expired", "cancelled:
 
 from __future__ import annotations
 
-import re
 import secrets
 import threading
 from collections.abc import Callable
@@ -44,10 +43,6 @@ def split_stream_ticket(key: str, streams: tuple[str, ...]) -> tuple[str, str | 
     if sep and base and name in streams:
         return base, name
     return key, None
-
-
-ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-"""What a rollout id may be."""
 
 
 def is_minted(ticket: str) -> bool:

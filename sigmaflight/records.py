@@ -9,14 +9,19 @@ fields (pydantic reads `__pydantic_config__`).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar, Literal, get_args
 
 __all__ = [
     "ERROR_TYPES", "STATES", "STREAM_ENDS", "TERMINAL", "TRANSITIONS", "ErrorInfo", "InvalidTransition", "ResultInfo",
-    "RestStatus", "RolloutState", "error_type",
+    "ROLLOUT_ID", "RestStatus", "RolloutState", "error_type",
 ]
+
+ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+"""Every rollout id a server gives and takes (`fullmatch`): the store checks the ids it is handed,
+Flight actions and the client tell an id from a ticket by it."""
 
 
 class RolloutState(StrEnum):

@@ -18,7 +18,6 @@ import asyncio
 import math
 import numbers
 import os
-import re
 import ssl
 import time
 from collections.abc import Callable, Mapping, MutableMapping
@@ -29,12 +28,10 @@ from urllib.parse import quote
 import httpx
 
 from sigmaflight.errors import ApiError, NotFound, Picklable, RolloutFailed, ServerUnreachable, Unauthorized
+from sigmaflight.records import ROLLOUT_ID
 from sigmaflight.wire import MAX_STATUS_WAIT_S, STATES, TERMINAL, RolloutList, RolloutStatus, Ticket
 
 T = TypeVar("T")
-
-ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-"""Every rollout id a server can give (the data plane's id pattern): anything else is no rollout."""
 
 MAX_TICKET = 1024
 """Longest Flight ticket the server looks up (`GET /v1/rollouts?ticket=`), in characters."""
