@@ -23,7 +23,7 @@ from sigmaflight.dataplane.shm import host_id, parse_file_location
 from sigmaflight import Client
 from tests.dataplane.helpers import mapped_ranges
 from tests.faults.test_token_reload import NEW, OLD, _flight_ok, _hup_and_wait, _write
-from tests.servers import ServerProcess, wait_for_status
+from tests.servers import ServerProcess, wait_for, wait_for_status
 
 pytestmark = pytest.mark.e2e
 
@@ -209,8 +209,10 @@ def test_a_pull_following_a_rollout_whose_worker_dies_raises_rollout_failed_work
 
         follower = threading.Thread(target=follow)
         follower.start()
-        time.sleep(1.0)  # the follower's stream is open on the worker
-        os.kill(listening.pop(), 9)
+        worker = psutil.Process(listening.pop())
+        wait_for(lambda: any(cn.status == "ESTABLISHED" and cn.laddr.port == port
+                             for cn in worker.net_connections(kind="tcp")), "the follower's stream is open on the worker")
+        os.kill(worker.pid, 9)
         follower.join(timeout=60)
         error = got.get("error")
         assert isinstance(error, RolloutFailed), repr(error)
