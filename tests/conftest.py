@@ -30,7 +30,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _rank(item: pytest.Item) -> int:
     """0: installs with pip; 1: starts a Ray cluster; 2: starts `sigmaflight serve` children or runs
-    an ops script (tests/ops); 3: the rest."""
+    an ops script (tests/ops); 3: the rest; 4: needs the Ray clusters of ranks 1-2 gone (after_ray)."""
+    if item.get_closest_marker("after_ray"):
+        return 4
     if item.get_closest_marker("pip"):
         return 0
     if item.path.parent.name == "ray" or item.path.name.startswith("test_ray_"):
