@@ -22,7 +22,7 @@ def test_bad_tickets_answer_at_once_and_server_keeps_serving(server, store, tick
         t0 = time.monotonic()
         with pytest.raises(flight.FlightServerError, match="ticket .* not found"):
             c.do_get(flight.Ticket(ticket)).read_all()
-        assert time.monotonic() - t0 < 3.0  # at once (slack for a loaded box: pytest runs a worker per core)
+        assert time.monotonic() - t0 < 3.0  # at once (slack for a loaded box: pytest runs a worker per core, and one more)
         assert c.do_get(flight.Ticket(store.ticket_for("ok").encode())).read_all().num_rows == 15
 
 

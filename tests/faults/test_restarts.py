@@ -31,7 +31,7 @@ def _not_served(location: str, ticket: str) -> None:
     t0 = time.monotonic()
     with pytest.raises((flight.FlightError, KeyError), match="not found"):
         pull(location, ticket, timeout=60)
-    assert time.monotonic() - t0 < 3.0  # at once, not at the 60 s deadline (slack for a loaded box: pytest runs a worker per core)
+    assert time.monotonic() - t0 < 3.0  # at once, not at the 60 s deadline (slack for a loaded box: pytest runs a worker per core, and one more)
 
 
 @pytest.mark.e2e
