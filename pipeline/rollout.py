@@ -202,11 +202,12 @@ class _Driver(Generic[R]):
         if lp is not None and not bool(torch.isfinite(lp).all()):
             bad += [(r, RolloutNonFinite(i, "log_prob")) for r in running if r.spec.return_log_probs
                     and i in r.sde_steps and not bool(torch.isfinite(lp[r.first:r.end]).all())]
+        overflowed: list[Rows[R]] = []  # members whose x_{i+1} is not finite as computed
         if not bool(torch.isfinite(x_next).all()):
-            bad += [(r, RolloutNonFinite(i + 1, "latent")) for r in running
-                    if not bool(torch.isfinite(x_next[r.first:r.end]).all())]
-        elif self.capture_dtype != x_next.dtype:  # finite here, but x_{i+1} is stored narrower (return.latent_dtype)
-            stored = [r for r in running if i + 1 in r.steps]
+            overflowed = [r for r in running if not bool(torch.isfinite(x_next[r.first:r.end]).all())]
+            bad += [(r, RolloutNonFinite(i + 1, "latent")) for r in overflowed]
+        if self.capture_dtype != x_next.dtype:  # the others' x_{i+1} may still not fit the narrower stored dtype
+            stored = [r for r in running if i + 1 in r.steps and all(r is not o for o in overflowed)]
             if stored and not bool(torch.isfinite(x_next.to(self.capture_dtype)).all()):
                 what = f"latent as {str(self.capture_dtype).removeprefix('torch.')} (return.latent_dtype)"
                 bad += [(r, RolloutNonFinite(i + 1, what)) for r in stored
