@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from sigmaflight.control.jobs.backend import (
+    CallSize,
     Outcome,
     ParentTrajectory,
     RunContext,
@@ -81,19 +82,22 @@ class LocalBackend:
         self.locations = locations
         self.batch_invariant = batch_invariant
 
-    def run(self, batch: Sequence[RunContext]) -> None:
+    def run(self, batch: Sequence[RunContext]) -> CallSize | None:
         """The rollouts of `batch` (sharing one batch key) as one model call (`run_batch`); each is
-        settled as soon as it ends, the others running on."""
+        settled as soon as it ends, the others running on. Returns the call's size (None when no
+        member was left to run it)."""
         if not batch:
-            return
+            return None
         try:
             model = self.registry.get(batch[0].spec.model)
         except Exception as exc:
             for ctx in batch:
                 self._end(ctx, None, exc)
-            return
-        run_batch(model, batch, _Writers(self, model), keep=False, per_sample_model_calls=self.batch_invariant,
+            return None
+        writers = _Writers(self, model)
+        run_batch(model, batch, writers, keep=False, per_sample_model_calls=self.batch_invariant,
                   batch_id=uuid.uuid4().hex)
+        return writers.size
 
     def _end(self, ctx: RunContext, writer: TrajectoryWriter | None, exc: BaseException) -> None:
         """A rollout that did not succeed: end its streams, then settle it."""
@@ -193,11 +197,16 @@ class _Writers:
         self.rows: list[tuple[TrajectoryWriter, int, int]] = []
         self.call: CallWriters | None = None
         """Made at the first step, which gives the call's rows."""
+        self.size: CallSize | None = None
+        """The call's (samples, members), once its schedule is known: it runs."""
 
     def start(self, ctx: RunContext, policy: Policy) -> None:
         check_started_with(ctx.spec, policy.digest)
 
     def schedule(self, running: Sequence[Rows[RunContext]]) -> Failures[RunContext]:
+        info = running[0].snapshot.batch if running and running[0].snapshot is not None else None
+        if info is not None:
+            self.size = (info.samples, info.requests)
         return each_member(running, self._create)
 
     def _create(self, rows: Rows[RunContext]) -> None:

@@ -33,7 +33,7 @@ from sigmaflight.control.backends.ray_workers import (
     trajectory_ref,
 )
 from sigmaflight.control.backends.worker import WorkerConfig, outcome_from_json
-from sigmaflight.control.jobs.backend import Outcome, ParentTrajectory, RunContext, report_progress
+from sigmaflight.control.jobs.backend import CallSize, Outcome, ParentTrajectory, RunContext, report_progress
 from sigmaflight.control.node import NodeConfig
 from sigmaflight.dataplane.schema import header_from_schema
 from sigmaflight.dataplane.streams import CONDITIONING, requested_streams
@@ -118,13 +118,14 @@ class RayBackend(WeightsFanout):
         slot = self._slot_of(job_id)
         return None if slot is None else (slot.index, slot.generation)
 
-    def run(self, batch: Sequence[RunContext]) -> None:
+    def run(self, batch: Sequence[RunContext]) -> CallSize | None:
         """The batch on the worker it was placed on (the manager batches only within one `group`), as
         one model call there. While it runs: each member's progress, its cancel forwarded, and its
         outcome settled as soon as the worker reports it (a cancelled member ends at once, the
-        others run on); every call to the worker bounded by call_timeout_s."""
+        others run on); every call to the worker bounded by call_timeout_s. Returns the call's size
+        as the worker reports it (None when the worker died under it)."""
         if not batch:
-            return
+            return None
         ray = self._ray
         slot = self._slot_of(batch[0].job_id)
         by_id = {ctx.job_id: ctx for ctx in batch}
@@ -169,16 +170,17 @@ class RayBackend(WeightsFanout):
             self._mark_dead(slot, exc)
             for ctx in batch:
                 ctx.settle(Outcome.failure(WorkerDied.error_type, f"{slot.name} died: {_cause(exc)}"))
-            return
+            return None
         except WorkerDied as exc:
             for ctx in batch:
                 ctx.settle(Outcome.failure(WorkerDied.error_type, str(exc)))
-            return
+            return None
         finally:
             if slot is not None:
                 with self._lock:
                     slot.load -= len(batch)
-        report({j: (state.get("progress"), state) for j, state in out.items()})
+        report({j: (state.get("progress"), state) for j, state in out["outcomes"].items()})
+        return None if out["call"] is None else (int(out["call"][0]), int(out["call"][1]))
 
     def abandon(self, job_id: str, kind: str, message: str) -> None:
         with self._lock:

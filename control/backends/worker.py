@@ -120,10 +120,11 @@ class RolloutWorker:
         return ticket
 
     def run_batch(self, job_ids: Sequence[str], spec_jsons: Sequence[dict[str, Any]],
-                  branches: Sequence[BranchStart | None]) -> dict[str, dict[str, Any]]:
+                  branches: Sequence[BranchStart | None]) -> dict[str, Any]:
         """Run the rollouts `job_ids` as one batch (the node's LocalBackend: one model call) to their
-        ends; each one's outcome as plain data (`outcome_from_json`), by id. `poll` sees each outcome
-        as soon as that rollout ends, while the others run on.
+        ends: {"outcomes": each one's outcome as plain data (`outcome_from_json`) by id, "call": the
+        call's (samples, members) or None}. `poll` sees each outcome as soon as that rollout ends,
+        while the others run on.
 
         The specs cross the Ray boundary in their JSON form; a branch's BranchStart (its parent's
         x_k and schedule: tensors) travels beside it."""
@@ -145,8 +146,9 @@ class RolloutWorker:
                 ctx.settle(outcome)
             else:
                 run.append(ctx)
+        size = None
         try:
-            self.backend.run(run)
+            size = self.backend.run(run)
         finally:
             with self._lock:
                 for job_id in job_ids:
@@ -155,8 +157,9 @@ class RolloutWorker:
         with self._lock:  # handed over here: what `poll` has not taken yet is not kept
             for ctx in contexts:
                 self._outcomes.pop(ctx.job_id, None)
-            return {ctx.job_id: {**outcome_to_json(ctx.outcome or missing), "progress": self._progress.pop(ctx.job_id, None)}
-                    for ctx in contexts}
+            outcomes = {ctx.job_id: {**outcome_to_json(ctx.outcome or missing),
+                                     "progress": self._progress.pop(ctx.job_id, None)} for ctx in contexts}
+        return {"outcomes": outcomes, "call": size}
 
     def _set_progress(self, contexts: Sequence[RunContext], done: int, total: int) -> None:
         for ctx in contexts:

@@ -23,7 +23,7 @@ from sigmaflight.pipeline.spec import RolloutCancelled, RolloutInputError, Rollo
 
 from sigmaflight.records import ERROR_TYPES, ErrorInfo, ResultInfo, RolloutState, error_type
 
-__all__ = ["Backend", "Outcome", "ParentTrajectory", "Progress", "RunContext", "outcome_of", "report_progress"]
+__all__ = ["Backend", "CallSize", "Outcome", "ParentTrajectory", "Progress", "RunContext", "outcome_of", "report_progress"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +84,8 @@ def outcome_of(exc: BaseException, stop_reason: str | None) -> Outcome:
 
 
 Progress = Callable[[Sequence["RunContext"], int, int], None]
+CallSize = tuple[int, int]
+"""A model call's (samples, members): the `batch` metadata's `samples` and `requests`."""
 """A progress hook: `done` of `total` steps finished by each of these rollouts (one model call)."""
 
 
@@ -212,10 +214,12 @@ class Backend(Protocol):
         """Place a rollout before it runs and return its Flight ticket (consumers may wait on it)."""
         ...
 
-    def run(self, batch: Sequence[RunContext]) -> None:
+    def run(self, batch: Sequence[RunContext]) -> CallSize | None:
         """Run the rollouts of `batch` (one batch key, one group) as one model call, to their ends,
         settling each context as soon as its outcome is known. A context left unsettled when this
-        returns (or raises) is failed by the manager."""
+        returns (or raises) is failed by the manager. Returns the call's size, as its members'
+        `batch` metadata says it (members refused before it ran take no rows); None when no model
+        call ran."""
         ...
 
     def group(self, job_id: str) -> Hashable:

@@ -26,7 +26,8 @@ class Workers:
         self.former = former
         self.backend = backend
         self.on_batch = on_batch
-        """Called with (samples, rollouts) of each batch as it starts (the /metrics histograms)."""
+        """Called with (samples, rollouts) of each model call that ran, once it has ended, as its
+        `batch` metadata counts them: members refused before it took no rows (the /metrics histograms)."""
 
     def start(self, n: int) -> list[threading.Thread]:
         threads = [threading.Thread(target=self._worker, name=f"sigmaflight-worker-{k}", daemon=True) for k in range(n)]
@@ -54,8 +55,6 @@ class Workers:
                     return None
                 started = [job for job in jobs if self._start(job)]
                 if started:
-                    if self.on_batch is not None:
-                        self.on_batch(sum(j.samples for j in started), len(started))
                     return started
 
     def _start(self, job: Job) -> bool:
@@ -101,12 +100,15 @@ class Workers:
         for r in runs:  # a line each, with its `rollout` (and its batch's, when co-batched)
             log.info("rollout started", extra={"rollout": r.job_id, "model": r.model, "samples": r.spec.num_samples,
                                                **({"batch": batch} if len(runs) > 1 else {})})
+        size = None
         try:
-            self.backend.run(runs)
+            size = self.backend.run(runs)
         except Exception as exc:  # a failing backend must never take the server down
             log.exception("backend run failed", extra={"rollouts": [r.job_id for r in runs]})
             for run in runs:
                 run.settle_error(exc)
+        if size is not None and self.on_batch is not None:
+            self.on_batch(*size)
         for run in runs:
             if run.outcome is None:
                 run.settle(Outcome.failure("internal_error", "the backend returned without the rollout's outcome"))

@@ -59,9 +59,10 @@ def batch(t: pa.Table) -> dict:
     return json.loads(t.schema.metadata[b"sigmaflight.rollout"])["batch"]
 
 
-def histogram_counts(c: Client) -> dict[str, float]:
+def histogram_counts(c: Client, of: str = "_count") -> dict[str, float]:
+    """The batch histograms' counts (or, with of="_sum", their sums) from /metrics."""
     text = c._http.get("/metrics").text
-    return {f.name: sum(s.value for s in f.samples if s.name.endswith("_count"))
+    return {f.name: sum(s.value for s in f.samples if s.name.endswith(of))
             for f in text_string_to_metric_families(text) if f.name.startswith("sigmaflight_batch_")}
 
 
@@ -168,6 +169,7 @@ def test_a_stale_member_fails_alone_and_a_push_during_a_batch_keeps_its_weights(
     body = _nudged_weights(model, 7)
     with Client(server.rest_url) as c:
         base = _digest(c)
+        calls, sums = histogram_counts(c), histogram_counts(c, "_sum")
         block = blocker(c)
         until_running(c, block)
         stale = c.submit(prompts=["s"], seed=31, expected_digest=base, **BASE)
@@ -185,6 +187,12 @@ def test_a_stale_member_fails_alone_and_a_push_during_a_batch_keeps_its_weights(
         t = table(c, fresh)
         assert batch(t)["requests"] == 1 and batch(t)["rows"] == [0, 1]
         assert json.loads(t.schema.metadata[b"sigmaflight.rollout"])["model"]["digest"] == pushed
+        # the histograms count the model calls that ran, as their `batch` metadata says: the
+        # blocker's (256 samples) and the fresh member's (1), not the stale one that took no rows
+        ran, ran_sums = histogram_counts(c), histogram_counts(c, "_sum")
+        assert ran["sigmaflight_batch_samples"] - calls.get("sigmaflight_batch_samples", 0) == 2
+        assert ran_sums["sigmaflight_batch_samples"] - sums.get("sigmaflight_batch_samples", 0) == 256 + 1
+        assert ran_sums["sigmaflight_batch_requests"] - sums.get("sigmaflight_batch_requests", 0) == 1 + 1
 
         long: dict[str, Any] = {**BASE, "num_inference_steps": 200, "return": {"steps": [0, 200]}}
         block = blocker(c)

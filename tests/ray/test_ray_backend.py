@@ -193,11 +193,13 @@ def test_flight_cancel_action_on_the_worker_cancels_its_rollout(jobs, backend):
 
 def test_compatible_rollouts_batch_on_the_worker_they_were_placed_on(backend):
     """Co-batching on Ray: the manager batches per worker (placement keeps a batch on one worker);
-    each trajectory says with whom it ran, and the members of one call are those of one worker."""
+    each trajectory says with whom it ran, and the members of one call are those of one worker. The
+    manager's batch hook (the /metrics histograms) gets each call's size as the worker reports it."""
     from sigmaflight.pipeline.batch import batch_key
 
     model = ModelRegistry().get("tiny-sd3")
-    batching = JobManager(backend, workers=2, batch_wait_s=3.0)
+    calls: list[tuple[int, int]] = []
+    batching = JobManager(backend, workers=2, batch_wait_s=3.0, on_batch=lambda *size: calls.append(size))
     try:
         specs = [spec(seed=400 + k, prompts=(f"prompt {k}",)) for k in range(4)]
         submitted = [batching.submit(s, batch_key=batch_key(model, s))[0] for s in specs]
@@ -217,6 +219,7 @@ def test_compatible_rollouts_batch_on_the_worker_they_were_placed_on(backend):
         rows = sorted(tuple(m["rows"]) for m in members)
         assert rows[0][0] == 0 and rows[-1][1] == members[0]["samples"] == len(members)  # one sample each
         assert all(a[1] == b[0] for a, b in zip(rows, rows[1:], strict=False))
+    assert sorted(calls) == sorted((len(m), len(m)) for m in by_worker.values())  # (samples, members) a call
 
 
 def _noisy(state: dict, seed: int) -> dict:
