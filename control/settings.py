@@ -68,7 +68,8 @@ class Settings(BaseSettings):
     queue_size: int = Field(64, ge=1, description="Rollouts that may wait; beyond it POST answers 429.")
     max_batch_samples: int = Field(
         64, ge=1, description="Samples of one co-batched model call (the queued rollouts that can share it run as "
-        "one batch; CFG doubles the rows inside the model); 1 turns co-batching off.",
+        "one batch; CFG doubles the rows inside the model); 1 turns co-batching off. A request with more samples "
+        "runs alone, as one call.",
     )
     batch_wait_ms: float = Field(
         0.0, ge=0, le=10_000, description="Milliseconds a worker waits for compatible rollouts before starting a batch "
