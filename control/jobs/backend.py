@@ -84,9 +84,10 @@ def outcome_of(exc: BaseException, stop_reason: str | None) -> Outcome:
 
 
 Progress = Callable[[Sequence["RunContext"], int, int], None]
+"""A progress hook: `done` of `total` steps finished by each of these rollouts (one model call)."""
+
 CallSize = tuple[int, int]
 """A model call's (samples, members): the `batch` metadata's `samples` and `requests`."""
-"""A progress hook: `done` of `total` steps finished by each of these rollouts (one model call)."""
 
 
 def report_progress(batch: Sequence[RunContext], done: int, total: int) -> None:
