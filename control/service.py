@@ -90,10 +90,14 @@ class Service:
         return self.jobs.cancel_active(rollout_id)
 
     def _release_from_flight(self, rollout_id: str) -> bool:
-        """Flight `release`: frees a finished rollout; a queued or running one is refused."""
+        """Flight `release`: frees a finished rollout; a queued or running one is refused, unless its
+        trajectory is already whole (a trainer releasing as its pull returns): then it is freed as
+        the control plane records its end."""
         try:
             return self.jobs.release(rollout_id)
         except NotFinished as exc:
+            if exc.status == RolloutState.RUNNING and self.backend.result_info(rollout_id) is not None:
+                return self.jobs.release_when_finished(rollout_id)
             raise flight_error("conflict", str(exc), rollout=rollout_id, status=exc.status) from None
 
     def push_weights(self, model_id: str, state: Mapping[str, torch.Tensor]) -> Policy:

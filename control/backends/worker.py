@@ -213,11 +213,15 @@ class RolloutWorker:
 
     def _release_from_flight(self, job_id: str) -> bool:
         """Flight `release` sent here, where the rollout's ticket points: refused for a queued or
-        running rollout as the control plane's Flight refuses it; a finished one is freed and
-        reported (`take_events`), so REST and the metrics follow."""
+        running rollout as the control plane's Flight refuses it, unless its trajectory is already
+        whole (a trainer releasing as its pull returns); a finished one is freed and reported
+        (`take_events`), so REST and the metrics follow (the control plane releases it as it
+        records its end when that report comes first)."""
         with self._lock:  # running here, or ended and not yet handed to the control plane (its `poll`)
             running = job_id in self._running or job_id in self._progress
             active = "running" if running else "queued" if job_id in self._queued else None
+        if active == "running" and self.backend.result_info(job_id) is not None:
+            active = None  # its stream has ended: nothing of it runs any more
         if active is not None:
             raise flight_error("conflict", str(NotFinished(job_id, active)), rollout=job_id, status=active)
         released = self.store.release(job_id)

@@ -119,6 +119,9 @@ class Job(RunContext):
     released: bool = False
     """What it held was freed (DELETE, Flight release or the TTL). A succeeded job is then expired;
     a failed or cancelled one keeps its status and error, and the reaper does not free it again."""
+    release_on_end: bool = False
+    """A release came while it ran (a DELETE whose cancel may come too late, a Flight release once
+    its trajectory was whole): if it succeeds, it is released as it ends."""
 
     def __post_init__(self) -> None:
         self._init_run()

@@ -133,8 +133,9 @@ class JobManager:
             job = self._table.jobs.get(job_id)
             if job is None:
                 return None
-            if job.state.active:  # a running one past its last step is not stopped: it succeeds
+            if job.state.active:  # a running one past its last step is not stopped: it succeeds, and is released
                 self._lifecycle.cancel_active(job)
+                job.release_on_end = job.state is RolloutState.RUNNING
             else:
                 self._lifecycle.release(job)
             return job.view()
@@ -156,12 +157,29 @@ class JobManager:
             self._lifecycle.release(job)
             return True
 
-    def released_elsewhere(self, job_id: str) -> None:
-        """A backend freed a finished rollout's result on its own (a Flight `release` at a Ray
-        worker): the record follows as after a DELETE (a succeeded one becomes expired)."""
+    def release_when_finished(self, job_id: str) -> bool:
+        """Flight `release` of a rollout whose trajectory is whole while this record may still say
+        running (the stream ends a moment before the backend's report does): released now if it has
+        ended, else as it ends. False if unknown, expired or already released."""
         with self._table.lock:
             job = self._table.jobs.get(job_id)
-            if job is not None and job.state.finished and not job.released:
+            if job is None or job.state is RolloutState.EXPIRED or job.released:
+                return False
+            if job.state.active:
+                job.release_on_end = True
+            else:
+                self._lifecycle.release(job)
+            return True
+
+    def released_elsewhere(self, job_id: str) -> None:
+        """A backend freed a finished rollout's result on its own (a Flight `release` at a Ray
+        worker): the record follows as after a DELETE (a succeeded one becomes expired), now or, when
+        the worker's report of its end has not come yet, as it ends."""
+        with self._table.lock:
+            job = self._table.jobs.get(job_id)
+            if job is not None and job.state.active:
+                job.release_on_end = True
+            elif job is not None and job.state.finished and not job.released:
                 self._lifecycle.release(job)
 
     def result_lost(self, job_id: str, reason: str) -> bool:

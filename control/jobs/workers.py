@@ -82,6 +82,8 @@ class Workers:
             if not job.state.active:  # given up by a shutdown whose wait its step outlasted (JobManager.stop)
                 return
             self.lifecycle.change(job, outcome.state, error=outcome.error, result=outcome.result)
+            if job.release_on_end and job.state is RolloutState.SUCCEEDED:  # released while it ended
+                self.lifecycle.release(job)
             view = job.view()
         duration = round((view.finished_at or 0) - (view.started_at or 0), 4)
         if outcome.state is RolloutState.SUCCEEDED:
