@@ -242,8 +242,8 @@ def test_a_member_that_turns_non_finite_fails_alone_with_its_own_first_step(regi
 def test_a_member_past_float16_fails_alone_while_another_overflows_float32(registry):
     """return.latent_dtype float16, one step, a noise level so large that the step's mean term
     overflows float32 for some seeds and only float16 for others (numpy's own cast says which):
-    every member fails at its own first non-finite value, as it does alone; none succeeds with an
-    Inf stored (the float16 check was skipped for the whole call once any row overflowed float32)."""
+    every member fails at its own first non-finite value, as it does alone, whatever the others'
+    rows hold; none succeeds with an Inf stored."""
     import numpy as np
 
     model = registry.get("tiny-sd3")
