@@ -4,7 +4,8 @@ a Flight `release` in that moment must still free the result (the rollout ends `
 answer `running` and free nothing (DELETE) or be refused "cancel it first" (Flight): the result
 stayed held until --ttl-s. The window is a race between the server's worker thread and a client in
 another process (in one process they share the GIL and the worker always wins it), so the server is
-a `sigmaflight serve` child and the test makes many rollouts (before the fix about 5% hit it)."""
+a `sigmaflight serve` child, its finished trajectories moved out to their files as they end (a wider
+window), and the test makes many rollouts: some of them hit it in every run before the fix."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ ROUNDS = 80
 
 @pytest.mark.e2e
 def test_a_rollout_released_as_its_pull_returns_is_freed(tmp_path) -> None:
-    # --store-budget-bytes 0: each finished trajectory is moved out to its file as it ends (a wider window)
     flags = ("--workers", "1", "--data-dir", str(tmp_path / "data"), "--store-budget-bytes", "0")
     with ServerProcess(*flags) as server, Client(server.rest_url) as c, \
             flight.FlightClient(server.flight_url) as fc:
