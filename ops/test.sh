@@ -13,9 +13,10 @@ ops/typecheck.sh
 # One pytest worker more than the CPUs (at most 4; SIGMAFLIGHT_TEST_WORKERS overrides, 0 runs in this
 # process): many tests wait on a timer, a child process's start-up or a socket, and the extra worker
 # fills those waits (docs/operations.md, "The test suite"). Most tests run the server inside the
-# pytest worker (tests/servers.py, InProcessServer); those marked e2e start `sigmaflight serve` as a child process (-m "not e2e" leaves them out of a
-# quick run). --dist loadfile keeps a file's tests on one worker: its module-scoped servers start once;
-# files are handed out in the order tests/conftest.py sets, the long ones first.
+# pytest worker (tests/servers.py, InProcessServer); those marked e2e start `sigmaflight serve` as a
+# child process (-m "not e2e" leaves them out of a quick run). --dist loadfile keeps a file's tests on
+# one worker: its module-scoped servers start once; files are handed out in the order
+# tests/conftest.py sets, the long ones first.
 workers="${SIGMAFLIGHT_TEST_WORKERS:-$(.venv/bin/python -c 'import os; print(min(4, len(os.sched_getaffinity(0)) + 1))')}"
 echo "== pytest ($workers workers)" >&2
 exec .venv/bin/python -m pytest -n "$workers" --dist loadfile "$@"
