@@ -196,6 +196,26 @@ def test_cancel_only_cancels_and_release_refuses_unfinished(registry):
         jobs.stop()
 
 
+def test_a_release_reported_while_the_rollout_still_runs_here_is_done_as_it_ends(registry):
+    """A Ray worker reports a release (`released_elsewhere`), or a Flight release finds the trajectory
+    whole (`release_when_finished`), before the control plane has recorded the rollout's end: the
+    rollout is released as it succeeds, so REST says expired and nothing is left held."""
+    jobs, store = manager(registry)
+    jobs.start()
+    try:
+        for release in (jobs.released_elsewhere, jobs.release_when_finished):
+            job, _ = jobs.submit(spec(num_inference_steps=60))
+            while known(jobs.get(job.id)).steps_done < 1:  # it runs
+                time.sleep(0.005)
+            release(job.id)
+            now = known(jobs.get(job.id))
+            assert now.status == "running" and now.steps_done < 60, now  # it was running at the release
+            assert wait(jobs, job.id, {"expired", "succeeded"}) == "expired"
+            assert job.id not in store.ids()
+    finally:
+        jobs.stop()
+
+
 def test_delete_of_a_cancelled_rollout_keeps_it_cancelled(registry):
     jobs, _ = manager(registry)  # not started
     job, _ = jobs.submit(spec())
