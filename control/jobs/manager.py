@@ -175,12 +175,7 @@ class JobManager:
         """A backend freed a finished rollout's result on its own (a Flight `release` at a Ray
         worker): the record follows as after a DELETE (a succeeded one becomes expired), now or, when
         the worker's report of its end has not come yet, as it ends."""
-        with self._table.lock:
-            job = self._table.jobs.get(job_id)
-            if job is not None and job.state.active:
-                job.release_on_end = True
-            elif job is not None and job.state.finished and not job.released:
-                self._lifecycle.release(job)
+        self.release_when_finished(job_id)
 
     def result_lost(self, job_id: str, reason: str) -> bool:
         """The store lost a succeeded rollout's trajectory (file truncated or corrupted): it becomes
