@@ -205,8 +205,7 @@ def test_a_release_reported_while_the_rollout_still_runs_here_is_done_as_it_ends
     try:
         for release in (jobs.released_elsewhere, jobs.release_when_finished):
             job, _ = jobs.submit(spec(num_inference_steps=60))
-            while known(jobs.get(job.id)).steps_done < 1:  # it runs
-                time.sleep(0.005)
+            wait(jobs, job.id, {"running"})
             release(job.id)
             now = known(jobs.get(job.id))
             assert now.status == "running" and now.steps_done < 60, now  # it was running at the release
