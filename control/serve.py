@@ -193,7 +193,12 @@ def build_server(settings: Settings) -> uvicorn.Server:
 
         async def shutdown(self, sockets: Any = None) -> None:
             # uvicorn waits for open requests (up to timeout_graceful_shutdown) before the lifespan
-            # stops the jobs: a status read held until its rollout ends answers now instead.
+            # stops the service. The rollouts are ended first, so that a status read held until its
+            # rollout ends (Client.wait) answers with the failure, not `running` and then a closed
+            # port; a read still held after that (a step past the stop's wait) answers now.
+            service = getattr(app.state, "service", None)
+            if service is not None:
+                await asyncio.to_thread(service.end_rollouts)
             app.state.held_reads.close()
             await super().shutdown(sockets)
 

@@ -186,9 +186,15 @@ class Service:
         self.ready = False
         self.jobs.refuse_new()
 
-    def stop(self) -> None:
+    def end_rollouts(self) -> None:
+        """The shutdown's first step: queued and running rollouts fail "server shutting down", so the
+        clients still connected (a held status read, a Flight stream) are answered with that end."""
         self.ready = False
         self.weights_pushes.drop_idle("shutdown")  # a cut in-place push no longer holds its model's rollouts
+        self.jobs.end_all("server shutting down")
+
+    def stop(self) -> None:
+        self.end_rollouts()  # done already when uvicorn shut down first (serve.py); nothing is left then
         self.jobs.stop("server shutting down")
         self.backend.close()
         self.node.stop()

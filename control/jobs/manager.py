@@ -85,7 +85,15 @@ class JobManager:
         self._table.accepting = False
 
     def stop(self, reason: str = "server shutting down", timeout: float = 15.0) -> None:
-        """Stop taking rollouts; end queued and running ones as failed with `reason`."""
+        """Stop taking rollouts; end queued and running ones as failed with `reason`; close the
+        journal."""
+        self.end_all(reason, timeout)
+        self._lifecycle.close()
+
+    def end_all(self, reason: str = "server shutting down", timeout: float = 15.0) -> None:
+        """Stop taking rollouts and end queued and running ones as failed with `reason`, waiting up
+        to `timeout` for the workers. Releases and reads still work (the journal stays open), so the
+        server can answer the requests it has with each rollout's end before it stops."""
         table = self._table
         with table.lock:
             table.accepting = False
@@ -106,7 +114,6 @@ class JobManager:
                     self._lifecycle.change(job, RolloutState.FAILED, error=ErrorInfo(type="shutdown", message=message))
                     log.error("rollout failed", extra={"rollout": job.id, "type": "shutdown", "reason": message,
                                                        "steps_done": job.steps_done, "was": "running"})
-        self._lifecycle.close()
 
     def get(self, job_id: str) -> JobView | None:
         """The job's latest snapshot (no lock taken: it never waits on a journal write)."""

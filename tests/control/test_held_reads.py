@@ -132,8 +132,10 @@ def test_a_bad_wait_s_is_a_422_naming_it(server, value, kind):
         assert c.get(f"/v1/rollouts/{rid}").status_code == 200  # the server serves on
 
 
-def test_shutting_down_answers_held_reads_at_once():
-    """uvicorn waits up to 10 s for open requests before the jobs stop: the held reads answer first."""
+def test_shutting_down_answers_held_reads_at_once_with_their_rollouts_failure():
+    """uvicorn waits up to 10 s for open requests before the service stops. The rollouts are ended
+    before that wait, so a held read answers at once, and with its rollout's failure ("server
+    shutting down"); it answered `queued` before, and the client's next read found the port closed."""
     with InProcessServer("--max-batch-samples", "1") as s, httpx.Client(base_url=s.rest_url, timeout=60) as c:
         blocker = c.post("/v1/rollouts", json=BLOCKER).json()["id"]
         rid = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2}).json()["id"]
@@ -146,6 +148,9 @@ def test_shutting_down_answers_held_reads_at_once():
         s.terminate()
         stopped = time.monotonic() - t0
         reader.join(10)
-    assert answers and answers[0][1].status_code == 200 and answers[0][1].json()["status"] == "queued"
+    assert answers and answers[0][1].status_code == 200, answers
+    body = answers[0][1].json()
+    assert body["status"] == "failed" and body["error"]["type"] == "shutdown", body
+    assert "server shutting down" in body["error"]["message"], body
     assert answers[0][0] < 9, answers[0][0]
     assert stopped < 9, stopped

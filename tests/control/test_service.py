@@ -15,7 +15,8 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from tests.servers import InProcessServer, ServerProcess, flight_streams, wait_for, wait_for_status
+from sigmaflight import Client, RolloutFailed
+from tests.servers import InProcessServer, ServerProcess, flight_streams, metric, wait_for, wait_for_status
 
 COLUMNS = ["step", "sample", "prompt_index", "seed", "timestep", "sigma", "sigma_next", "sde", "log_prob", "latent"]
 
@@ -311,19 +312,38 @@ def test_queue_full_answers_429_with_retry_after():
 
 
 @pytest.mark.e2e
-def test_sigterm_fails_running_rollouts_and_exits_quickly(tmp_path):
+def test_sigterm_fails_running_rollouts_tells_their_waiters_and_exits_quickly(tmp_path):
+    """A client waiting on a running rollout (`Client.wait`, a held read) when SIGTERM comes learns
+    that it failed "server shutting down". Before, its held read answered `running` at once, before
+    the rollouts were ended, and its next read found the port closed: ServerUnreachable."""
     s = ServerProcess("--data-dir", str(tmp_path), "--max-steps", "5000")
+    waited: dict[str, BaseException] = {}
     try:
         with s.client() as c:
             done = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2, "seed": 1}).json()
             wait_for_status(c, done["id"], {"succeeded"})
             running = c.post("/v1/rollouts", json={"prompts": ["a"], "num_inference_steps": 2000, "seed": 1}).json()
             wait_for_status(c, running["id"], {"running"})
+
+        def wait() -> None:
+            try:
+                with Client(s.rest_url) as waiter_client:
+                    waiter_client.wait(running["id"], timeout=60)
+            except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+                waited["exc"] = exc
+
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        with s.client() as c:
+            wait_for(lambda: metric(c.get("/metrics").text, "sigmaflight_held_reads") == 1 or None, "the wait held")
         t0 = time.monotonic()
         assert s.terminate(timeout=30) in (0, -15)  # uvicorn re-raises SIGTERM after a clean shutdown
         assert time.monotonic() - t0 < 30
+        waiter.join(30)
     finally:
         s.kill()
+    exc = waited.get("exc")
+    assert isinstance(exc, RolloutFailed) and "shutting down" in str(exc), repr(exc)
     with InProcessServer("--data-dir", str(tmp_path)) as again, again.client() as c:
         assert c.get(f"/v1/rollouts/{done['id']}").json()["status"] == "succeeded"
         failed = c.get(f"/v1/rollouts/{running['id']}").json()
