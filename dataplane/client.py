@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import torch
 from sigmaflight.dataplane.auth import bearer_header
+from sigmaflight.dataplane.cancel import tracked
 from sigmaflight.dataplane.codec import StepTensors, batch_to_tensors
 from sigmaflight.dataplane.descriptors import DESCRIPTOR_ROOT
 from sigmaflight.dataplane.errors import error_info, server_words
@@ -159,7 +160,7 @@ class TrajectoryClient:
     # -- pulls -----------------------------------------------------------------------------
     def reader(self, ticket_or_id: str | bytes | flight.Ticket) -> flight.FlightStreamReader:
         """The raw Flight stream (pyarrow), e.g. for ``Trajectory.from_reader``."""
-        return self._client.do_get(self._ticket(ticket_or_id), self._options)
+        return tracked(self._client.do_get(self._ticket(ticket_or_id), self._options))
 
     def iter_batches(self, ticket_or_id: str | bytes | flight.Ticket) -> Iterator[pa.RecordBatch]:
         return flight_batches(self.reader(ticket_or_id), self.idle_timeout)

@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
 from sigmaflight import rest
 from sigmaflight.client import Client
 from sigmaflight.dataplane.auth import bearer_header
+from sigmaflight.dataplane.cancel import PullScope, pull_scope
 from sigmaflight.dataplane.transport import Transport
 from sigmaflight.wire import RolloutList, RolloutStatus, Ticket
 
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from sigmaflight.weights import PushResult
 
 __all__ = ["AsyncClient", "AsyncStream"]
+
+R = TypeVar("R")
 
 
 class AsyncClient:
@@ -154,16 +157,16 @@ class AsyncClient:
         return await asyncio.to_thread(self.sync.push_lora, model_id, adapter, lora_config)
 
     async def pull(self, ticket: str | Ticket) -> Trajectory:
-        return await asyncio.to_thread(self.sync.pull, ticket)
+        return await _pulled(self.sync.pull, ticket)
 
     async def pull_outputs(self, ticket: str | Ticket) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        return await asyncio.to_thread(self.sync.pull_outputs, ticket)
+        return await _pulled(self.sync.pull_outputs, ticket)
 
     async def pull_conditioning(self, ticket: str | Ticket) -> dict[str, torch.Tensor]:
-        return await asyncio.to_thread(self.sync.pull_conditioning, ticket)
+        return await _pulled(self.sync.pull_conditioning, ticket)
 
     async def pull_stream(self, ticket: str | Ticket, stream: str) -> pa.Table:
-        return await asyncio.to_thread(self.sync.pull_stream, ticket, stream)
+        return await _pulled(self.sync.pull_stream, ticket, stream)
 
     async def locate(self, ticket: str | Ticket) -> tuple[str, str]:
         return await asyncio.to_thread(self.sync.locate, ticket)
@@ -178,6 +181,17 @@ class AsyncClient:
         or running."""
         return AsyncStream(self.sync.stream(requests, in_flight=in_flight, outputs=outputs,
                                             max_staleness=max_staleness, progress=progress))
+
+
+async def _pulled(pull: Callable[..., R], *args: Any) -> R:
+    """``pull(*args)`` in a thread; cancelling the awaiting task cancels the Flight streams it has
+    open (dataplane/cancel.py), so the server frees them at once instead of when the rollout ends."""
+    with pull_scope(PullScope()) as scope:  # this task's context; to_thread hands the thread a copy
+        try:
+            return await asyncio.to_thread(pull, *args)
+        except asyncio.CancelledError:
+            scope.cancel()
+            raise
 
 
 _DONE = object()

@@ -20,7 +20,7 @@ from sigmaflight import AsyncClient, Replayer, Trajectory, step_log_prob
 from sigmaflight import Client as ReExported
 from sigmaflight.client import ApiError, Client, NotFound, RolloutFailed, replay_log_probs, rollout_spec
 from sigmaflight.wire import Ticket
-from tests.servers import BLOCKER, InProcessServer, wait_for
+from tests.servers import BLOCKER, InProcessServer, flight_streams, wait_for
 
 
 def _stock_velocity(model, spec, x, t):
@@ -335,3 +335,27 @@ def test_wait_refuses_a_timeout_that_is_no_number_of_seconds_and_takes_none_as_n
             return (await ac.wait(ticket, timeout=None)).status
 
     assert asyncio.run(main()) == "succeeded"
+
+
+def test_cancelling_async_pulls_frees_their_flight_streams_at_once(server):
+    """Cancelling the tasks that await `AsyncClient.pull` and `pull_stream` of a running rollout ends
+    their Flight streams. Before, their threads read on, and the server kept each stream (a
+    `--max-flight-streams` slot) until the rollout ended: 3 streams open 3 s after the cancel."""
+    async def main(c: httpx.Client) -> tuple[int, str]:
+        async with AsyncClient(server.rest_url) as ac:
+            ticket = await ac.submit(**BLOCKER)
+            pulls = [asyncio.create_task(ac.pull(ticket)), asyncio.create_task(ac.pull(ticket)),
+                     asyncio.create_task(ac.pull_stream(ticket, "trajectory"))]
+            await asyncio.to_thread(wait_for, lambda: flight_streams(c) == 3 or None, "three streams open")
+            for task in pulls:
+                task.cancel()
+            outcomes = await asyncio.gather(*pulls, return_exceptions=True)
+            assert all(isinstance(o, asyncio.CancelledError) for o in outcomes), outcomes
+            await asyncio.to_thread(wait_for, lambda: flight_streams(c) == 0 or None, "the streams freed", 3.0)
+            running = str((await ac.status(ticket)).status)
+            await ac.cancel(ticket)
+            return flight_streams(c), running
+
+    with httpx.Client(base_url=server.rest_url) as c:
+        left, running = asyncio.run(main(c))
+    assert left == 0 and running == "running"  # freed while the rollout still ran, not by its end
