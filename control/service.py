@@ -28,6 +28,8 @@ from sigmaflight.pipeline.models import Policy, StagedWeights
 from sigmaflight.records import RolloutState
 
 log = logging.getLogger("sigmaflight.service")
+STEP_WAIT_S = 15.0
+"""How long a shutdown waits for the running steps to end (docs/operations.md, Fault behaviour)."""
 
 
 class Service:
@@ -62,6 +64,7 @@ class Service:
         self.backend.on_result_released(self.jobs.released_elsewhere)
         self.backend.on_unknown_ticket(self._ended_before)
         self.ready = False
+        self._rollouts_ended = False
         self._change_lock = threading.Lock()
         """One change of weights (or of tokens) at a time, registry and workers together (workers
         see the same order)."""
@@ -186,16 +189,20 @@ class Service:
         self.ready = False
         self.jobs.refuse_new()
 
-    def end_rollouts(self) -> None:
+    def end_rollouts(self, step_wait_s: float = STEP_WAIT_S) -> None:
         """The shutdown's first step: queued and running rollouts fail "server shutting down", so the
-        clients still connected (a held status read, a Flight stream) are answered with that end."""
+        clients still connected (a held status read, a Flight stream) are answered with that end.
+        Waits up to `step_wait_s` for the workers' running steps."""
         self.ready = False
         self.weights_pushes.drop_idle("shutdown")  # a cut in-place push no longer holds its model's rollouts
-        self.jobs.end_all("server shutting down")
+        self.jobs.end_all("server shutting down", step_wait_s)
+        self._rollouts_ended = True
 
     def stop(self) -> None:
-        self.end_rollouts()  # done already when uvicorn shut down first (serve.py); nothing is left then
-        self.jobs.stop("server shutting down")
+        if not self._rollouts_ended:  # uvicorn's shutdown ends them first (serve.py)
+            self.end_rollouts()
+        # no second wait for a step that outlasted the first: the exit stays within its 30 s
+        self.jobs.stop("server shutting down", timeout=0.0)
         self.backend.close()
         self.node.stop()
         log.info("stopped")

@@ -14,6 +14,9 @@ import pyarrow.flight as flight
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
+from sigmaflight.control.serve import settings_from_argv
+from sigmaflight.control.service import Service
+from sigmaflight.pipeline.spec import RolloutSpec
 
 from sigmaflight import Client, RolloutFailed
 from tests.servers import InProcessServer, ServerProcess, flight_streams, metric, wait_for, wait_for_status
@@ -451,3 +454,31 @@ def test_a_post_that_completes_after_sigterm_is_refused_503_not_accepted_and_fai
         s.proc.wait(timeout=30)
     finally:
         s.kill()
+
+
+def test_a_step_that_outlasted_the_shutdowns_wait_is_not_waited_for_again():
+    """SIGTERM ends the rollouts (`Service.end_rollouts`, waiting up to 15 s for a running step) before
+    uvicorn waits for open requests, and the lifespan's `stop` comes after. A step that outlasted the
+    first wait must not be waited for again, or a stuck step would cost the exit 15 s twice, past the
+    contract's 30 s. Here the wait is 0.2 s and a step takes seconds."""
+    before = set(threading.enumerate())
+    svc = Service(settings_from_argv(["--port", "0", "--flight-port", "0"]))
+    svc.start()
+    workers = [t for t in set(threading.enumerate()) - before if t.name.startswith("sigmaflight-worker")]
+    try:
+        job, _ = svc.jobs.submit(RolloutSpec(model="tiny-sd3", prompts=("a",) * 8, num_outputs_per_prompt=32,
+                                             height=128, width=128, num_inference_steps=2, seed=1,
+                                             return_steps=(0,)))
+        wait_for(lambda: (view := svc.jobs.get(job.id)) is not None and view.status == "running" or None,
+                 "the rollout running")
+        svc.end_rollouts(step_wait_s=0.2)
+        ended = svc.jobs.get(job.id)
+        assert ended is not None and ended.status == "failed" and ended.error is not None, ended
+        assert "did not end within the shutdown's 0.2 s" in ended.error.message, ended.error
+        t0 = time.monotonic()
+        svc.stop()
+        took = time.monotonic() - t0
+    finally:
+        for t in workers:  # let the step end: a thread still inside torch when pytest exits aborts it
+            t.join(120)
+    assert workers and took < 1.0, took  # it joined the worker again, until its step ended
