@@ -64,6 +64,13 @@ def tracked(reader: flight.FlightStreamReader) -> flight.FlightStreamReader:
     return reader
 
 
+def cancelled() -> bool:
+    """Whether the current scope was cancelled: a stream error in it is the cancel, nothing to
+    look into."""
+    scope = _SCOPE.get()
+    return scope is not None and scope.cancelled
+
+
 def _cancel(reader: flight.FlightStreamReader) -> None:
     try:
         reader.cancel()

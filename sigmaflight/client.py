@@ -390,6 +390,7 @@ class Client:
         sigmaflight.dataplane.errors): a refused token is Unauthorized; a rollout that ended other
         than succeeded is RolloutFailed (RolloutCancelled) from its REST status when there is one;
         an unknown ticket NotFound. The message is the server's, for people."""
+        from sigmaflight.dataplane.cancel import cancelled as pull_cancelled
         from sigmaflight.dataplane.errors import error_info
 
         info = error_info(exc) or {}
@@ -400,9 +401,9 @@ class Client:
         if kind == "unauthenticated" or isinstance(exc, flight.FlightUnauthenticatedError):
             return Unauthorized(401, "unauthorized", message)
         st = self._status_of(ticket)
-        if kind is None and st is not None and st.status not in TERMINAL:
-            # an untyped error is the connection (a worker that died under Ray): the server may
-            # not know yet; hold a read until the rollout ends, for the reason it gives
+        if kind is None and st is not None and st.status not in TERMINAL and not pull_cancelled():
+            # an untyped error is the connection (a worker that died under Ray; not the cancel of an
+            # AsyncClient pull): the server may not know yet; hold a read until the rollout ends
             with contextlib.suppress(ApiError):
                 st = self.status(st.id, wait_s=LOST_STREAM_WAIT_S)
         if st is not None and st.status in TERMINAL and st.status != "succeeded":

@@ -20,7 +20,7 @@ from sigmaflight import AsyncClient, Replayer, Trajectory, step_log_prob
 from sigmaflight import Client as ReExported
 from sigmaflight.client import ApiError, Client, NotFound, RolloutFailed, replay_log_probs, rollout_spec
 from sigmaflight.wire import Ticket
-from tests.servers import BLOCKER, InProcessServer, flight_streams, wait_for
+from tests.servers import BLOCKER, InProcessServer, flight_streams, metric, wait_for
 
 
 def _stock_velocity(model, spec, x, t):
@@ -340,7 +340,9 @@ def test_wait_refuses_a_timeout_that_is_no_number_of_seconds_and_takes_none_as_n
 def test_cancelling_async_pulls_frees_their_flight_streams_at_once(server):
     """Cancelling the tasks that await `AsyncClient.pull` and `pull_stream` of a running rollout ends
     their Flight streams. Before, their threads read on, and the server kept each stream (a
-    `--max-flight-streams` slot) until the rollout ended: 3 streams open 3 s after the cancel."""
+    `--max-flight-streams` slot) until the rollout ended: 3 streams open 3 s after the cancel. Nor
+    does a cancelled pull take its broken stream for a lost connection, which holds a status read
+    for up to 10 s to learn how the rollout ended (3 held reads before)."""
     async def main(c: httpx.Client) -> tuple[int, str]:
         async with AsyncClient(server.rest_url) as ac:
             ticket = await ac.submit(**BLOCKER)
@@ -352,6 +354,8 @@ def test_cancelling_async_pulls_frees_their_flight_streams_at_once(server):
             outcomes = await asyncio.gather(*pulls, return_exceptions=True)
             assert all(isinstance(o, asyncio.CancelledError) for o in outcomes), outcomes
             await asyncio.to_thread(wait_for, lambda: flight_streams(c) == 0 or None, "the streams freed", 3.0)
+            await asyncio.sleep(0.3)  # nor does a cancelled pull wait on in a status read held for its end
+            assert metric(c.get("/metrics").text, "sigmaflight_held_reads") == 0
             running = str((await ac.status(ticket)).status)
             await ac.cancel(ticket)
             return flight_streams(c), running
