@@ -65,13 +65,6 @@ LOST_STREAM_WAIT_S = 10.0
 the rollout ended: a Ray worker's death is known to the control plane within its call timeout."""
 
 
-def _flight_message(exc: Exception) -> str:
-    """The server's own message out of a pyarrow Flight error (no gRPC debug context)."""
-    from sigmaflight.dataplane.errors import server_message
-
-    return server_message(exc)
-
-
 class Client:
     """One REST connection (httpx) and one Flight connection per location, reused."""
 
@@ -388,19 +381,24 @@ class Client:
     def flight_error(self, ticket: str | Ticket, exc: Exception) -> ApiError:
         """The typed error for a Flight error on `ticket`, by the error's type (`extra_info`, see
         sigmaflight.dataplane.errors): a refused token is Unauthorized; a rollout that ended other
-        than succeeded is RolloutFailed (RolloutCancelled) from its REST status when there is one;
+        than succeeded is RolloutFailed (RolloutCancelled) from its REST status when REST answers;
         an unknown ticket NotFound. The message is the server's, for people."""
         from sigmaflight.dataplane.cancel import cancelled as pull_cancelled
-        from sigmaflight.dataplane.errors import error_info
+        from sigmaflight.dataplane.errors import error_info, server_message
 
         info = error_info(exc) or {}
         kind = info.get("type")
         if kind == "not_found" and info.get("ended"):  # a ticket gone because its rollout ended
             kind = info["ended"]
-        message = _flight_message(exc)
+        message = server_message(exc)  # the server's own words, without gRPC's debug context
         if kind == "unauthenticated" or isinstance(exc, flight.FlightUnauthenticatedError):
             return Unauthorized(401, "unauthorized", message)
-        st = self._status_of(ticket)
+        try:
+            st = self._status_of(ticket)
+        except ServerUnreachable:  # REST closes as a shutdown has ended the rollouts: Flight said how
+            if kind is None:
+                raise
+            st = None
         if kind is None and st is not None and st.status not in TERMINAL and not pull_cancelled():
             # an untyped error is the connection (a worker that died under Ray; not the cancel of an
             # AsyncClient pull): the server may not know yet; hold a read until the rollout ends
@@ -419,8 +417,7 @@ class Client:
     def _status_of(self, ticket: str | Ticket) -> RolloutStatus | None:
         """The REST status of the rollout `ticket` names (a Ticket, a rollout id or a bare Flight
         ticket, as `locate` takes them), None when REST does not know it: a pull answers the
-        same whichever handle the trainer holds. A server that is gone is ServerUnreachable: the
-        Flight error was the same server going away (a stream then ends with it, not item by item)."""
+        same whichever handle the trainer holds. ServerUnreachable when nothing answers there."""
         try:
             return self.status(ticket)
         except ApiError as exc:

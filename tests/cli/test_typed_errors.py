@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import pyarrow.flight as flight
 import pytest
 import torch
 from sigmaflight.pipeline.models import ModelRegistry, weights_digest
@@ -109,6 +110,28 @@ def test_pull_of_a_cancelled_rollout_raises_rollout_cancelled_with_the_servers_m
     assert rc == 1 and len(err.strip().splitlines()) == 1
     assert err.startswith("sigmaflight pull: ") and "cancelled by client" in err
     assert "debug context" not in err and "Flight" not in err and "Detail" not in err
+
+
+def test_a_typed_flight_error_keeps_its_type_when_rest_cannot_answer(server):
+    """A pull that follows a rollout across SIGTERM gets the rollout's end over Flight ("failed",
+    "server shutting down"), but REST stops listening as the rollouts end, and the client asked REST
+    for the status first: it raised ServerUnreachable. When REST cannot answer, the Flight error's own
+    type decides (a refused connection on Flight, untyped, stays ServerUnreachable: the test below)."""
+    with Client(server.rest_url) as c:
+        blocker = _blocker(c)
+        ticket = c.submit(prompts=["never runs"], num_inference_steps=2, seed=5)
+        c.cancel(ticket)
+        c.cancel(blocker)
+        c.wait(ticket, raise_on_failure=False)
+        location, flight_ticket = c.stream_ticket(ticket, "trajectory")
+        with pytest.raises(flight.FlightError) as refused:
+            c.flight(location).pull(flight_ticket)
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with Client(f"http://127.0.0.1:{port}", timeout=5) as gone:
+        err = gone.flight_error(ticket, refused.value)
+    assert isinstance(err, RolloutCancelled) and str(err).endswith("(cancelled: cancelled by client)"), repr(err)
 
 
 def test_replay_warns_when_the_trajectory_was_made_with_other_weights(server):
