@@ -7,8 +7,9 @@ a scope for the call (``pull_scope``); the thread inherits it (``to_thread`` cop
 and every Flight stream the pull opens is registered there; ``cancel`` cancels them, and one opened
 after it is cancelled as it opens.
 
-What no scope can cut short: a ``do_get`` of a queued rollout returns only once the rollout starts
-(pyarrow's client call cannot be interrupted), so the stream is cancelled then.
+What no scope can cut short: a ``do_get`` returns only once the server starts the stream (a queued
+rollout's trajectory once it runs, the outputs once it has ended), and pyarrow's client call cannot
+be interrupted; ``AsyncClient`` waits for that over REST first, where a cancel reaches.
 """
 
 from __future__ import annotations

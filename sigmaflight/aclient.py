@@ -29,6 +29,7 @@ from sigmaflight.client import Client
 from sigmaflight.dataplane.auth import bearer_header
 from sigmaflight.dataplane.cancel import PullScope, pull_scope
 from sigmaflight.dataplane.transport import Transport
+from sigmaflight.errors import ApiError
 from sigmaflight.wire import RolloutList, RolloutStatus, Ticket
 
 if TYPE_CHECKING:
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 __all__ = ["AsyncClient", "AsyncStream"]
 
 R = TypeVar("R")
+QUEUED_POLL_S = (0.05, 0.5)
+"""An AsyncClient pull of a queued rollout reads its status this often (doubling from the first to
+the second) until it runs."""
 
 
 class AsyncClient:
@@ -157,16 +161,39 @@ class AsyncClient:
         return await asyncio.to_thread(self.sync.push_lora, model_id, adapter, lora_config)
 
     async def pull(self, ticket: str | Ticket) -> Trajectory:
+        await self._until_served(ticket, "trajectory")
         return await _pulled(self.sync.pull, ticket)
 
     async def pull_outputs(self, ticket: str | Ticket) -> np.ndarray[Any, np.dtype[np.uint8]]:
+        await self._until_served(ticket, "outputs")
         return await _pulled(self.sync.pull_outputs, ticket)
 
     async def pull_conditioning(self, ticket: str | Ticket) -> dict[str, torch.Tensor]:
+        await self._until_served(ticket, "conditioning")
         return await _pulled(self.sync.pull_conditioning, ticket)
 
     async def pull_stream(self, ticket: str | Ticket, stream: str) -> pa.Table:
+        await self._until_served(ticket, stream)
         return await _pulled(self.sync.pull_stream, ticket, stream)
+
+    async def _until_served(self, ticket: str | Ticket, stream: str) -> None:
+        """Wait here, where cancelling the task reaches, for what the Flight call would wait for out
+        of its reach (pyarrow's do_get returns only once the server starts the stream): a trajectory
+        is served once its rollout runs, the other streams once it has ended. Anything REST cannot
+        say (a bare Flight ticket, a refusal) is left to the pull, which says what is wrong."""
+        try:
+            st = await self.status(ticket)
+            if stream != "trajectory":
+                if st.status in ("queued", "running"):
+                    await self.wait(st.id, timeout=None, raise_on_failure=False)
+                return
+            pause = QUEUED_POLL_S[0]
+            while st.status == "queued":  # no read is held until a rollout starts: poll
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, QUEUED_POLL_S[1])
+                st = await self.status(st.id)
+        except ApiError:
+            return
 
     async def locate(self, ticket: str | Ticket) -> tuple[str, str]:
         return await asyncio.to_thread(self.sync.locate, ticket)

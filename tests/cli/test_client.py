@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import threading
 import time
 from typing import Any
 
@@ -338,28 +339,63 @@ def test_wait_refuses_a_timeout_that_is_no_number_of_seconds_and_takes_none_as_n
 
 
 def test_cancelling_async_pulls_frees_their_flight_streams_at_once(server):
-    """Cancelling the tasks that await `AsyncClient.pull` and `pull_stream` of a running rollout ends
-    their Flight streams. Before, their threads read on, and the server kept each stream (a
-    `--max-flight-streams` slot) until the rollout ended: 3 streams open 3 s after the cancel. Nor
-    does a cancelled pull take its broken stream for a lost connection, which holds a status read
-    for up to 10 s to learn how the rollout ended (3 held reads before)."""
-    async def main(c: httpx.Client) -> tuple[int, str]:
+    """Cancelling the tasks that await `AsyncClient.pull`, `pull_stream` and `pull_outputs` of a
+    running rollout ends what they hold on the server. Before, their threads read on, and the server
+    kept each Flight stream (a `--max-flight-streams` slot) until the rollout ended. Nor does a
+    cancelled pull take its broken stream for a lost connection and hold a status read for up to
+    10 s to learn how the rollout ended. `pull_outputs` waits for the end (the stream is made then)
+    in a held status read, which the cancel ends; it waited inside pyarrow's do_get, out of reach."""
+    def held(c: httpx.Client) -> float:
+        return metric(c.get("/metrics").text, "sigmaflight_held_reads")
+
+    async def main(c: httpx.Client) -> tuple[int, float, str]:
         async with AsyncClient(server.rest_url) as ac:
-            ticket = await ac.submit(**BLOCKER)
+            ticket = await ac.submit(**{**BLOCKER, "return": {"steps": [0], "outputs": True}})
             pulls = [asyncio.create_task(ac.pull(ticket)), asyncio.create_task(ac.pull(ticket)),
-                     asyncio.create_task(ac.pull_stream(ticket, "trajectory"))]
-            await asyncio.to_thread(wait_for, lambda: flight_streams(c) == 3 or None, "three streams open")
+                     asyncio.create_task(ac.pull_stream(ticket, "trajectory")),
+                     asyncio.create_task(ac.pull_outputs(ticket))]
+            await asyncio.to_thread(wait_for, lambda: flight_streams(c) + held(c) == 4 or None, "the pulls waiting")
             for task in pulls:
                 task.cancel()
             outcomes = await asyncio.gather(*pulls, return_exceptions=True)
             assert all(isinstance(o, asyncio.CancelledError) for o in outcomes), outcomes
-            await asyncio.to_thread(wait_for, lambda: flight_streams(c) == 0 or None, "the streams freed", 3.0)
-            await asyncio.sleep(0.3)  # nor does a cancelled pull wait on in a status read held for its end
-            assert metric(c.get("/metrics").text, "sigmaflight_held_reads") == 0
+            await asyncio.to_thread(wait_for, lambda: flight_streams(c) + held(c) == 0 or None, "all freed", 3.0)
+            await asyncio.sleep(0.3)  # and nothing comes back: no status read held for the end
             running = str((await ac.status(ticket)).status)
             await ac.cancel(ticket)
-            return flight_streams(c), running
+            return flight_streams(c), held(c), running
 
     with httpx.Client(base_url=server.rest_url) as c:
-        left, running = asyncio.run(main(c))
-    assert left == 0 and running == "running"  # freed while the rollout still ran, not by its end
+        streams, reads, running = asyncio.run(main(c))
+    assert streams == 0 and reads == 0 and running == "running"  # freed while the rollout still ran
+
+
+def test_cancelling_an_async_pull_of_a_queued_rollout_lets_the_program_end(server):
+    """A pull of a queued rollout waits for it to start in a status poll, where the cancel reaches. It
+    waited inside pyarrow's do_get, which nothing interrupts: its thread ran on, and `asyncio.run`
+    (which waits for the loop's threads) returned only once the rollout started, here when the
+    blocker ahead of it was cancelled 20 s later."""
+    async def main() -> str:
+        async with AsyncClient(server.rest_url) as ac:
+            queued = await ac.submit(prompts=["queued"], num_inference_steps=2, seed=3)
+            pull = asyncio.create_task(ac.pull(queued))
+            await asyncio.sleep(0.5)
+            status = str((await ac.status(queued)).status)
+            pull.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pull
+            return f"{queued.id} {status}"
+
+    with Client(server.rest_url) as c:
+        blocker = c.submit(**BLOCKER)
+        unblock = threading.Timer(20.0, c.cancel, args=(blocker,))  # old code: its only way out
+        unblock.start()
+        try:
+            t0 = time.monotonic()
+            queued, status = asyncio.run(main()).split()
+            took = time.monotonic() - t0
+            c.cancel(queued)
+        finally:
+            unblock.cancel()
+            c.cancel(blocker)
+    assert status == "queued" and took < 5.0, (status, took)
