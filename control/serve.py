@@ -118,7 +118,13 @@ def serve(settings: Settings) -> int:
 
     logs.configure(settings.log_level, settings.log_format)
     server = build_server(settings)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        # uvicorn raises the SIGINT it got again once the server has shut down, which asyncio.run
+        # turns into KeyboardInterrupt: end by SIGINT all the same (130), without its traceback
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGINT)
     return 0 if server.started else 1
 
 
@@ -201,6 +207,11 @@ def build_server(settings: Settings) -> uvicorn.Server:
                 await asyncio.to_thread(service.end_rollouts)
             app.state.held_reads.close()
             await super().shutdown(sockets)
+            if self.force_exit and service is not None:
+                # a second signal (Ctrl-C after SIGTERM) makes uvicorn skip the lifespan's shutdown:
+                # stop the service here, or Flight, the journal and the backend (a Ray instance this
+                # server started) are left as they are
+                await asyncio.to_thread(service.stop)
 
         async def startup(self, sockets: Any = None) -> None:
             await super().startup(sockets)

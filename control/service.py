@@ -64,7 +64,7 @@ class Service:
         self.backend.on_result_released(self.jobs.released_elsewhere)
         self.backend.on_unknown_ticket(self._ended_before)
         self.ready = False
-        self._rollouts_ended = False
+        self._rollouts_ended = self._stopped = False
         self._change_lock = threading.Lock()
         """One change of weights (or of tokens) at a time, registry and workers together (workers
         see the same order)."""
@@ -199,6 +199,9 @@ class Service:
         self._rollouts_ended = True
 
     def stop(self) -> None:
+        if self._stopped:  # a forced exit stops it from serve.py, and the lifespan may still try
+            return
+        self._stopped = True
         if not self._rollouts_ended:  # uvicorn's shutdown ends them first (serve.py)
             self.end_rollouts()
         # no second wait for a step that outlasted the first: the exit stays within its 30 s

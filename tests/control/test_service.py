@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 
@@ -19,7 +20,15 @@ from sigmaflight.control.service import Service
 from sigmaflight.pipeline.spec import RolloutSpec
 
 from sigmaflight import Client, RolloutFailed
-from tests.servers import InProcessServer, ServerProcess, flight_streams, metric, wait_for, wait_for_status
+from tests.servers import (
+    BLOCKER,
+    InProcessServer,
+    ServerProcess,
+    flight_streams,
+    metric,
+    wait_for,
+    wait_for_status,
+)
 
 COLUMNS = ["step", "sample", "prompt_index", "seed", "timestep", "sigma", "sigma_next", "sde", "log_prob", "latent"]
 
@@ -456,6 +465,28 @@ def test_a_post_that_completes_after_sigterm_is_refused_503_not_accepted_and_fai
         s.kill()
 
 
+@pytest.mark.e2e
+@pytest.mark.parametrize("signals", [(signal.SIGINT,), (signal.SIGTERM, signal.SIGINT)], ids=["ctrl-c", "term-then-ctrl-c"])
+def test_ctrl_c_stops_the_service_and_ends_by_its_signal_without_a_traceback(signals):
+    """Ctrl-C (SIGINT) ended the process by SIGINT after a clean stop, then printed a
+    KeyboardInterrupt traceback of some 35 lines. A Ctrl-C while a SIGTERM's shutdown runs makes
+    uvicorn skip the lifespan's shutdown: the service was never stopped (no "stopped" line; Flight,
+    the journal and the backend, with Ray the instance the server started, left as they were)."""
+    s = ServerProcess()
+    try:
+        with s.client() as c:
+            running = c.post("/v1/rollouts", json=BLOCKER).json()
+            wait_for_status(c, running["id"], {"running"})
+        for sig in signals:
+            s.proc.send_signal(sig)
+            time.sleep(0.05)
+        assert -s.proc.wait(30) in signals  # ended by a signal it got, as uvicorn does: 130 or 143 in a shell
+    finally:
+        s.kill()  # (if still running) and read the rest of its log
+    assert any('"msg": "stopped"' in line for line in s.logs), s.log_text[-3000:]
+    assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in s.logs), s.log_text[-3000:]
+
+
 def test_a_step_that_outlasted_the_shutdowns_wait_is_not_waited_for_again():
     """SIGTERM ends the rollouts (`Service.end_rollouts`, waiting up to 15 s for a running step) before
     uvicorn waits for open requests, and the lifespan's `stop` comes after. A step that outlasted the
@@ -467,10 +498,11 @@ def test_a_step_that_outlasted_the_shutdowns_wait_is_not_waited_for_again():
     workers = [t for t in set(threading.enumerate()) - before if t.name.startswith("sigmaflight-worker")]
     try:
         job, _ = svc.jobs.submit(RolloutSpec(model="tiny-sd3", prompts=("a",) * 8, num_outputs_per_prompt=32,
-                                             height=128, width=128, num_inference_steps=2, seed=1,
+                                             height=128, width=128, num_inference_steps=3, seed=1,
                                              return_steps=(0,)))
-        wait_for(lambda: (view := svc.jobs.get(job.id)) is not None and view.status == "running" or None,
-                 "the rollout running")
+        # inside its second step (a step takes a second or more here): the stop's wait runs out
+        wait_for(lambda: (view := svc.jobs.get(job.id)) is not None and view.steps_done >= 1 or None,
+                 "the rollout past its first step")
         svc.end_rollouts(step_wait_s=0.2)
         ended = svc.jobs.get(job.id)
         assert ended is not None and ended.status == "failed" and ended.error is not None, ended
