@@ -183,8 +183,8 @@ class AsyncClient:
         say (a bare Flight ticket, a refusal) is left to the pull, which says what is wrong."""
         try:
             st = await self.status(ticket)
-            if stream != "trajectory":
-                if st.status in ("queued", "running"):
+            if stream != "trajectory":  # one the rollout does not have is the pull's NotFound, at once
+                if stream in st.flight.streams and st.status in ("queued", "running"):
                     await self.wait(st.id, timeout=None, raise_on_failure=False)
                 return
             pause = QUEUED_POLL_S[0]

@@ -355,6 +355,8 @@ def test_cancelling_async_pulls_frees_their_flight_streams_at_once(server):
                      asyncio.create_task(ac.pull_stream(ticket, "trajectory")),
                      asyncio.create_task(ac.pull_outputs(ticket))]
             await asyncio.to_thread(wait_for, lambda: flight_streams(c) + held(c) == 4 or None, "the pulls waiting")
+            with pytest.raises(NotFound, match="no 'conditioning' stream"):  # not asked for: at once, not at the end
+                await asyncio.wait_for(ac.pull_conditioning(ticket), 10)
             for task in pulls:
                 task.cancel()
             outcomes = await asyncio.gather(*pulls, return_exceptions=True)
