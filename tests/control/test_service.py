@@ -511,6 +511,7 @@ def test_a_step_that_outlasted_the_shutdowns_wait_is_not_waited_for_again():
         svc.stop()
         took = time.monotonic() - t0
     finally:
+        svc.stop()  # at once if stopped above; else (a failed assertion) Flight and the workers stop here
         for t in workers:  # let the step end: a thread still inside torch when pytest exits aborts it
             t.join(120)
     assert workers and took < 1.0, took  # it joined the worker again, until its step ended
