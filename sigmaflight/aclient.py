@@ -184,7 +184,7 @@ class AsyncClient:
         try:
             st = await self.status(ticket)
             if stream != "trajectory":  # one the rollout does not have is the pull's NotFound, at once
-                if stream in st.flight.streams and st.status in ("queued", "running"):
+                if stream in st.flight.streams and st.status.active:
                     await self.wait(st.id, timeout=None, raise_on_failure=False)
                 return
             pause = QUEUED_POLL_S[0]
